@@ -1,0 +1,269 @@
+"""Data: Llama 3 tokenizer, per-source streaming readers, a token-weighted mixture, and packing.
+
+    python data.py --config configs/debug_model.toml            # realised token shares, loader tokens/s
+    python data.py --config configs/debug_model.toml --show 2   # decode 2 packed samples
+
+The stream is cut into `num_streams` logical streams that do not depend on how many GPUs read them:
+stream s reads part s of every source, mixes the sources by tokens and packs them into windows of
+seq_len + 1 tokens. Data-parallel rank r owns streams r*k .. r*k+k-1 (k = num_streams / dp), and a
+global batch takes the same number of windows from every stream. So one process and N processes see
+the same global batch, and resuming with another DP degree that divides num_streams is exact.
+"""
+
+import base64
+import binascii
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------------
+
+# Llama 3's pre-tokenizer split: contractions, words, 1-3 digit groups, punctuation runs, whitespace.
+LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+NUM_SPECIAL = 256
+
+
+class Tokenizer:
+    """Reads a Llama 3 `tokenizer.model` (tiktoken BPE ranks, one `base64 rank` per line).
+
+    The 256 special tokens come right after the BPE ranks, named as in Llama 3.1, so the real
+    tokenizer gives bos_id 128000 and eos_id 128001, and the bundled one 1792 and 1793.
+    """
+
+    def __init__(self, path: str):
+        import tiktoken
+
+        if not os.path.isfile(path):
+            raise ValueError(f"tokenizer file {path!r} not found; download it with download_tokenizer.py "
+                             "or set --model.tokenizer_path")
+        # Parsed here rather than with tiktoken.load, which caches files by path in /tmp.
+        try:
+            with open(path, "rb") as f:
+                ranks = {base64.b64decode(tok, validate=True): int(rank)
+                         for tok, rank in (line.split() for line in f if line.strip())}
+        except (ValueError, binascii.Error) as e:  # a truncated download, or an HF tokenizer.json
+            raise ValueError(f"tokenizer file {path!r} is not a tiktoken BPE file (`base64 rank` lines): {e}")
+        if not ranks or sorted(ranks.values()) != list(range(len(ranks))):
+            raise ValueError(f"tokenizer file {path!r} has no tokens or non-contiguous ranks")
+        n = len(ranks)
+        named = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                 "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
+                 "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+        names = named + [f"<|reserved_special_token_{2 + i}|>" for i in range(NUM_SPECIAL - len(named))]
+        self.special = {name: n + i for i, name in enumerate(names)}
+        self.model = tiktoken.Encoding(name=os.path.basename(path), pat_str=LLAMA3_PAT,
+                                       mergeable_ranks=ranks, special_tokens=self.special)
+        self.n_words = n + NUM_SPECIAL
+        self.bos_id = self.special["<|begin_of_text|>"]
+        self.eos_id = self.special["<|end_of_text|>"]
+
+    def encode(self, text: str, bos: bool = True, eos: bool = True) -> list:
+        # Special-token strings inside web text are encoded as plain text, never as control tokens.
+        ids = self.model.encode_ordinary(text)
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids) -> str:
+        return self.model.decode(list(ids))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sources
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class DataSource:
+    name: str = ""  # label used in logs and metrics.jsonl
+    path: str = ""  # hub dataset id (allenai/c4) or a local folder with json/json.gz/jsonl/parquet
+    config: Optional[str] = None  # hub config name (e.g. "en"), optional
+    data_files: Optional[str] = None  # glob relative to path, optional
+    split: str = "train"  # dataset split
+    revision: Optional[str] = None  # pinned hub revision (commit sha or tag), optional
+    text_column: str = "text"  # column holding the document text
+    weight: float = 1.0  # share of tokens (normalised over all sources)
+
+
+class SourceReader:
+    """Documents of one source for one logical stream, cycling through epochs.
+
+    State: (epoch, rows read in this epoch). A restart re-opens the stream and skips the rows read.
+    """
+
+    def __init__(self, src: DataSource, stream: int, num_streams: int):
+        self.src, self.stream, self.num_streams = src, stream, num_streams
+        self.epoch, self.rows = 0, 0
+        self._it = None
+
+    def _open(self):
+        from datasets import load_dataset
+        from datasets.distributed import split_dataset_by_node
+
+        s = self.src
+        ds = load_dataset(s.path, name=s.config, data_files=s.data_files, split=s.split,
+                          streaming=True, revision=s.revision)
+        if s.text_column not in (ds.column_names or [s.text_column]):
+            raise ValueError(f"data source {s.name!r}: no column {s.text_column!r} in {s.path} "
+                             f"(columns: {ds.column_names}); set text_column")
+        ds = ds.select_columns([s.text_column])
+        # Whole files per stream when they divide evenly, otherwise every n-th row.
+        ds = split_dataset_by_node(ds, rank=self.stream, world_size=self.num_streams)
+        return iter(ds.skip(self.rows)) if self.rows else iter(ds)
+
+    def next_text(self) -> str:
+        for attempt in range(2):
+            if self._it is None:
+                self._it = self._open()
+            for row in self._it:
+                self.rows += 1
+                return row[self.src.text_column] or ""
+            if self.rows == 0:
+                raise ValueError(f"data source {self.src.name!r} ({self.src.path}) has no rows for "
+                                 f"stream {self.stream} of {self.num_streams}")
+            self.epoch, self.rows, self._it = self.epoch + 1, 0, None  # wrap to the next epoch
+        raise AssertionError("unreachable")
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "rows": self.rows}
+
+    def load_state_dict(self, sd):
+        self.epoch, self.rows, self._it = sd["epoch"], sd["rows"], None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mixture and packing
+# ---------------------------------------------------------------------------------------------------
+
+class PackedStream:
+    """One logical stream: token-weighted mixture of sources, packed into seq_len + 1 windows.
+
+    The next document comes from the source furthest below its token share, so shares are met in
+    tokens (not documents) whatever the document lengths. A document split across windows is
+    remembered by (source, reader state before it, offset): a restart re-reads one document at most.
+    """
+
+    def __init__(self, sources, tokenizer: Tokenizer, seq_len: int, stream: int, num_streams: int):
+        total = sum(s.weight for s in sources)
+        self.shares = [s.weight / total for s in sources]
+        self.readers = [SourceReader(s, stream, num_streams) for s in sources]
+        self.tok, self.seq_len = tokenizer, seq_len
+        self.counts = [0] * len(sources)  # tokens emitted per source
+        self.cur, self.cur_state, self.offset, self.doc = None, None, 0, []
+
+    def _next_doc(self):
+        total = sum(self.counts) + 1
+        # deficit = tokens a source should have by now minus tokens it has; ties go to the first source
+        self.cur = max(range(len(self.readers)), key=lambda i: self.shares[i] * total - self.counts[i])
+        self.cur_state = self.readers[self.cur].state_dict()
+        self.doc, self.offset = self.tok.encode(self.readers[self.cur].next_text()), 0
+
+    def next_window(self) -> list:
+        out = []
+        while len(out) < self.seq_len + 1:
+            if self.offset >= len(self.doc):
+                self._next_doc()
+            take = self.doc[self.offset:self.offset + self.seq_len + 1 - len(out)]
+            out += take
+            self.offset += len(take)
+            self.counts[self.cur] += len(take)
+        return out
+
+    def state_dict(self):
+        return {"readers": [r.state_dict() for r in self.readers], "counts": list(self.counts),
+                "cur": self.cur, "cur_state": self.cur_state, "offset": self.offset}
+
+    def load_state_dict(self, sd):
+        for r, rsd in zip(self.readers, sd["readers"]):
+            r.load_state_dict(rsd)
+        self.counts, self.cur, self.offset = list(sd["counts"]), sd["cur"], sd["offset"]
+        self.cur_state, self.doc = sd["cur_state"], []
+        if self.cur is not None:  # re-read the document we were inside of
+            reader = self.readers[self.cur]
+            after = reader.state_dict()
+            reader.load_state_dict(self.cur_state)
+            self.doc = self.tok.encode(reader.next_text())
+            assert reader.state_dict() == after, "re-reading the current document moved the reader"
+
+
+class DataLoader:
+    """Batches for one data-parallel rank: (inputs, labels), each (local_batch_size, seq_len)."""
+
+    def __init__(self, sources, tokenizer, seq_len: int, local_batch_size: int, dp_rank: int,
+                 dp_degree: int, num_streams: int = 0):
+        num_streams = num_streams or dp_degree
+        if num_streams % dp_degree or local_batch_size % (num_streams // dp_degree):
+            raise ValueError(f"data.num_streams={num_streams} must be a multiple of the data-parallel "
+                             f"degree {dp_degree}, and local_batch_size={local_batch_size} a multiple "
+                             f"of the streams per rank ({num_streams // max(dp_degree, 1)})")
+        per_rank = num_streams // dp_degree
+        self.names = [s.name for s in sources]
+        self.streams = [PackedStream(sources, tokenizer, seq_len, s, num_streams)
+                        for s in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
+        self.per_stream = local_batch_size // per_rank
+        self.meta = {"num_streams": num_streams, "seq_len": seq_len,
+                     "sources": [(s.name, s.path, s.data_files, s.weight) for s in sources]}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        rows = [st.next_window() for st in self.streams for _ in range(self.per_stream)]
+        batch = torch.tensor(rows, dtype=torch.long)  # (local_batch_size, seq_len + 1)
+        return batch[:, :-1], batch[:, 1:]
+
+    def close(self):
+        for st in self.streams:
+            for r in st.readers:
+                r._it = None
+
+    def source_tokens(self) -> dict:
+        return {n: sum(st.counts[i] for st in self.streams) for i, n in enumerate(self.names)}
+
+    def state_dict(self):
+        return {"meta": self.meta, "streams": [st.state_dict() for st in self.streams]}
+
+    def load_state_dict(self, sd):
+        if sd["meta"] != self.meta or len(sd["streams"]) != len(self.streams):
+            raise ValueError(f"data loader state does not match this run (saved {sd['meta']}, "
+                             f"now {self.meta}); resume with the same data config")
+        for st, ssd in zip(self.streams, sd["streams"]):
+            st.load_state_dict(ssd)
+
+
+def main():
+    import argparse
+    import train
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--show", type=int, default=0, help="decode this many packed samples")
+    p.add_argument("--tokens", type=int, default=1_000_000, help="tokens to read for the statistics")
+    args, rest = p.parse_known_args()
+    cfg = train.load_config(rest)
+    tok = Tokenizer(cfg.model.tokenizer_path)
+    loader = DataLoader(cfg.data.sources, tok, cfg.training.seq_len, 1, 0, 1, 1)
+    if args.show:
+        for i in range(args.show):
+            x, _ = next(loader)
+            print(f"--- sample {i} ({x.shape[1]} tokens) ---\n{tok.decode(x[0].tolist())}")
+        return
+    t0, n = time.perf_counter(), 0
+    while n < args.tokens:
+        x, _ = next(loader)
+        n += x.numel()
+    dt = time.perf_counter() - t0
+    counts = loader.source_tokens()
+    total = sum(counts.values())
+    weights = {s.name: s.weight / sum(x.weight for x in cfg.data.sources) for s in cfg.data.sources}
+    for name, c in counts.items():
+        print(f"{name:>16}: {c:>10,} tokens  share {c / total:6.2%}  (weight {weights[name]:6.2%})")
+    loader.close()
+    print(f"loader: {n:,} tokens in {dt:.2f}s = {n / dt:,.0f} tokens/s (one process, no workers)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""Llama 3 / 3.1 / 3.2 in one file, with Meta's parameter names.
+
+Reads bottom-up like Meta's reference implementation: ModelArgs, RMSNorm, RoPE, Attention,
+FeedForward, TransformerBlock, Transformer. A Meta checkpoint loads with strict=True:
+
+    args = ModelArgs(**json.load(open("params.json")))
+    model = Transformer(args)
+    model.load_state_dict(torch.load("consolidated.00.pth", weights_only=True))
+    logits = model(tokens)  # (batch, seq, vocab), float32
+
+For training, build on the meta device (no memory), shard, then materialise:
+
+    with torch.device("meta"):
+        model = Transformer(flavors["8B"])
+    ...parallelize...
+    model.to_empty(device="cuda")
+    model.init_weights()
+
+This file imports nothing from torch.distributed: attention infers its (possibly tensor-parallel
+sharded) head count from tensor shapes, so TP can shard heads without editing the model.
+"""
+
+import math
+import re
+from dataclasses import dataclass, fields
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: Optional[int] = None  # None means n_heads (multi-head attention)
+    vocab_size: int = 128256
+    multiple_of: int = 256  # FFN hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: Optional[float] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    use_scaled_rope: bool = False  # Llama 3.1 long-context frequency scaling
+    # Not in Meta's params.json: Llama 3.1 uses 8; Llama 3.2 1B/3B were trained with 32.
+    rope_scaling_factor: float = 8.0
+    max_seq_len: int = 2048  # length of the precomputed rope table
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"ModelArgs: dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"ModelArgs: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
+            )
+        if (self.dim // self.n_heads) % 2 != 0:
+            raise ValueError(f"ModelArgs: head_dim={self.dim // self.n_heads} must be even for rope")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelArgs":
+        """Like ModelArgs(**d) but names the unknown keys (e.g. from a params.json)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"ModelArgs: unknown key(s) {unknown}; known keys are {sorted(known)}")
+        return cls(**d)
+
+
+_LLAMA31 = dict(vocab_size=128256, rope_theta=500000.0, use_scaled_rope=True, norm_eps=1e-5,
+                max_seq_len=131072)
+flavors = {
+    # Tiny GQA model for CPU runs and tests; vocab matches the bundled tokenizer (1792 BPE + 256 special).
+    "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048,
+                            multiple_of=256, rope_theta=500000.0, use_scaled_rope=True, max_seq_len=2048),
+    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
+                    multiple_of=256, **{**_LLAMA31, "rope_scaling_factor": 32.0}),
+    "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0,
+                    multiple_of=256, **{**_LLAMA31, "rope_scaling_factor": 32.0}),
+    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                    multiple_of=1024, **_LLAMA31),
+    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                     multiple_of=4096, **_LLAMA31),
+    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
+                      multiple_of=4096, **_LLAMA31),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Normalise in fp32 even under bf16 autocast/mixed precision, as Meta does.
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+
+def apply_rope_scaling(freqs: torch.Tensor, factor: float, low_freq_factor: float = 1.0,
+                       high_freq_factor: float = 4.0, old_context_len: int = 8192) -> torch.Tensor:
+    """Llama 3.1 rope scaling: slow down long wavelengths, keep short ones, blend in between."""
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * freqs / factor + smooth * freqs
+    out = torch.where(wavelen > low_freq_wavelen, freqs / factor, blended)
+    return torch.where(wavelen < high_freq_wavelen, freqs, out)
+
+
+def precompute_freqs_cis(args: ModelArgs, device=None) -> torch.Tensor:
+    """Complex rotations e^(i * pos * freq), shape (max_seq_len, head_dim // 2)."""
+    head_dim = args.dim // args.n_heads
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    if args.use_scaled_rope:
+        freqs = apply_rope_scaling(freqs, args.rope_scaling_factor)
+    t = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, freqs)
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor):
+    """Rotate q and k; Meta's layout pairs adjacent features (2i, 2i+1) as one complex number."""
+    # (bs, seqlen, n_heads, head_dim) -> (bs, seqlen, n_heads, head_dim // 2) complex
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])  # broadcast over batch and heads
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(bs, seqlen, n_kv_heads, head_dim) -> (bs, seqlen, n_kv_heads * n_rep, head_dim)."""
+    if n_rep == 1:
+        return x
+    bs, seqlen, n_kv_heads, head_dim = x.shape
+    return x[:, :, :, None, :].expand(bs, seqlen, n_kv_heads, n_rep, head_dim).reshape(
+        bs, seqlen, n_kv_heads * n_rep, head_dim)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.dim // args.n_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        # -1 instead of n_heads: under tensor parallelism each rank holds only its share of heads.
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_heads, head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_kv_heads, head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+
+        # Materialise the shared kv heads so every SDPA backend (flash, cuDNN, efficient) applies.
+        n_rep = xq.shape[2] // xk.shape[2]
+        xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
+
+        # SDPA wants (bs, n_heads, seqlen, head_dim)
+        out = F.scaled_dot_product_attention(
+            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), is_causal=True)
+        out = out.transpose(1, 2).reshape(bs, seqlen, -1)  # (bs, seqlen, n_heads * head_dim)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        # Meta's rule: 2/3 of 4*dim, times the multiplier, rounded up to multiple_of.
+        hidden = int(2 * 4 * args.dim / 3)
+        if args.ffn_dim_multiplier is not None:
+            hidden = int(args.ffn_dim_multiplier * hidden)
+        hidden = args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
+        self.w1 = nn.Linear(args.dim, hidden, bias=False)  # gate
+        self.w2 = nn.Linear(hidden, args.dim, bias=False)  # down
+        self.w3 = nn.Linear(args.dim, hidden, bias=False)  # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # SwiGLU
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)  # not tied to tok_embeddings
+        # Non-persistent: derived from args, so not part of Meta's state dict (9 * n_layers + 3 keys).
+        self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seqlen = tokens.shape[1]
+        if seqlen > self.args.max_seq_len:
+            raise ValueError(f"sequence length {seqlen} exceeds max_seq_len={self.args.max_seq_len}")
+        h = self.tok_embeddings(tokens)  # (bs, seqlen, dim)
+        freqs_cis = self.freqs_cis[:seqlen]
+        for layer in self.layers:
+            h = layer(h, freqs_cis)
+        h = self.norm(h)
+        return self.output(h).float()  # (bs, seqlen, vocab_size); fp32 for a stable loss
+
+    @torch.no_grad()
+    def init_weights(self, normal_: Optional[Callable] = None, buffer_device=None):
+        """Initialise every weight in place (after to_empty()); deterministic for a given seed.
+
+        - tok_embeddings.weight: normal(0, 1)
+        - attention.wq/wk/wv, feed_forward.w1: normal(0, 0.02)
+        - attention.wo, feed_forward.w2/w3: normal(0, 0.02 / sqrt(2 * (layer_id + 1))), so deeper
+          layers add less to the residual stream at the start
+        - output.weight: normal(0, dim ** -0.5)
+        - attention_norm, ffn_norm, norm: ones
+        - freqs_cis (buffer): recomputed from args on buffer_device (default: where it lives now)
+        Every normal is truncated at 3 std. `normal_(name, tensor, std)` draws them; the default
+        uses torch's global RNG. train.py passes one whose values do not depend on the sharding.
+        """
+        normal_ = normal_ or (lambda name, w, std: nn.init.trunc_normal_(w, 0.0, std, -3 * std, 3 * std))
+        self.freqs_cis = precompute_freqs_cis(self.args, device=buffer_device or self.freqs_cis.device)
+        for name, p in self.named_parameters():
+            layer = re.match(r"layers\.(\d+)\.", name)
+            out_std = 0.02 / math.sqrt(2 * (int(layer.group(1)) + 1)) if layer else None
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name == "tok_embeddings.weight":
+                normal_(name, p, 1.0)
+            elif name == "output.weight":
+                normal_(name, p, self.args.dim ** -0.5)
+            elif name.endswith(("wo.weight", "w2.weight", "w3.weight")):
+                normal_(name, p, out_std)
+            elif name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight")):
+                normal_(name, p, 0.02)
+            else:
+                raise ValueError(f"init_weights: no init rule for parameter {name}")
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding:
+            n -= self.tok_embeddings.weight.numel()
+        return n
