@@ -206,7 +206,7 @@ class DataLoader:
                         for s in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
         self.per_stream = local_batch_size // per_rank
         self.meta = {"num_streams": num_streams, "seq_len": seq_len,
-                     "sources": [(s.name, s.path, s.data_files, s.weight) for s in sources]}
+                     "sources": [[s.name, s.path, s.data_files, s.weight] for s in sources]}
 
     def __iter__(self):
         return self

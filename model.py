@@ -42,7 +42,8 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     use_scaled_rope: bool = False  # Llama 3.1 long-context frequency scaling
-    # Not in Meta's params.json: Llama 3.1 uses 8; Llama 3.2 1B/3B were trained with 32.
+    # Not in Meta's params.json: Llama 3.1 uses 8, Llama 3.2 1B/3B use 32 (add it when loading their
+    # params.json; the 1B/3B flavors below have it).
     rope_scaling_factor: float = 8.0
     max_seq_len: int = 2048  # length of the precomputed rope table
 
@@ -210,6 +211,15 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)  # not tied to tok_embeddings
         # Non-persistent: derived from args, so not part of Meta's state dict (9 * n_layers + 3 keys).
         self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # model.to(torch.bfloat16) would cast the complex rope table to a real dtype, silently
+        # dropping its sin half: keep it complex64 and let only its device follow.
+        freqs_cis = self.freqs_cis
+        super()._apply(fn, recurse)
+        if not self.freqs_cis.is_complex():
+            self.freqs_cis = freqs_cis.to(self.freqs_cis.device)
+        return self
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seqlen = tokens.shape[1]

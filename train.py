@@ -623,6 +623,8 @@ def main(cfg: Config):
             opt_sd.update(state["optimizer"])
             set_optimizer_state_dict(model, optimizer, opt_sd, options=sd_options)
             scheduler.load_state_dict(json.loads(bytes(state["train"]["lr_scheduler"].tolist())))
+            for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr  # load_state_dict restores the scheduler, not the lr it last set
             loader.load_state_dict(json.loads(bytes(state[f"data_dp{dp_rank}"].tolist())))
             torch.set_rng_state(state[f"rng_rank{dist.get_rank()}"])
             step, tokens_seen = int(state["train"]["step"]), int(state["train"]["tokens_seen"])
