@@ -92,11 +92,12 @@ class DataSource:
 class SourceReader:
     """Documents of one source for one logical stream, cycling through epochs.
 
-    State: (epoch, rows read in this epoch). A restart re-opens the stream and skips the rows read.
+    State: (epoch, rows read in this epoch). A restart re-opens the stream and skips the rows read
+    (re-reading them: the production pipeline will seek instead).
     """
 
-    def __init__(self, src: DataSource, stream: int, num_streams: int):
-        self.src, self.stream, self.num_streams = src, stream, num_streams
+    def __init__(self, src: DataSource, stream: int, num_streams: int, seed: int):
+        self.src, self.stream, self.num_streams, self.seed = src, stream, num_streams, seed
         self.epoch, self.rows = 0, 0
         self._it = None
 
@@ -113,6 +114,10 @@ class SourceReader:
         ds = ds.select_columns([s.text_column])
         # Whole files per stream when they divide evenly, otherwise every n-th row.
         ds = split_dataset_by_node(ds, rank=self.stream, world_size=self.num_streams)
+        # A new file order each epoch, fixed by (seed, epoch); buffer_size=1 keeps rows in file order,
+        # so a row count is an exact position.
+        ds = ds.shuffle(seed=self.seed, buffer_size=1)
+        ds.set_epoch(self.epoch)
         return iter(ds.skip(self.rows)) if self.rows else iter(ds)
 
     def next_text(self) -> str:
@@ -147,10 +152,10 @@ class PackedStream:
     remembered by (source, reader state before it, offset): a restart re-reads one document at most.
     """
 
-    def __init__(self, sources, tokenizer: Tokenizer, seq_len: int, stream: int, num_streams: int):
+    def __init__(self, sources, tokenizer: Tokenizer, seq_len: int, stream: int, num_streams: int, seed: int):
         total = sum(s.weight for s in sources)
         self.shares = [s.weight / total for s in sources]
-        self.readers = [SourceReader(s, stream, num_streams) for s in sources]
+        self.readers = [SourceReader(s, stream, num_streams, seed) for s in sources]
         self.tok, self.seq_len = tokenizer, seq_len
         self.counts = [0] * len(sources)  # tokens emitted per source
         self.cur, self.cur_state, self.offset, self.doc = None, None, 0, []
@@ -194,7 +199,7 @@ class DataLoader:
     """Batches for one data-parallel rank: (inputs, labels), each (local_batch_size, seq_len)."""
 
     def __init__(self, sources, tokenizer, seq_len: int, local_batch_size: int, dp_rank: int,
-                 dp_degree: int, num_streams: int = 0):
+                 dp_degree: int, num_streams: int = 0, seed: int = 0):
         num_streams = num_streams or dp_degree
         if num_streams % dp_degree or local_batch_size % (num_streams // dp_degree):
             raise ValueError(f"data.num_streams={num_streams} must be a multiple of the data-parallel "
@@ -202,10 +207,10 @@ class DataLoader:
                              f"of the streams per rank ({num_streams // max(dp_degree, 1)})")
         per_rank = num_streams // dp_degree
         self.names = [s.name for s in sources]
-        self.streams = [PackedStream(sources, tokenizer, seq_len, s, num_streams)
+        self.streams = [PackedStream(sources, tokenizer, seq_len, s, num_streams, seed)
                         for s in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
         self.per_stream = local_batch_size // per_rank
-        self.meta = {"num_streams": num_streams, "seq_len": seq_len,
+        self.meta = {"num_streams": num_streams, "seq_len": seq_len, "seed": seed,
                      "sources": [[s.name, s.path, s.data_files, s.weight] for s in sources]}
 
     def __iter__(self):
@@ -245,7 +250,7 @@ def main():
     args, rest = p.parse_known_args()
     cfg = train.load_config(rest)
     tok = Tokenizer(cfg.model.tokenizer_path)
-    loader = DataLoader(cfg.data.sources, tok, cfg.training.seq_len, 1, 0, 1, 1)
+    loader = DataLoader(cfg.data.sources, tok, cfg.training.seq_len, 1, 0, 1, 1, cfg.data.seed)
     if args.show:
         for i in range(args.show):
             x, _ = next(loader)

@@ -133,13 +133,12 @@ class Metrics:
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = 300  # process-group set-up timeout
-    train_timeout_seconds: int = 300  # a collective waiting longer than this fails the run
+    init_timeout_seconds: int = 300  # a collective (or the set-up) waiting longer than this fails the run
 
 
 @dataclass
 class Data:
-    seed: int = 1234  # seeds the data order
+    seed: int = 1234  # seeds the file order of every source (a new order each epoch)
     num_streams: int = 0  # logical data streams (a multiple of the DP degree); 0: the DP degree
     sources: list = field(default_factory=list)  # [[data.sources]] tables: name, path, config, data_files, split, revision, text_column, weight
 
@@ -585,7 +584,7 @@ def main(cfg: Config):
 
     # --- data: each dp rank reads its own streams; TP ranks of a replica read the same ones -------------
     loader = DataLoader(cfg.data.sources, tokenizer, cfg.training.seq_len, cfg.training.local_batch_size,
-                        dp_rank, dp, cfg.data.num_streams)
+                        dp_rank, dp, cfg.data.num_streams, cfg.data.seed)
 
     # --- checkpoint: resume from the newest complete step-N -----------------------------------------------
     ckpt_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
