@@ -30,6 +30,10 @@ LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}
 NUM_SPECIAL = 256
 
 
+class DataError(ValueError):
+    """A problem with the user's tokenizer or data (not a bug): train.py reports it in one line."""
+
+
 class Tokenizer:
     """Reads a Llama 3 `tokenizer.model` (tiktoken BPE ranks, one `base64 rank` per line).
 
@@ -41,7 +45,7 @@ class Tokenizer:
         import tiktoken
 
         if not os.path.isfile(path):
-            raise ValueError(f"tokenizer file {path!r} not found; download it with download_tokenizer.py "
+            raise DataError(f"tokenizer file {path!r} not found; download it with download_tokenizer.py "
                              "or set --model.tokenizer_path")
         # Parsed here rather than with tiktoken.load, which caches files by path in /tmp.
         try:
@@ -49,9 +53,9 @@ class Tokenizer:
                 ranks = {base64.b64decode(tok, validate=True): int(rank)
                          for tok, rank in (line.split() for line in f if line.strip())}
         except (ValueError, binascii.Error) as e:  # a truncated download, or an HF tokenizer.json
-            raise ValueError(f"tokenizer file {path!r} is not a tiktoken BPE file (`base64 rank` lines): {e}")
+            raise DataError(f"tokenizer file {path!r} is not a tiktoken BPE file (`base64 rank` lines): {e}")
         if not ranks or sorted(ranks.values()) != list(range(len(ranks))):
-            raise ValueError(f"tokenizer file {path!r} has no tokens or non-contiguous ranks")
+            raise DataError(f"tokenizer file {path!r} has no tokens or non-contiguous ranks")
         n = len(ranks)
         named = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
                  "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
@@ -106,10 +110,13 @@ class SourceReader:
         from datasets.distributed import split_dataset_by_node
 
         s = self.src
-        ds = load_dataset(s.path, name=s.config, data_files=s.data_files, split=s.split,
-                          streaming=True, revision=s.revision)
+        try:
+            ds = load_dataset(s.path, name=s.config, data_files=s.data_files, split=s.split,
+                              streaming=True, revision=s.revision)
+        except FileNotFoundError as e:  # also datasets' DataFilesNotFoundError / EmptyDatasetError
+            raise DataError(f"data source {s.name!r}: {s.path} / {s.data_files}: {e}".replace("\n", " "))
         if s.text_column not in (ds.column_names or [s.text_column]):
-            raise ValueError(f"data source {s.name!r}: no column {s.text_column!r} in {s.path} "
+            raise DataError(f"data source {s.name!r}: no column {s.text_column!r} in {s.path} "
                              f"(columns: {ds.column_names}); set text_column")
         ds = ds.select_columns([s.text_column])
         # Whole files per stream when they divide evenly, otherwise every n-th row.
@@ -128,7 +135,7 @@ class SourceReader:
                 self.rows += 1
                 return row[self.src.text_column] or ""
             if self.rows == 0:
-                raise ValueError(f"data source {self.src.name!r} ({self.src.path}) has no rows for "
+                raise DataError(f"data source {self.src.name!r} ({self.src.path}) has no rows for "
                                  f"stream {self.stream} of {self.num_streams}")
             self.epoch, self.rows, self._it = self.epoch + 1, 0, None  # wrap to the next epoch
         raise AssertionError("unreachable")
@@ -202,7 +209,7 @@ class DataLoader:
                  dp_degree: int, num_streams: int = 0, seed: int = 0):
         num_streams = num_streams or dp_degree
         if num_streams % dp_degree or local_batch_size % (num_streams // dp_degree):
-            raise ValueError(f"data.num_streams={num_streams} must be a multiple of the data-parallel "
+            raise DataError(f"data.num_streams={num_streams} must be a multiple of the data-parallel "
                              f"degree {dp_degree}, and local_batch_size={local_batch_size} a multiple "
                              f"of the streams per rank ({num_streams // max(dp_degree, 1)})")
         per_rank = num_streams // dp_degree
@@ -234,7 +241,7 @@ class DataLoader:
 
     def load_state_dict(self, sd):
         if sd["meta"] != self.meta or len(sd["streams"]) != len(self.streams):
-            raise ValueError(f"data loader state does not match this run (saved {sd['meta']}, "
+            raise DataError(f"data loader state does not match this run (saved {sd['meta']}, "
                              f"now {self.meta}); resume with the same data config")
         for st, ssd in zip(self.streams, sd["streams"]):
             st.load_state_dict(ssd)

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from data import DataLoader, DataSource, Tokenizer
+from data import DataError, DataLoader, DataSource, Tokenizer
 from model import Transformer, flavors
 
 logger = logging.getLogger("train")
@@ -411,32 +411,38 @@ def parallelize(model: Transformer, mesh, cfg: Config, device_type: str):
 
 
 def layout_independent_normal(seed: int):
-    """An init fill for model.init_weights whose values depend on (seed, weight name, position) only.
-
-    Rows are drawn in blocks of 64 from generators keyed by (seed, name, block), and each rank fills
-    only the rows and columns of its shard. So 1 process, FSDP and TP start from identical weights.
-    """
+    """An init fill for model.init_weights whose values depend on (seed, weight name, position) only,
+    so 1 process, FSDP and TP start from identical weights. Each rank fills only its own shard."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    rows_per_block = 64
 
     def fill(name: str, w: torch.Tensor, std: float):
         name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        local, offset = w, (0, 0)
         if isinstance(w, DTensor):
-            local = w.to_local()
             _, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
-        r0, r1 = offset[0], offset[0] + local.shape[0]
-        c0, c1 = offset[1], offset[1] + local.shape[1]
-        for b in range(r0 // rows_per_block, -(-r1 // rows_per_block)):
-            digest = hashlib.sha256(f"{seed}/{name}/{b}".encode()).digest()
-            g = torch.Generator(device=local.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-            lo, hi = b * rows_per_block, min((b + 1) * rows_per_block, w.shape[0])
-            block = torch.empty(hi - lo, w.shape[1], device=local.device, dtype=local.dtype)
-            torch.nn.init.trunc_normal_(block, 0.0, std, -3 * std, 3 * std, generator=g)
-            a, z = max(lo, r0), min(hi, r1)
-            local[a - r0:z - r0].copy_(block[a - lo:z - lo, c0:c1])
+            fill_normal_region(w.to_local(), offset, w.shape, seed, name, std)
+        else:
+            fill_normal_region(w, (0, 0), w.shape, seed, name, std)
 
     return fill
+
+
+def fill_normal_region(local: torch.Tensor, offset, full_shape, seed: int, name: str, std: float,
+                       rows_per_block: int = 64):
+    """Fill `local`, the block of a (rows, cols) weight starting at `offset`, with truncated normals.
+
+    Rows are drawn in blocks of 64 from generators keyed by (seed, name, block): a shard draws the
+    blocks its rows touch, at full width, and keeps its own rows and columns.
+    """
+    r0, r1 = offset[0], offset[0] + local.shape[0]
+    c0, c1 = offset[1], offset[1] + local.shape[1]
+    for b in range(r0 // rows_per_block, -(-r1 // rows_per_block)):
+        digest = hashlib.sha256(f"{seed}/{name}/{b}".encode()).digest()
+        g = torch.Generator(device=local.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        lo, hi = b * rows_per_block, min((b + 1) * rows_per_block, full_shape[0])
+        block = torch.empty(hi - lo, full_shape[1], device=local.device, dtype=local.dtype)
+        torch.nn.init.trunc_normal_(block, 0.0, std, -3 * std, 3 * std, generator=g)
+        a, z = max(lo, r0), min(hi, r1)
+        local[a - r0:z - r0].copy_(block[a - lo:z - lo, c0:c1])
 
 
 # -------------------------------------------------------------------------------------------------
@@ -524,12 +530,12 @@ def main(cfg: Config):
     sizes = validate(cfg, world_size)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s",
                         stream=sys.stdout, force=True)
+    tokenizer = Tokenizer(cfg.model.tokenizer_path)
     os.makedirs(cfg.job.dump_folder, exist_ok=True)
     if rank == 0:
         with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as f:
             f.write(to_toml(cfg))
         logger.info(f"{cfg.job.description}\n{to_toml(cfg)}".strip())
-    tokenizer = Tokenizer(cfg.model.tokenizer_path)
 
     # --- device and mesh -------------------------------------------------------------------------------
     if torch.cuda.is_available():
@@ -735,6 +741,6 @@ if __name__ == "__main__":
     try:
         config = load_config(sys.argv[1:])
         main(config)
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,0 +1,128 @@
+"""Config loading, validation, the lr schedule and the layout-independent init (CPU, fast)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import train  # noqa: E402
+from model import Transformer, flavors  # noqa: E402
+
+DEBUG = os.path.join(ROOT, "configs", "debug_model.toml")
+
+
+def run_train(*args, env=None, tmp_path=None):
+    dump = str(tmp_path / "dump")
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run([sys.executable, "train.py", "--config", DEBUG, "--job.dump_folder", dump, *args],
+                          cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=300)
+    return proc, dump
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--training.stpes", "5"], "unknown key in [training] 'stpes'; did you mean steps?"),
+    (["--trainig.steps", "5"], "unknown config section 'trainig'; did you mean training?"),
+    (["--training.steps", "five"], "training.steps: expected int, got 'five'"),
+    (["--training.steps", "0"], "training.steps = 0: must be >= 1"),
+    (["--optimizer.lr", "-1"], "optimizer.lr = -1.0: must be a positive number"),
+    (["--model.flavor", "7B"], "unknown model.flavor '7B'"),
+    (["--activation_checkpoint.mode", "some"], "activation_checkpoint.mode = 'some': must be one of none, full, selective"),
+    (["--training.seq_len", "4096"], "training.seq_len = 4096 exceeds the debugmodel model's max_seq_len 2048"),
+    (["--parallelism.tensor_parallel_degree", "2"], "must equal the world size 1"),
+    (["stray"], "unexpected argument 'stray'"),
+    (["--model.tokenizer_path", "missing.model"], "tokenizer file 'missing.model' not found"),
+])
+def test_bad_input_is_one_line_exit_2_and_creates_nothing(args, message, tmp_path):
+    proc, dump = run_train(*args, tmp_path=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"error: {proc.stderr.strip()[7:]}"]
+    assert message in proc.stderr
+    assert not os.path.exists(dump)
+
+
+def test_tp_must_divide_heads_before_any_process_group(tmp_path):
+    # WORLD_SIZE=3 without a launcher: validation has to fail before init_process_group would hang.
+    proc, dump = run_train("--parallelism.tensor_parallel_degree", "3", env={"WORLD_SIZE": "3"},
+                           tmp_path=tmp_path)
+    assert proc.returncode == 2
+    assert "tensor_parallel_degree = 3 must divide the debugmodel model's n_heads 16" in proc.stderr
+
+
+def test_toml_errors(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training]\nsteps = \n")
+    with pytest.raises(train.ConfigError, match="not valid TOML"):
+        train.load_config(["--config", str(bad)])
+    bad.write_text("[training]\nsteps = 'ten'\n")
+    with pytest.raises(train.ConfigError, match="training.steps: expected int, got 'ten'"):
+        train.load_config(["--config", str(bad)])
+    bad.write_text("[[data.sources]]\nname = 'x'\npath = 'y'\nwieght = 1\n")
+    with pytest.raises(train.ConfigError, match="did you mean weight"):
+        train.load_config(["--config", str(bad)])
+    with pytest.raises(train.ConfigError, match="not found"):
+        train.load_config(["--config", str(tmp_path / "nope.toml")])
+
+
+def test_precedence_cli_over_toml_over_defaults():
+    cfg = train.load_config(["--config", DEBUG, "--training.steps", "7", "--checkpoint.enable"])
+    assert cfg.training.steps == 7  # CLI
+    assert cfg.training.seq_len == 256  # TOML
+    assert cfg.optimizer.beta2 == 0.95  # default
+    assert cfg.checkpoint.enable is True  # bare boolean flag
+    assert train.load_config(["--training.steps=9"]).training.steps == 9
+    assert [s.name for s in cfg.data.sources] == ["c4", "zyda2_dclm", "zyda2_fwe3", "finemath"]
+
+
+def test_saved_config_round_trips(tmp_path):
+    cfg = train.load_config(["--config", DEBUG, "--optimizer.lr", "1e-3"])
+    path = tmp_path / "config.toml"
+    path.write_text(train.to_toml(cfg))
+    assert train.load_config(["--config", str(path)]) == cfg
+
+
+def test_help_lists_every_key_with_default_and_doc():
+    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    cfg = train.Config()
+    for section in train.dataclasses.fields(cfg):
+        for key in train.dataclasses.fields(getattr(cfg, section.name)):
+            line = next((ln for ln in out.splitlines() if ln.strip().startswith(f"--{section.name}.{key.name} ")), None)
+            assert line is not None, f"--{section.name}.{key.name} missing from --help"
+            assert "(default " in line and line.split("): ", 1)[1].strip(), line
+
+
+def test_lr_schedule_warmup_stable_decay():
+    cfg = train.load_config(["--training.steps", "100", "--lr_scheduler.warmup_steps", "10",
+                             "--lr_scheduler.decay_ratio", "0.2", "--lr_scheduler.min_lr_factor", "0.1"])
+    f = [train.lr_factor(s, cfg) for s in range(100)]
+    assert f[0] == pytest.approx(1 / 11) and f[9] == pytest.approx(10 / 11)
+    assert all(x == 1.0 for x in f[10:80])  # stable
+    assert all(a > b for a, b in zip(f[79:], f[80:]))  # decaying
+    assert f[99] == pytest.approx(0.1 + 0.9 / 21)  # linear, one step short of min_lr_factor
+    for kind in ("cosine", "sqrt"):
+        cfg.lr_scheduler.decay_type = kind
+        assert 0.1 <= train.lr_factor(99, cfg) < train.lr_factor(90, cfg) < 1.0
+
+
+def test_layout_independent_init_fills_shards_like_the_whole():
+    """Filling row/column shards (what FSDP and TP ranks hold) gives the full tensor's values."""
+    full = torch.empty(200, 48)
+    train.layout_independent_normal(seed=3)("layers.0.attention.wq.weight", full, 0.02)
+    assert 0.015 < full.std() < 0.025 and full.abs().max() <= 0.06
+    parts = torch.empty(200, 48)
+    # uneven row shards not aligned to the 64-row blocks, each split again by columns (FSDP x TP)
+    for r0, r1 in ((0, 70), (70, 133), (133, 200)):
+        for c0, c1 in ((0, 24), (24, 48)):
+            piece = torch.empty(r1 - r0, c1 - c0)
+            train.fill_normal_region(piece, (r0, c0), full.shape, 3, "layers.0.attention.wq.weight", 0.02)
+            parts[r0:r1, c0:c1] = piece
+    assert torch.equal(parts, full)
+    other = torch.empty(200, 48)
+    train.layout_independent_normal(seed=3)("layers.1.attention.wq.weight", other, 0.02)
+    assert not torch.equal(other, full)  # each weight has its own stream
+    train.layout_independent_normal(seed=4)("layers.0.attention.wq.weight", other, 0.02)
+    assert not torch.equal(other, full)  # and each seed
