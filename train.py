@@ -504,16 +504,22 @@ def checkpoints(folder: str) -> list:
     return sorted(steps)
 
 
-def save_checkpoint(folder: str, step: int, state: dict, keep_latest_k: int, rank: int):
+def save_checkpoint(folder: str, step: int, state: dict, params: dict, keep_latest_k: int, rank: int):
+    """Write step-N atomically: into .step-N.tmp, then one rename once every rank has finished."""
     final, tmp = os.path.join(folder, f"step-{step}"), os.path.join(folder, f".step-{step}.tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover from a crash mid-save
     dist.barrier()
-    dcp.save(state, checkpoint_id=tmp)
+    dcp.save(state, checkpoint_id=tmp)  # fsyncs every file it writes
     dist.barrier()  # every rank's shard is on disk
     if rank == 0:
+        with open(os.path.join(tmp, "params.json"), "w") as f:  # what checkpoint_convert.py needs
+            json.dump(params, f, indent=2)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)  # atomic: resume only ever sees complete step-N folders
+        dir_fd = os.open(folder, os.O_RDONLY)
+        os.fsync(dir_fd)  # make the rename itself survive a power loss
+        os.close(dir_fd)
         if keep_latest_k > 0:
             for old in checkpoints(folder)[:-keep_latest_k]:
                 shutil.rmtree(os.path.join(folder, f"step-{old}"), ignore_errors=True)
@@ -719,7 +725,8 @@ def main(cfg: Config):
         stopping = bool(flag.item())
         if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == cfg.training.steps
                                       or stopping):
-            save_checkpoint(ckpt_folder, step, train_state(), cfg.checkpoint.keep_latest_k, rank)
+            save_checkpoint(ckpt_folder, step, train_state(), dataclasses.asdict(model_args),
+                            cfg.checkpoint.keep_latest_k, rank)
             logger.info(f"saved checkpoint {ckpt_folder}/step-{step}")
         if stopping:
             logger.info(f"stopping at step {step} on signal")
