@@ -119,3 +119,11 @@ def test_sigterm_saves_and_resume_is_exact(fsdp2, tmp_path):
         resumed = {r["step"]: r["loss"] for r in map(json.loads, f) if r["step"] > saved[0]}
     reference = losses(fsdp2[0])
     assert resumed == {s: reference[s] for s in range(saved[0] + 1, 11)}
+
+
+def test_hsdp_replicate_two_matches_fsdp(fsdp2, tmp_path):
+    train(tmp_path, "--training.steps", 10, "--training.local_batch_size", 4,
+          "--parallelism.data_parallel_replicate_degree", 2, nproc=2)
+    hsdp, fsdp = losses(tmp_path), losses(fsdp2[0])
+    for step in hsdp:
+        assert abs(hsdp[step] - fsdp[step]) <= 1e-5 * abs(fsdp[step])

@@ -1,0 +1,74 @@
+"""Trainer features on one CPU process: accumulation, activation checkpointing, compile, metrics."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def train(dump, *args):
+    cmd = [sys.executable, "train.py", "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump),
+           "--metrics.log_freq", "1", *map(str, args)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        return proc.stdout, [json.loads(line) for line in f]
+
+
+def losses(records):
+    return [r["loss"] for r in records]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """3 steps, local batch 8, no activation checkpointing, fp32, eager."""
+    return train(tmp_path_factory.mktemp("base"), "--training.steps", 3)[1]
+
+
+def test_gradient_accumulation_matches_the_full_batch(baseline, tmp_path):
+    _, records = train(tmp_path, "--training.steps", 3, "--training.local_batch_size", 4,
+                       "--training.global_batch_size", 8)
+    for a, b in zip(losses(records), losses(baseline)):
+        assert a == pytest.approx(b, rel=1e-5)
+    assert records[-1]["tokens_seen"] == baseline[-1]["tokens_seen"] == 3 * 8 * 256
+
+
+@pytest.mark.parametrize("mode, option", [("full", "op"), ("selective", "op"), ("selective", "2")])
+def test_activation_checkpointing_does_not_change_the_math(baseline, tmp_path, mode, option):
+    _, records = train(tmp_path, "--training.steps", 3, "--activation_checkpoint.mode", mode,
+                       "--activation_checkpoint.selective_ac_option", option)
+    for a, b in zip(losses(records), losses(baseline)):
+        assert a == pytest.approx(b, rel=1e-6)
+
+
+def test_compile_per_block(baseline, tmp_path):
+    _, records = train(tmp_path, "--training.steps", 3, "--compile.enable")
+    for a, b in zip(losses(records), losses(baseline)):
+        assert a == pytest.approx(b, rel=1e-4)  # fused kernels round differently, not much
+
+
+def test_bf16_mixed_precision_stays_close_to_fp32(baseline, tmp_path):
+    _, records = train(tmp_path, "--training.steps", 3, "--training.mixed_precision_param", "bfloat16")
+    for a, b in zip(losses(records), losses(baseline)):
+        assert a == pytest.approx(b, rel=2e-2)
+
+
+def test_mfu_with_configured_peak_and_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    out, records = train(tmp_path, "--training.steps", 2, "--metrics.peak_tflops", "0.5",
+                         "--metrics.enable_tensorboard")
+    assert all(r["mfu"] == pytest.approx(100 * r["tflops"] / 0.5) for r in records)
+    assert "mfu: n/a" not in out and "mfu: " in out
+    tb = os.path.join(tmp_path, "tb")
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tb))
+
+
+def test_mfu_is_na_on_cpu_without_a_peak(baseline):
+    assert all(r["mfu"] is None for r in baseline)
+    # FLOPs per token: 6 x non-embedding params + 12 x layers x heads x head_dim x seq_len
+    flops_per_token = 6 * (5_770_496 - 2048 * 256) + 12 * 6 * 16 * 16 * 256
+    assert baseline[-1]["tflops"] == pytest.approx(flops_per_token * baseline[-1]["tps"] / 1e12)
