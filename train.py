@@ -91,7 +91,7 @@ class Training:
     seq_len: int = 2048  # tokens per sequence
     max_norm: float = 1.0  # gradient clipping by total norm (0 turns it off)
     steps: int = 10000  # optimizer steps to train
-    seed: int = 0  # seeds init and dropout-free RNG; the same seed gives the same weights on any layout
+    seed: int = 0  # seeds the weight init: the same seed gives the same weights on any parallel layout
     deterministic: bool = False  # torch.use_deterministic_algorithms (slower on GPU)
     mixed_precision_param: str = "bfloat16"  # parameter/compute dtype under FSDP (float32 or bfloat16)
     mixed_precision_reduce: str = "float32"  # gradient reduce-scatter dtype

@@ -126,3 +126,10 @@ def test_layout_independent_init_fills_shards_like_the_whole():
     assert not torch.equal(other, full)  # each weight has its own stream
     train.layout_independent_normal(seed=4)("layers.0.attention.wq.weight", other, 0.02)
     assert not torch.equal(other, full)  # and each seed
+
+
+def test_readme_config_reference_is_current():
+    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    stale = [ln for ln in out.splitlines() if ln.startswith("  --") and ln not in readme]
+    assert not stale, f"README's config reference is out of date (paste `python train.py --help`): {stale}"
