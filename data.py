@@ -217,8 +217,7 @@ class DataLoader:
         self.streams = [PackedStream(sources, tokenizer, seq_len, s, num_streams, seed)
                         for s in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
         self.per_stream = local_batch_size // per_rank
-        self.meta = {"num_streams": num_streams, "seq_len": seq_len, "seed": seed,
-                     "sources": [[s.name, s.path, s.data_files, s.weight] for s in sources]}
+        self.stream_ids = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
 
     def __iter__(self):
         return self
@@ -236,15 +235,13 @@ class DataLoader:
     def source_tokens(self) -> dict:
         return {n: sum(st.counts[i] for st in self.streams) for i, n in enumerate(self.names)}
 
-    def state_dict(self):
-        return {"meta": self.meta, "streams": [st.state_dict() for st in self.streams]}
+    def state_dict(self) -> dict:
+        """Per logical stream, keyed by stream id: a run on another DP degree picks up its own."""
+        return {s: st.state_dict() for s, st in zip(self.stream_ids, self.streams)}
 
-    def load_state_dict(self, sd):
-        if sd["meta"] != self.meta or len(sd["streams"]) != len(self.streams):
-            raise DataError(f"data loader state does not match this run (saved {sd['meta']}, "
-                             f"now {self.meta}); resume with the same data config")
-        for st, ssd in zip(self.streams, sd["streams"]):
-            st.load_state_dict(ssd)
+    def load_state_dict(self, sd: dict):
+        for s, st in zip(self.stream_ids, self.streams):
+            st.load_state_dict(sd[s])
 
 
 def main():

@@ -110,7 +110,12 @@ class Checkpoint:
     folder: str = "checkpoint"  # under dump_folder; holds step-N/ folders
     interval: int = 500  # save every this many steps (and at the last step)
     keep_latest_k: int = 0  # delete older checkpoints, keeping this many; 0 keeps all
+    async_mode: str = "disabled"  # disabled, or async: write in a background thread while training goes on
+    last_save_model_only: bool = False  # the final checkpoint holds only the model weights, for export
+    export_dtype: str = "float32"  # dtype of that model-only checkpoint: float32 or bfloat16
     load_step: int = -1  # resume from step-N instead of the newest; -1: newest
+    initial_load_path: str = ""  # with nothing to resume: start from this DCP folder (checkpoint_convert.py output or a step-N)
+    initial_load_model_only: bool = True  # from initial_load_path take only the weights (fresh optimizer, step 0)
 
 
 @dataclass
@@ -280,7 +285,9 @@ def validate(cfg: Config, world_size: int) -> dict:
             ("lr_scheduler.decay_type", cfg.lr_scheduler.decay_type, ("linear", "cosine", "sqrt")),
             ("training.mixed_precision_param", t.mixed_precision_param, ("bfloat16", "float32")),
             ("training.mixed_precision_reduce", t.mixed_precision_reduce, ("bfloat16", "float32")),
-            ("optimizer.name", cfg.optimizer.name, ("AdamW",))]:
+            ("optimizer.name", cfg.optimizer.name, ("AdamW",)),
+            ("checkpoint.async_mode", cfg.checkpoint.async_mode, ("disabled", "async")),
+            ("checkpoint.export_dtype", cfg.checkpoint.export_dtype, ("float32", "bfloat16"))]:
         if value not in allowed:
             raise ConfigError(f"{key} = {value!r}: must be one of {', '.join(allowed)}")
     sac = cfg.activation_checkpoint.selective_ac_option
@@ -497,33 +504,58 @@ def json_tensor(obj) -> torch.Tensor:
 
 
 def checkpoints(folder: str) -> list:
-    """Complete checkpoints, oldest first. Saves land in .tmp folders and are renamed when done."""
+    """Steps of the complete checkpoints, oldest first. Saves land in .tmp folders and are renamed when done."""
     if not os.path.isdir(folder):
         return []
-    steps = [int(m.group(1)) for d in os.listdir(folder) if (m := re.fullmatch(r"step-(\d+)", d))]
-    return sorted(steps)
+    return sorted(int(m.group(1)) for d in os.listdir(folder) if (m := re.fullmatch(r"step-(\d+)", d)))
 
 
-def save_checkpoint(folder: str, step: int, state: dict, params: dict, keep_latest_k: int, rank: int):
-    """Write step-N atomically: into .step-N.tmp, then one rename once every rank has finished."""
-    final, tmp = os.path.join(folder, f"step-{step}"), os.path.join(folder, f".step-{step}.tmp")
+def begin_save(folder: str, step: int, rank: int) -> str:
+    """Clear leftovers of crashed saves; every rank then writes into the returned .tmp folder."""
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a leftover from a crash mid-save
+        os.makedirs(folder, exist_ok=True)
+        for d in os.listdir(folder):
+            if re.fullmatch(r"\.step-\d+\.tmp", d):
+                shutil.rmtree(os.path.join(folder, d), ignore_errors=True)
     dist.barrier()
-    dcp.save(state, checkpoint_id=tmp)  # fsyncs every file it writes
-    dist.barrier()  # every rank's shard is on disk
+    return os.path.join(folder, f".step-{step}.tmp")
+
+
+def commit_save(folder: str, step: int, params: dict, keep_latest_k: int, rank: int):
+    """Once every rank has written (dcp fsyncs each file): one rename makes step-N appear whole."""
+    dist.barrier()
     if rank == 0:
+        tmp, final = os.path.join(folder, f".step-{step}.tmp"), os.path.join(folder, f"step-{step}")
         with open(os.path.join(tmp, "params.json"), "w") as f:  # what checkpoint_convert.py needs
             json.dump(params, f, indent=2)
         shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)  # atomic: resume only ever sees complete step-N folders
+        os.rename(tmp, final)
         dir_fd = os.open(folder, os.O_RDONLY)
         os.fsync(dir_fd)  # make the rename itself survive a power loss
         os.close(dir_fd)
-        if keep_latest_k > 0:
-            for old in checkpoints(folder)[:-keep_latest_k]:
-                shutil.rmtree(os.path.join(folder, f"step-{old}"), ignore_errors=True)
+        # Old checkpoints go only now, after the new one is complete.
+        for old in (checkpoints(folder)[:-keep_latest_k] if keep_latest_k > 0 else []):
+            shutil.rmtree(os.path.join(folder, f"step-{old}"), ignore_errors=True)
     dist.barrier()
+
+
+def read_checkpoint_metadata(path: str, model) -> dict:
+    """Sizes of the tensors in a DCP folder, after checking that its model fits ours (one-line errors)."""
+    try:
+        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as e:  # a missing folder, or not a DCP checkpoint
+        raise ConfigError(f"{path} is not a DCP checkpoint ({type(e).__name__}: {e})".replace("\n", " "))
+    ours = {f"model.{k}": tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+    bad = [f"{k} {tuple(meta[k].size)} vs ours {s}" for k, s in ours.items() if k in meta and tuple(meta[k].size) != s]
+    bad += [f"{k} missing" for k in ours if k not in meta]
+    if bad:
+        raise ConfigError(f"checkpoint {path} does not fit this model: {'; '.join(bad[:5])}"
+                          + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""))
+    return meta
+
+
+def json_from(t: torch.Tensor):
+    return json.loads(bytes(t.tolist()))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -536,6 +568,16 @@ def main(cfg: Config):
     sizes = validate(cfg, world_size)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s",
                         stream=sys.stdout, force=True)
+    # Preemption (Slurm's warning signal, or a plain kill): finish the step, save, exit 0.
+    # Installed before the slow start-up, so a signal that comes early is not lost either.
+    stop = {"signal": None}
+
+    def on_signal(signum, frame):
+        stop["signal"] = signum
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, on_signal)
+
     tokenizer = Tokenizer(cfg.model.tokenizer_path)
     os.makedirs(cfg.job.dump_folder, exist_ok=True)
     if rank == 0:
@@ -598,57 +640,89 @@ def main(cfg: Config):
     loader = DataLoader(cfg.data.sources, tokenizer, cfg.training.seq_len, cfg.training.local_batch_size,
                         dp_rank, dp, cfg.data.num_streams, cfg.data.seed)
 
-    # --- checkpoint: resume from the newest complete step-N -----------------------------------------------
-    ckpt_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+    # --- checkpoint: resume from the newest complete step-N, or start from initial_load_path -----------
+    ckpt = cfg.checkpoint
+    ckpt_folder = os.path.join(cfg.job.dump_folder, ckpt.folder)
     step, tokens_seen = 0, 0
     sd_options = StateDictOptions(flatten_optimizer_state_dict=True)
+    # Keys that change the math or the data order: a resume with other values is refused. The DP degree
+    # is not among them: a run may resume on more or fewer GPUs as long as num_streams stays the same.
+    run_keys = {"model.flavor": cfg.model.flavor, "training.seq_len": cfg.training.seq_len,
+                "training.global_batch_size": sizes["global_batch_size"], "data.seed": cfg.data.seed,
+                "data.num_streams": cfg.data.num_streams or dp,
+                "data.sources": [dataclasses.asdict(s) for s in cfg.data.sources]}
 
-    def train_state():
+    def train_state(model_only=False):
         """Everything a resume needs, as tensors only: DCP then never unpickles anything on load."""
+        state = {"model": get_model_state_dict(model), "train": {"step": torch.tensor(step)}}
+        if model_only:  # the export at the end of training
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[ckpt.export_dtype]
+            return {**state, "model": {k: v.to(dtype) for k, v in state["model"].items()}}
         opt_sd = get_optimizer_state_dict(model, optimizer, options=sd_options)
-        return {"model": get_model_state_dict(model),
-                # param_groups (lr, betas) come from the config and the scheduler, not the checkpoint
-                "optimizer": {k: v for k, v in opt_sd.items() if k.startswith("state.")},
-                "train": {"step": torch.tensor(step), "tokens_seen": torch.tensor(tokens_seen),
-                          "lr_scheduler": json_tensor(scheduler.state_dict())},
-                f"data_dp{dp_rank}": json_tensor(loader.state_dict()),
-                f"rng_rank{dist.get_rank()}": torch.get_rng_state()}
+        # param_groups (lr, betas) come from the config and the scheduler, not the checkpoint
+        state["optimizer"] = {k: v for k, v in opt_sd.items() if k.startswith("state.")}
+        state["train"].update(tokens_seen=torch.tensor(tokens_seen), config=json_tensor(run_keys),
+                              lr_scheduler=json_tensor(scheduler.state_dict()))
+        state["data"] = {f"stream{s}": json_tensor(sd) for s, sd in loader.state_dict().items()}
+        state["rng"] = {f"rank{dist.get_rank()}": torch.get_rng_state()}
+        return state
 
-    if cfg.checkpoint.enable:
-        done = checkpoints(ckpt_folder)
-        load_step = cfg.checkpoint.load_step if cfg.checkpoint.load_step >= 0 else (done[-1] if done else None)
-        if load_step is not None and load_step not in done:
-            raise ConfigError(f"checkpoint.load_step = {load_step}: no complete checkpoint {ckpt_folder}/"
-                              f"step-{load_step} (have {done})")
-        if load_step is not None:
-            path = os.path.join(ckpt_folder, f"step-{load_step}")
+    def load(path: str, model_only: bool):
+        meta = read_checkpoint_metadata(path, model)
+        if model_only:
+            state = {"model": get_model_state_dict(model)}
+        else:
+            if not any(k.startswith("optimizer.") for k in meta):
+                raise ConfigError(f"{path} holds only model weights (a last_save_model_only export); start "
+                                  "from it with checkpoint.initial_load_path in a new dump_folder")
             state = train_state()
-            sizes_on_disk = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-            for key in ("train.lr_scheduler", f"data_dp{dp_rank}"):  # JSON blobs: allocate their saved size
-                head, _, tail = key.rpartition(".")
-                target = state[head] if head else state
-                target[tail] = torch.empty(sizes_on_disk[key].size, dtype=torch.uint8)
-            dcp.load(state, checkpoint_id=path)
-            set_model_state_dict(model, state["model"])
-            opt_sd = get_optimizer_state_dict(model, optimizer, options=sd_options)
-            opt_sd.update(state["optimizer"])
-            set_optimizer_state_dict(model, optimizer, opt_sd, options=sd_options)
-            scheduler.load_state_dict(json.loads(bytes(state["train"]["lr_scheduler"].tolist())))
-            for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-                group["lr"] = lr  # load_state_dict restores the scheduler, not the lr it last set
-            loader.load_state_dict(json.loads(bytes(state[f"data_dp{dp_rank}"].tolist())))
-            torch.set_rng_state(state[f"rng_rank{dist.get_rank()}"])
-            step, tokens_seen = int(state["train"]["step"]), int(state["train"]["tokens_seen"])
-            logger.info(f"resumed from {path} at step {step}")
+            for key in meta:  # JSON blobs: allocate the size they were saved with
+                section, _, name = key.partition(".")
+                if meta[key].properties.dtype == torch.uint8 and section in ("train", "data"):
+                    state[section][name] = torch.empty(meta[key].size, dtype=torch.uint8)
+            if f"rng.rank{dist.get_rank()}" not in meta:  # resuming on more ranks than before
+                del state["rng"]
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"])
+        if model_only:
+            return 0, 0
+        saved = json_from(state["train"]["config"])
+        diff = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in run_keys.items() if saved.get(k) != v]
+        if diff:
+            raise ConfigError(f"refusing to resume from {path}: the run changed {'; '.join(diff)} (use a new "
+                              "dump_folder, or take only the weights with checkpoint.initial_load_path)")
+        opt_sd = get_optimizer_state_dict(model, optimizer, options=sd_options)
+        opt_sd.update(state["optimizer"])
+        set_optimizer_state_dict(model, optimizer, opt_sd, options=sd_options)
+        scheduler.load_state_dict(json_from(state["train"]["lr_scheduler"]))
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr  # load_state_dict restores the scheduler, not the lr it last set
+        loader.load_state_dict({s: json_from(state["data"][f"stream{s}"]) for s in loader.stream_ids})
+        if "rng" in state:
+            torch.set_rng_state(state["rng"][f"rank{dist.get_rank()}"])
+        return int(state["train"]["step"]), int(state["train"]["tokens_seen"])
 
-    # Preemption (Slurm's warning signal, or a plain kill): finish the step, save, exit 0.
-    stop = {"signal": None}
-
-    def on_signal(signum, frame):
-        stop["signal"] = signum
-
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, on_signal)
+    done = checkpoints(ckpt_folder) if ckpt.enable else []
+    load_step = ckpt.load_step if ckpt.load_step >= 0 else (done[-1] if done else None)
+    if load_step is not None and load_step not in done:
+        raise ConfigError(f"checkpoint.load_step = {load_step}: no complete checkpoint {ckpt_folder}/"
+                          f"step-{load_step} (have {done})")
+    if load_step is not None:
+        path = os.path.join(ckpt_folder, f"step-{load_step}")
+        if load_step >= cfg.training.steps and "train.tokens_seen" not in read_checkpoint_metadata(path, model):
+            logger.info(f"{path} is the final export of a finished run: nothing to do")
+            return
+        step, tokens_seen = load(path, model_only=False)
+        logger.info(f"resumed from {path} at step {step}")
+    elif ckpt.initial_load_path:
+        step, tokens_seen = load(ckpt.initial_load_path, model_only=ckpt.initial_load_model_only)
+        logger.info(f"loaded {'weights' if ckpt.initial_load_model_only else 'state'} from "
+                    f"{ckpt.initial_load_path}, starting at step {step}")
+    # Async saves stage the state in CPU memory, then write from a background thread on their own gloo
+    # group so they never share a communicator with training's collectives.
+    ckpt_group = dist.new_group(backend="gloo") if ckpt.enable and ckpt.async_mode == "async" else None
+    pending = None  # (future, step) of an async save whose folder is not renamed into place yet
+    params_json = dataclasses.asdict(model_args)  # written next to each checkpoint
 
     # --- training loop ------------------------------------------------------------------------------------
     metrics_file = open(os.path.join(cfg.job.dump_folder, "metrics.jsonl"), "a") if rank == 0 else None
@@ -719,15 +793,34 @@ def main(cfg: Config):
             loss_sum.zero_()
             log_t0, log_tokens, log_steps, data_time = time.perf_counter(), 0, 0, 0.0
 
-        # Every rank must agree to stop at the same step, or the save below would deadlock.
-        flag = torch.tensor(0 if stop["signal"] is None else 1, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        stopping = bool(flag.item())
-        if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == cfg.training.steps
-                                      or stopping):
-            save_checkpoint(ckpt_folder, step, train_state(), dataclasses.asdict(model_args),
-                            cfg.checkpoint.keep_latest_k, rank)
-            logger.info(f"saved checkpoint {ckpt_folder}/step-{step}")
+        # Every rank must agree to stop (and that an async save is complete) at the same step, or the
+        # saves below would deadlock. One tiny all-reduce per step.
+        flags = torch.tensor([stop["signal"] is not None, pending is not None and not pending[0].done()],
+                             device=device, dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stopping, save_running = bool(flags[0]), bool(flags[1])
+        if pending is not None and not save_running:
+            pending[0].result()
+            commit_save(ckpt_folder, pending[1], params_json, ckpt.keep_latest_k, rank)
+            logger.info(f"saved checkpoint {ckpt_folder}/step-{pending[1]} (async)")
+            pending = None
+        last = step == cfg.training.steps
+        if ckpt.enable and (step % ckpt.interval == 0 or last or stopping):
+            if pending is not None:  # at most one save in flight
+                pending[0].result()
+                commit_save(ckpt_folder, pending[1], params_json, ckpt.keep_latest_k, rank)
+                pending = None
+            t0 = time.perf_counter()
+            tmp = begin_save(ckpt_folder, step, rank)
+            state = train_state(model_only=last and ckpt.last_save_model_only)
+            if ckpt_group is not None and not (last or stopping):
+                pending = (dcp.async_save(state, checkpoint_id=tmp, process_group=ckpt_group), step)
+                logger.info(f"checkpoint step-{step}: training blocked {time.perf_counter() - t0:.2f}s (async)")
+            else:
+                dcp.save(state, checkpoint_id=tmp)
+                commit_save(ckpt_folder, step, params_json, ckpt.keep_latest_k, rank)
+                logger.info(f"saved checkpoint {ckpt_folder}/step-{step}: training blocked "
+                            f"{time.perf_counter() - t0:.2f}s")
         if stopping:
             logger.info(f"stopping at step {step} on signal")
             break

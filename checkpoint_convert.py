@@ -1,0 +1,297 @@
+"""Convert Llama 3 checkpoints between Meta's torch.save format, our DCP format and Hugging Face.
+
+    python checkpoint_convert.py torch2dcp --input_dir META_DIR --output_dir DCP_DIR
+    python checkpoint_convert.py dcp2torch --input_dir DCP_DIR  --output_dir META_DIR [--dtype bfloat16]
+    python checkpoint_convert.py dcp2hf    --input_dir DCP_DIR  --output_dir HF_DIR
+    python checkpoint_convert.py hf2dcp    --input_dir HF_DIR   --output_dir DCP_DIR
+
+Tensors keep their dtype and bits (HF's q/k rows are permuted, invertibly); from a DCP folder such as a
+trainer's step-N only the model.* tensors are read.
+"""
+
+import argparse
+import dataclasses
+import glob
+import itertools
+import json
+import os
+import re
+import shutil
+import sys
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from model import ModelArgs, Transformer
+
+MAX_SHARD_BYTES = 5 * 10**9  # per safetensors file, as Hugging Face does by default; tests lower it
+# Model-parallel split dim of each weight in Meta's consolidated.NN.pth: ColumnParallel 0, RowParallel 1,
+# ParallelEmbedding splits the embedding dim. Anything else (the norms) is replicated.
+META_SHARD_DIM = dict(wq=0, wk=0, wv=0, w1=0, w3=0, output=0, wo=1, w2=1, tok_embeddings=1)
+META_TO_HF = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+              "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+              "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
+              "feed_forward.w3": "mlp.up_proj", "attention_norm": "input_layernorm",
+              "ffn_norm": "post_attention_layernorm", "tok_embeddings": "embed_tokens", "norm": "norm"}
+LLAMA31_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+class ConvertError(Exception):
+    """A problem with the user's input: printed as one line, no traceback."""
+
+
+def read_json(path: str, fix: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConvertError(f"{path} is missing; {fix}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def model_args(params: dict, path: str) -> ModelArgs:
+    try:
+        return ModelArgs.from_dict(params)
+    except (TypeError, ValueError) as e:
+        raise ConvertError(f"{path}: {e}")
+
+
+def expected_shapes(args: ModelArgs) -> dict:
+    """Meta key -> shape, in Meta's order, from model.py itself (meta device: no memory)."""
+    with torch.device("meta"):
+        return {k: v.shape for k, v in Transformer(args).state_dict().items()}
+
+
+def check_shapes(shapes: dict, args: ModelArgs, source: str):  # fail here, not confusingly in the next tool
+    want = expected_shapes(args)
+    for k in [*want, *(k for k in shapes if k not in want)]:  # missing or misshapen, then unexpected
+        if k not in want or k not in shapes or tuple(shapes[k]) != tuple(want[k]):
+            got, implied = (tuple(d[k]) if k in d else "absent" for d in (shapes, want))
+            raise ConvertError(f"{source}: {k} is {got} in the weights but {implied} in the params; are "
+                               f"both from the same model?")
+
+
+# --- Meta: params.json + consolidated.NN.pth ------------------------------------------------------------
+def load_meta(dir: str):
+    params_path = os.path.join(dir, "params.json")
+    params = read_json(params_path, "Meta ships it next to consolidated.00.pth")
+    args = model_args(params, params_path)
+    paths = sorted(glob.glob(os.path.join(dir, "consolidated.*.pth")))
+    if not paths:
+        raise ConvertError(f"{dir} has no consolidated.00.pth (Meta's torch.save checkpoint)")
+
+    def open_shards():
+        try:  # mmap: a tensor is read from disk only when touched
+            return [torch.load(p, mmap=True, weights_only=True) for p in paths]
+        except Exception as e:
+            raise ConvertError(f"cannot read {dir}/consolidated.*.pth with torch.load ({e})")
+
+    shards = open_shards()
+    if len(shards) > 1:
+        # Merge one layer at a time, reopening the mmaps in between: dropping them releases the pages
+        # already copied, so peak memory is the merged model plus one layer, not twice the model.
+        merged = {}
+        for _, keys in itertools.groupby(shards[0], lambda k: re.match(r"layers\.\d+|[^.]+", k)[0]):
+            shards = shards or open_shards()
+            for k in keys:
+                merged[k] = merge_shards(k, [s[k] for s in shards], paths)
+            shards = None
+        shards = [merged]
+    sd = shards[0]
+    sd.pop("rope.freqs", None)  # older Meta files carry the rope table; model.py computes it
+    check_shapes({k: v.shape for k, v in sd.items()}, args, f"{dir}/consolidated.*.pth")
+    return args, sd
+
+
+def merge_shards(key: str, pieces: list, paths: list) -> torch.Tensor:
+    dim = META_SHARD_DIM.get(key.split(".")[-2])
+    for path, p in zip(paths, pieces):
+        if dim is not None and (p.dim() != 2 or p.shape[1 - dim] != pieces[0].shape[1 - dim]):
+            raise ConvertError(f"{path}: {key} has shape {tuple(p.shape)} but {paths[0]} has "
+                               f"{tuple(pieces[0].shape)}; model-parallel shards differ only in dim {dim}")
+    # Replicated tensors (norms) are copied too, so that nothing keeps a shard's mmap alive.
+    return pieces[0].clone() if dim is None else torch.cat(pieces, dim=dim)
+
+
+def save_meta(dcp_dir: str, out: str, dtype: str = None):
+    args, model = dcp_model(dcp_dir)
+    sd = load_dcp(dcp_dir, model)
+    for k in sd if dtype else []:  # one at a time: each original is freed as it is replaced
+        sd[k] = sd[k].to(getattr(torch, dtype))
+    torch.save(sd, os.path.join(out, "consolidated.00.pth"))
+    params = {k: v for k, v in dataclasses.asdict(args).items()  # Meta's keys: no max_seq_len, and
+              if k != "max_seq_len" and (k, v) != ("rope_scaling_factor", 8.0)}  # no factor if Meta's 8
+    with open(os.path.join(out, "params.json"), "w") as f:
+        json.dump(params, f, indent=2)
+
+
+# --- DCP: our converted models and the trainer's step-N folders -------------------------------------------
+def dcp_model(dir: str):
+    """(args, {Meta key: DCP's metadata for it, i.e. size and dtype}) before any tensor is read."""
+    if not os.path.isfile(os.path.join(dir, ".metadata")):
+        raise ConvertError(f"{dir} is not a DCP checkpoint (no .metadata file); point --input_dir at a "
+                           f"step-N folder or a torch2dcp/hf2dcp output")
+    metadata = dcp.FileSystemReader(dir).read_metadata().state_dict_metadata
+    model = {k.removeprefix("model."): md for k, md in metadata.items() if k.startswith("model.")}
+    if not model:
+        raise ConvertError(f"{dir} has no model.* tensors (only e.g. {sorted(metadata)[:2]}); export a "
+                           f"checkpoint that holds the model, such as a trainer step-N folder")
+    path = os.path.join(dir, "params.json")
+    args = model_args(read_json(path, "write asdict(ModelArgs) there as JSON, as the trainer does"), path)
+    check_shapes({k: md.size for k, md in model.items()}, args, dir)
+    return args, {k: model[k] for k in expected_shapes(args)}  # in Meta's order
+
+
+def load_dcp(dir: str, model: dict) -> dict:
+    """Read only these model tensors (DCP loads in place, into tensors of the saved size and dtype)."""
+    sd = {f"model.{k}": torch.empty(md.size, dtype=md.properties.dtype) for k, md in model.items()}
+    dcp.load(sd, checkpoint_id=dir, no_dist=True)  # single process: no process group needed
+    return {k.removeprefix("model."): v for k, v in sd.items()}
+
+
+def save_dcp(args: ModelArgs, sd: dict, dir: str):
+    dcp.save({"model": sd}, checkpoint_id=dir, no_dist=True)  # keys "model.<Meta key>", as the trainer's
+    with open(os.path.join(dir, "params.json"), "w") as f:
+        json.dump(dataclasses.asdict(args), f, indent=2)
+
+
+# --- Hugging Face: config.json + safetensors shards ------------------------------------------------------
+def hf_name(key: str) -> str:
+    layer, name = re.fullmatch(r"(layers\.\d+\.)?(.+)\.weight", key).groups()
+    return "lm_head.weight" if name == "output" else f"model.{layer or ''}{META_TO_HF[name]}.weight"
+
+
+def permute_rope(key: str, w: torch.Tensor, args: ModelArgs, to_hf: bool) -> torch.Tensor:
+    """Meta's rope rotates feature pairs (2i, 2i+1) of each head, HF's (i, i + head_dim/2): reordering
+    the rows of wq and wk per head maps one layout to the other. Other tensors pass through."""
+    n_heads = {"wq": args.n_heads, "wk": args.n_kv_heads}.get(key.split(".")[-2])
+    if n_heads is None:
+        return w
+    out_features, dim = w.shape  # (n_heads * head_dim, dim)
+    half = out_features // n_heads // 2
+    if to_hf:  # rows (head, i, pair) -> (head, pair, i)
+        return w.view(n_heads, half, 2, dim).transpose(1, 2).reshape(out_features, dim)
+    return w.view(n_heads, 2, half, dim).transpose(1, 2).reshape(out_features, dim)  # the inverse
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
+    # Legacy names (rope_theta, rope_scaling, torch_dtype) as in the Hub's Llama 3.x configs: transformers
+    # 4.x reads them, and 5.x folds them into its rope_parameters and dtype when loading.
+    rope = {"factor": args.rope_scaling_factor, "rope_type": "llama3", **LLAMA31_ROPE}
+    width = expected_shapes(args)["layers.0.feed_forward.w1.weight"][0]
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
+            "intermediate_size": width, "num_attention_heads": args.n_heads,
+            "num_key_value_heads": args.n_kv_heads, "num_hidden_layers": args.n_layers,
+            "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "vocab_size": args.vocab_size,
+            "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": False, "hidden_act": "silu",
+            "bos_token_id": 128000 if args.vocab_size == 128256 else args.vocab_size - 256,  # Llama 3's
+            "eos_token_id": 128001 if args.vocab_size == 128256 else args.vocab_size - 255,  # or ours
+            "torch_dtype": str(dtype).removeprefix("torch."),
+            "rope_scaling": rope if args.use_scaled_rope else None}
+
+
+def args_from_hf(c: dict, path: str) -> ModelArgs:
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}  # transformers 4.x / 5.x name
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3") or any(rope.get(k, v) != v for k, v in LLAMA31_ROPE.items()):
+        raise ConvertError(f"{path}: rope {rope} is not Llama 3's (model.py hardcodes {LLAMA31_ROPE})")
+    # HF stores the FFN width, Meta a rule for it: round up to a multiple of the width itself (after
+    # scaling down where the width is under Meta's 8/3 * dim). Biases would show as unexpected tensors.
+    dim, width = c["hidden_size"], c["intermediate_size"]
+    theta = c.get("rope_theta") or rope.get("rope_theta", 10000.0)  # HF's default
+    return model_args(dict(dim=dim, n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
+                           n_kv_heads=c.get("num_key_value_heads"), vocab_size=c["vocab_size"],
+                           multiple_of=width, ffn_dim_multiplier=min(1.0, width / int(8 * dim / 3)),
+                           norm_eps=c["rms_norm_eps"], rope_theta=theta,
+                           use_scaled_rope=rope_type == "llama3", rope_scaling_factor=rope.get("factor", 8.0),
+                           max_seq_len=c.get("max_position_embeddings", 2048)), path)
+
+
+def load_hf(dir: str):
+    config_path = os.path.join(dir, "config.json")
+    index_path = os.path.join(dir, "model.safetensors.index.json")
+    config = read_json(config_path, "a Hugging Face model folder has one")
+    args = args_from_hf(config, config_path)
+    files = (sorted(set(read_json(index_path, "")["weight_map"].values())) if os.path.isfile(index_path)
+             else ["model.safetensors"])  # small models come as one file without an index
+    meta_name = {hf_name(k): k for k in expected_shapes(args)}
+    sd = {}
+    for path in (os.path.join(dir, file) for file in files):
+        try:
+            f = safe_open(path, framework="pt")  # mmapped: pages are read as dcp.save writes them
+        except (OSError, SafetensorError) as e:
+            raise ConvertError(f"cannot read {path} as safetensors ({e})")
+        names = [n for n in f.keys() if not n.endswith("rotary_emb.inv_freq")]  # old files have rope tables
+        sd.update((meta_name.get(n, n), f.get_tensor(n)) for n in names)  # unknown: check_shapes reports it
+    # Llama 3.2 1B/3B on the Hub tie lm_head to the embedding and store it once; Meta stores both.
+    if "output.weight" not in sd and "tok_embeddings.weight" in sd and config.get("tie_word_embeddings"):
+        sd["output.weight"] = sd["tok_embeddings.weight"]
+    check_shapes({k: v.shape for k, v in sd.items()}, args, dir)
+    return args, {k: permute_rope(k, w, args, to_hf=False) for k, w in sd.items()}
+
+
+def save_hf(dcp_dir: str, out: str):
+    """Plan shards from DCP's metadata, then read, permute and write one shard at a time."""
+    args, model = dcp_model(dcp_dir)
+    nbytes = {k: md.size.numel() * md.properties.dtype.itemsize for k, md in model.items()}
+    shards = [[]]
+    for k in model:
+        if shards[-1] and sum(nbytes[j] for j in shards[-1]) + nbytes[k] > MAX_SHARD_BYTES:
+            shards.append([])
+        shards[-1].append(k)
+    weight_map = {}
+    for i, keys in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        shard = load_dcp(dcp_dir, {k: model[k] for k in keys})
+        sd = {hf_name(k): permute_rope(k, w, args, to_hf=True) for k, w in shard.items()}
+        save_file(sd, os.path.join(out, file), metadata={"format": "pt"})  # "pt": transformers checks it
+        weight_map.update((name, file) for name in sd)
+        del shard, sd  # free this shard before reading the next
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(hf_config(args, model["tok_embeddings.weight"].properties.dtype), f, indent=2)
+
+
+# --- command line ---------------------------------------------------------------------------------------
+def main(argv=None):
+    commands = {"torch2dcp": lambda src, out, opts: save_dcp(*load_meta(src), out),
+                "dcp2torch": lambda src, out, opts: save_meta(src, out, opts.dtype),
+                "dcp2hf": lambda src, out, opts: save_hf(src, out),
+                "hf2dcp": lambda src, out, opts: save_dcp(*load_hf(src), out)}
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in commands:
+        sub.add_parser(name).add_argument("--input_dir", required=True)
+        sub.choices[name].add_argument("--output_dir", required=True)
+    sub.choices["dcp2torch"].add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                                          help="cast every tensor (default: keep each tensor's dtype)")
+    opts = parser.parse_args(argv)
+    out = opts.output_dir
+    warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # DCP: no process group, yes
+    try:
+        if not os.path.isdir(opts.input_dir):
+            raise ConvertError(f"--input_dir {opts.input_dir} does not exist or is not a directory")
+        if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+            raise ConvertError(f"--output_dir {out} exists and is not empty; remove it or pick another")
+        # Write into a temp folder next to output_dir and rename it when done: a failed or interrupted
+        # conversion never leaves a folder that looks complete.
+        parent, name = os.path.split(os.path.abspath(out))
+        tmp = os.path.join(parent, f".{name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)  # left over from a killed run
+        os.makedirs(tmp)
+        try:
+            commands[opts.command](opts.input_dir, tmp, opts)
+            os.rename(tmp, out)  # also replaces an empty output_dir (POSIX rename)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Checkpointing in train.py: exact resume after SIGKILL and SIGTERM (FSDP and TP), async saves,
+keep_latest_k, the model-only export, initial_load_path and refused resumes. CPU, gloo."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FSDP = ("--training.local_batch_size", 4)  # 2 ranks x 4 = the debug config's global batch of 8
+
+
+def launch(dump, *args, nproc=2):
+    cmd = [sys.executable, "train.py"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
+    cmd += ["--config", "configs/debug_model.toml", "--job.dump_folder", str(dump), "--metrics.log_freq", "1",
+            "--training.steps", "10", "--checkpoint.enable", *map(str, args)]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def run(dump, *args, nproc=2, expect=0):
+    proc = launch(dump, *args, nproc=nproc)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == expect, out[-3000:]
+    return out
+
+
+def wait_for_step(proc, dump, step):
+    """Until this launch (not an earlier one appending to the same file) has logged `step`."""
+    metrics = os.path.join(dump, "metrics.jsonl")
+    seen = open(metrics).read().count("\n") if os.path.exists(metrics) else 0
+    while True:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        if os.path.exists(metrics):
+            new = [json.loads(line) for line in open(metrics).read().splitlines()[seen:]]
+            if any(r["step"] >= step for r in new):
+                return
+        time.sleep(0.1)
+
+
+def logged(dump):
+    """Loss per step; after a restart the re-run steps overwrite the earlier ones."""
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+def stop_ranks(proc, sig):
+    """Signal the ranks themselves (torchrun puts each in its own session)."""
+    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+        for pid in map(int, f.read().split()):
+            os.kill(pid, sig)
+
+
+def steps_saved(dump):
+    return sorted(int(d.split("-")[1]) for d in os.listdir(os.path.join(dump, "checkpoint")) if d.startswith("step-"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted 10-step runs: FSDP over 2 ranks, and TP=2."""
+    fsdp, tp = tmp_path_factory.mktemp("ref_fsdp"), tmp_path_factory.mktemp("ref_tp")
+    run(fsdp, *FSDP, "--checkpoint.interval", 100)
+    run(tp, "--parallelism.tensor_parallel_degree", 2, "--checkpoint.interval", 100)
+    return {"fsdp": logged(fsdp), "tp": logged(tp)}
+
+
+def test_fsdp_sigkill_then_sigterm_then_finish_is_bitwise_exact(reference, tmp_path):
+    args = (*FSDP, "--checkpoint.interval", 3)
+    proc = launch(tmp_path, *args)
+    wait_for_step(proc, tmp_path, 4)  # step-3 is complete by now
+    stop_ranks(proc, signal.SIGKILL)  # no chance to save anything; torchrun then ends too
+    proc.wait()
+    assert steps_saved(tmp_path) == [3]
+    os.makedirs(tmp_path / "checkpoint" / ".step-99.tmp")  # what a crash in the middle of a save leaves
+
+    proc = launch(tmp_path, *args)  # restart 1: resumes from step-3, ignoring the .tmp folder
+    wait_for_step(proc, tmp_path, 7)
+    stop_ranks(proc, signal.SIGTERM)  # restart 2 will come from the step it stopped at
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "resumed from" in out and "stopping at step" in out, out[-3000:]
+    assert not os.path.exists(tmp_path / "checkpoint" / ".step-99.tmp")  # cleaned by the next save
+
+    stopped_at = steps_saved(tmp_path)[-1]
+    out = run(tmp_path, *args)
+    assert f"resumed from {tmp_path}/checkpoint/step-{stopped_at}" in out
+    assert logged(tmp_path) == reference["fsdp"]
+
+
+def test_tp_resume_is_bitwise_exact(reference, tmp_path):
+    args = ("--parallelism.tensor_parallel_degree", 2, "--checkpoint.interval", 100)
+    proc = launch(tmp_path, *args)
+    wait_for_step(proc, tmp_path, 4)
+    stop_ranks(proc, signal.SIGUSR1)
+    assert proc.wait(timeout=300) == 0
+    run(tmp_path, *args)
+    assert logged(tmp_path) == reference["tp"]
+
+
+def test_resume_on_one_process_continues_the_same_stream(reference, tmp_path):
+    """Data state is per logical stream, so a 2-rank run can resume on 1 rank (same num_streams)."""
+    proc = launch(tmp_path, *FSDP, "--checkpoint.interval", 100)
+    wait_for_step(proc, tmp_path, 4)
+    stop_ranks(proc, signal.SIGTERM)
+    assert proc.wait(timeout=300) == 0
+    run(tmp_path, "--checkpoint.interval", 100, nproc=1)
+    for step, loss in logged(tmp_path).items():
+        assert loss == pytest.approx(reference["fsdp"][step], rel=1e-5)
+
+
+def test_async_save_keep_latest_and_model_only_export(tmp_path):
+    args = ("--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", 2,
+            "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16")
+    out = run(tmp_path, "--checkpoint.interval", 2, *args, nproc=1)
+    assert "(async)" in out and "training blocked" in out
+    assert steps_saved(tmp_path) == [8, 10]  # keep_latest_k = 2
+    final = dcp.FileSystemReader(str(tmp_path / "checkpoint" / "step-10")).read_metadata().state_dict_metadata
+    assert {k.split(".")[0] for k in final} == {"model", "train"} and len(final) == 9 * 6 + 3 + 1
+    assert final["model.output.weight"].properties.dtype == torch.bfloat16
+    assert json.load(open(tmp_path / "checkpoint" / "step-10" / "params.json"))["dim"] == 256
+
+    # The async step-8 is a full checkpoint: resuming from it replays steps 9-10 exactly.
+    first = logged(tmp_path)
+    out = run(tmp_path, "--checkpoint.load_step", 8, "--checkpoint.interval", 100, *args, nproc=1)
+    assert logged(tmp_path) == first
+    # The finished run's newest checkpoint is the export: a restart has nothing to do.
+    out = run(tmp_path, nproc=1)
+    assert "final export of a finished run" in out
+
+    # A new run can start from the exported weights.
+    out = run(tmp_path / "new", "--checkpoint.initial_load_path", tmp_path / "checkpoint" / "step-10",
+              "--training.steps", 2, "--checkpoint.interval", 100, nproc=1)
+    assert "loaded weights from" in out
+    assert logged(tmp_path / "new")[1] < first[1] - 2  # starts from trained weights
+
+
+def test_changed_config_refuses_to_resume(tmp_path):
+    run(tmp_path, "--training.steps", 2, "--checkpoint.interval", 2, nproc=1)
+    out = run(tmp_path, "--training.steps", 4, "--training.seq_len", 128, nproc=1, expect=2)
+    assert "refusing to resume" in out and "training.seq_len: 256 -> 128" in out
+    assert steps_saved(tmp_path) == [2]
+
+
+def test_initial_load_path_errors_are_one_line(tmp_path):
+    out = run(tmp_path / "a", "--checkpoint.initial_load_path", tmp_path / "nothing", nproc=1, expect=2)
+    assert "is not a DCP checkpoint" in out
+    wrong = {"model.tok_embeddings.weight": torch.zeros(100, 256), "model.norm.weight": torch.ones(256)}
+    dcp.save(wrong, checkpoint_id=str(tmp_path / "wrong"), no_dist=True)
+    out = run(tmp_path / "b", "--checkpoint.initial_load_path", tmp_path / "wrong", nproc=1, expect=2)
+    line = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert len(line) == 1 and "model.tok_embeddings.weight (100, 256) vs ours (2048, 256)" in line[0]
+    assert "model.layers.0.attention.wq.weight missing" in line[0] and "(and 51 more)" in line[0]

@@ -1,0 +1,368 @@
+"""Tests for checkpoint_convert.py: Meta <-> DCP <-> Hugging Face, bit-exact round trips, equal logits
+in transformers' LlamaForCausalLM, trainer step-N export, one-line errors, peak memory.
+
+    python -m pytest tests/test_convert.py -q
+
+Peak RSS of each direction for a ~800 MB fp32 model (not a test; prints a table):
+
+    python tests/test_convert.py --measure [--dim 1024 --n_layers 12 --vocab_size 32000]
+"""
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+import checkpoint_convert as C  # noqa: E402
+import model as M  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to")  # DCP without a process group
+
+# Meta's params.json keys only: GQA, Llama 3.1 rope scaling, a vocab that is not Llama 3's.
+PARAMS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=384, multiple_of=32,
+              ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0, use_scaled_rope=True)
+
+
+def convert(command, src, dst, *extra):
+    C.main([command, "--input_dir", str(src), "--output_dir", str(dst), *map(str, extra)])
+    return dst
+
+
+def random_state_dict(args: M.ModelArgs, seed=0, dtype=torch.bfloat16) -> dict:
+    """Sharp-ish random weights: large q/k make attention peaked, so a wrong rope layout shows up."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in M.Transformer(args).state_dict().items()}
+    sd = {}
+    for k, shape in shapes.items():
+        if k.endswith("norm.weight"):
+            w = 1 + 0.2 * torch.randn(shape, generator=gen)
+        elif k.endswith(("wq.weight", "wk.weight")):
+            w = torch.randn(shape, generator=gen) * 2.0 / shape[1] ** 0.5
+        else:
+            w = torch.randn(shape, generator=gen) / shape[-1] ** 0.5
+        sd[k] = w.to(dtype)
+    return sd
+
+
+def write_meta(dir, params: dict, sd: dict, n_shards=1):
+    """Meta's layout, split across model-parallel ranks as Meta's ColumnParallel/RowParallel do."""
+    os.makedirs(dir)
+    with open(os.path.join(dir, "params.json"), "w") as f:
+        json.dump(params, f)
+    sd = {**sd, "rope.freqs": torch.randn(params["dim"] // params["n_heads"] // 2)}  # Meta ships it; dropped
+    for rank in range(n_shards):
+        shard = {}
+        for k, w in sd.items():
+            dim = C.META_SHARD_DIM.get(k.split(".")[-2])
+            shard[k] = w.clone() if dim is None else w.chunk(n_shards, dim=dim)[rank].clone()
+        torch.save(shard, os.path.join(dir, f"consolidated.{rank:02d}.pth"))
+    return dir
+
+
+def read_dcp_model(dir) -> dict:
+    return C.load_dcp(str(dir), C.dcp_model(str(dir))[1])
+
+
+def assert_bitwise_equal(a: dict, b: dict):
+    assert list(a) == list(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k  # bits, not just values
+
+
+def assert_same_model(a: dict, b: dict):
+    """HF keeps the FFN width, not Meta's rule (multiple_of, ffn_dim_multiplier) that produced it."""
+    rule = ("multiple_of", "ffn_dim_multiplier")
+    assert {k: v for k, v in a.items() if k not in rule} == {k: v for k, v in b.items() if k not in rule}
+    assert C.expected_shapes(M.ModelArgs(**a)) == C.expected_shapes(M.ModelArgs(**b))
+
+
+@pytest.fixture(scope="module", params=[8.0, 32.0], ids=["rope8", "rope32"])
+def meta(request, tmp_path_factory):
+    """(Meta params.json dict, bf16 state dict, META_DIR) for rope scaling factors 8 and 32."""
+    params = dict(PARAMS) if request.param == 8.0 else {**PARAMS, "rope_scaling_factor": request.param}
+    sd = random_state_dict(M.ModelArgs(**params))
+    return params, sd, write_meta(tmp_path_factory.mktemp("meta") / "meta", params, sd)
+
+
+@pytest.fixture(scope="module")
+def dcp_dir(meta, tmp_path_factory):
+    return convert("torch2dcp", meta[2], tmp_path_factory.mktemp("dcp") / "dcp")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(dcp_dir, tmp_path_factory):
+    """Small shards, so the index and several files are exercised."""
+    default, C.MAX_SHARD_BYTES = C.MAX_SHARD_BYTES, 60_000
+    try:
+        return convert("dcp2hf", dcp_dir, tmp_path_factory.mktemp("hf") / "hf")
+    finally:
+        C.MAX_SHARD_BYTES = default
+
+
+def test_torch2dcp_dcp2torch_bitwise(meta, dcp_dir, tmp_path):
+    params, sd, _ = meta
+    out = convert("dcp2torch", dcp_dir, tmp_path / "back")
+    assert_bitwise_equal(torch.load(out / "consolidated.00.pth", weights_only=True), sd)
+    assert json.load(open(out / "params.json")) == params  # Meta's keys, no max_seq_len
+    assert json.load(open(dcp_dir / "params.json")) == dataclasses.asdict(M.ModelArgs(**params))
+
+
+def test_dcp2torch_dtype(meta, dcp_dir, tmp_path):
+    out = convert("dcp2torch", dcp_dir, tmp_path / "fp32", "--dtype", "float32")
+    back = torch.load(out / "consolidated.00.pth", weights_only=True)
+    assert all(w.dtype == torch.float32 and torch.equal(w, meta[1][k].float()) for k, w in back.items())
+
+
+def test_model_parallel_shards_merge(meta, tmp_path):
+    params, sd, _ = meta
+    sharded = write_meta(tmp_path / "mp", params, sd, n_shards=2)
+    assert len(torch.load(sharded / "consolidated.01.pth", weights_only=True)["output.weight"]) == 192
+    back = convert("dcp2torch", convert("torch2dcp", sharded, tmp_path / "dcp"), tmp_path / "back")
+    assert_bitwise_equal(torch.load(back / "consolidated.00.pth", weights_only=True), sd)
+
+
+def test_stock_dcp_to_torch_save_reads_output(meta, dcp_dir, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(str(dcp_dir), str(tmp_path / "stock.pt"))
+    assert_bitwise_equal(torch.load(tmp_path / "stock.pt", weights_only=True)["model"], meta[1])
+
+
+def test_hf_logits_match(meta, hf_dir):
+    from transformers import LlamaForCausalLM
+    params, sd, _ = meta
+    args = M.ModelArgs(**params)
+    ours = M.Transformer(args)
+    ours.load_state_dict({k: w.float() for k, w in sd.items()})
+    hf = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    tokens = torch.randint(0, args.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = ours(tokens), hf(tokens).logits
+    assert (got - want).abs().max() < 1e-4
+    # The rope scaling reached transformers (at 48 positions the logits alone barely see the factor).
+    inv_freq = torch.angle(M.precompute_freqs_cis(args)[1]).double()
+    assert torch.allclose(hf.model.rotary_emb.inv_freq.double(), inv_freq, rtol=1e-5)
+    # Without the q/k permutation the logits would differ: the test can see a wrong layout.
+    with torch.no_grad():
+        for layer in ours.layers:
+            for name in ("wq", "wk"):
+                w = getattr(layer.attention, name).weight
+                w.copy_(C.permute_rope(f"attention.{name}.weight", w, args, to_hf=True))
+        assert (ours(tokens) - want).abs().max() > 1e-2
+
+
+def test_hf_files_and_config(meta, dcp_dir, hf_dir, tmp_path):
+    params, sd, _ = meta
+    index = json.load(open(hf_dir / "model.safetensors.index.json"))
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors")) == files
+    assert set(index["weight_map"]) == {C.hf_name(k) for k in sd}
+    assert index["metadata"]["total_size"] == sum(w.nbytes for w in sd.values())
+    config = json.load(open(hf_dir / "config.json"))
+    assert config["intermediate_size"] == sd["layers.0.feed_forward.w1.weight"].shape[0]
+    assert config["torch_dtype"] == "bfloat16" and config["max_position_embeddings"] == 2048
+    assert (config["bos_token_id"], config["eos_token_id"]) == (128, 129)  # vocab - 256, vocab - 255
+    assert config["rope_scaling"]["factor"] == params.get("rope_scaling_factor", 8.0)
+    single = convert("dcp2hf", dcp_dir, tmp_path / "one")  # default 5 GB shards: one file
+    assert sorted(os.listdir(single)) == ["config.json", "model-00001-of-00001.safetensors",
+                                          "model.safetensors.index.json"]
+
+
+def test_dcp2hf_hf2dcp_bitwise(dcp_dir, hf_dir, tmp_path):
+    back = convert("hf2dcp", hf_dir, tmp_path / "back")
+    assert_bitwise_equal(read_dcp_model(back), read_dcp_model(dcp_dir))
+    assert_same_model(json.load(open(back / "params.json")), json.load(open(dcp_dir / "params.json")))
+
+
+def test_hf2dcp_reads_transformers5_config(meta, dcp_dir, hf_dir, tmp_path):
+    """save_pretrained of transformers 5 writes rope_parameters and dtype, not rope_scaling/torch_dtype."""
+    from transformers import LlamaForCausalLM
+    LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).save_pretrained(tmp_path / "saved")
+    config = json.load(open(tmp_path / "saved" / "config.json"))
+    assert "rope_parameters" in config and "rope_scaling" not in config
+    back = convert("hf2dcp", tmp_path / "saved", tmp_path / "back")
+    assert_bitwise_equal(read_dcp_model(back), read_dcp_model(dcp_dir))
+    assert_same_model(json.load(open(back / "params.json")), json.load(open(dcp_dir / "params.json")))
+
+
+def test_hf2dcp_tied_embeddings(dcp_dir, hf_dir, tmp_path):
+    """Llama 3.2 1B/3B on the Hub store lm_head once, tied to the embedding; Meta's format has both."""
+    from safetensors.torch import load_file, save_file
+    tied = tmp_path / "tied"
+    os.makedirs(tied)
+    sd = {}
+    for file in set(json.load(open(hf_dir / "model.safetensors.index.json"))["weight_map"].values()):
+        sd.update(load_file(hf_dir / file))
+    sd["model.embed_tokens.weight"] = sd.pop("lm_head.weight")  # one matrix, used for both
+    save_file(sd, tied / "model.safetensors")
+    config = {**json.load(open(hf_dir / "config.json")), "tie_word_embeddings": True}
+    json.dump(config, open(tied / "config.json", "w"))
+    back = read_dcp_model(convert("hf2dcp", tied, tmp_path / "dcp"))
+    assert torch.equal(back["output.weight"], back["tok_embeddings.weight"])
+    assert torch.equal(back["output.weight"], read_dcp_model(dcp_dir)["output.weight"])
+
+
+def test_trainer_step_folder_exports_model_only(meta, tmp_path):
+    params, sd, _ = meta
+    args = M.ModelArgs(**params)
+    fp32 = {k: w.float() for k, w in sd.items()}  # the trainer keeps fp32 weights
+    step = tmp_path / "checkpoint" / "step-3"
+    dcp.save({"model": fp32,
+              "optimizer": {f"state.{k}.exp_avg": torch.randn_like(w) for k, w in fp32.items()},
+              "train": {"step": torch.tensor(3), "lr_scheduler": torch.zeros(17, dtype=torch.uint8)},
+              "data_dp0": torch.zeros(9, dtype=torch.uint8), "rng_rank0": torch.get_rng_state()},
+             checkpoint_id=str(step), no_dist=True)
+    json.dump(dataclasses.asdict(args), open(step / "params.json", "w"))
+    back = convert("dcp2torch", step, tmp_path / "meta") / "consolidated.00.pth"
+    assert_bitwise_equal(torch.load(back, weights_only=True), fp32)
+    hf = convert("dcp2hf", step, tmp_path / "hf")
+    assert_bitwise_equal(read_dcp_model(convert("hf2dcp", hf, tmp_path / "dcp")), fp32)
+
+
+def error_case(name, tmp_path):
+    """Build a bad input for case `name`; return (command, input_dir, output_dir, words in the error)."""
+    params, sd = PARAMS, random_state_dict(M.ModelArgs(**PARAMS))
+    out = tmp_path / "out"
+    if name == "missing_input":
+        return "torch2dcp", tmp_path / "nope", out, ["nope", "does not exist"]
+    if name == "optimizer_only":
+        dcp.save({"optimizer": {"state.w.exp_avg": torch.zeros(3)}}, checkpoint_id=str(tmp_path / "o"),
+                 no_dist=True)
+        json.dump(dataclasses.asdict(M.ModelArgs(**params)), open(tmp_path / "o" / "params.json", "w"))
+        return "dcp2hf", tmp_path / "o", out, ["no model.* tensors", "step-N"]
+    if name == "missing_params":
+        dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "p"), no_dist=True)
+        return "dcp2torch", tmp_path / "p", out, ["params.json", "missing"]
+    if name == "shard_shapes":
+        bad = write_meta(tmp_path / "mp", params, sd, n_shards=2)
+        shard = torch.load(bad / "consolidated.01.pth", weights_only=True)
+        shard["layers.1.attention.wo.weight"] = shard["layers.1.attention.wo.weight"][:-1]
+        torch.save(shard, bad / "consolidated.01.pth")
+        return "torch2dcp", bad, out, ["consolidated.01.pth", "layers.1.attention.wo.weight", "dim 1"]
+    if name == "params_mismatch":
+        bad = write_meta(tmp_path / "pm", {**params, "n_layers": 3}, sd)
+        return "torch2dcp", bad, out, ["layers.2.", "absent in the weights", "same model"]
+    if name == "no_safetensors":
+        os.makedirs(tmp_path / "hf")
+        config = C.hf_config(M.ModelArgs(**params), torch.bfloat16)
+        json.dump(config, open(tmp_path / "hf" / "config.json", "w"))
+        return "hf2dcp", tmp_path / "hf", out, ["model.safetensors", "No such file"]
+    if name == "output_not_empty":
+        os.makedirs(out)
+        open(out / "keep.txt", "w").write("mine")
+        return "torch2dcp", write_meta(tmp_path / "meta", params, sd), out, ["not empty"]
+    raise ValueError(name)
+
+
+ERROR_CASES = ["missing_input", "optimizer_only", "missing_params", "shard_shapes", "params_mismatch",
+               "no_safetensors", "output_not_empty"]
+
+
+@pytest.fixture(scope="module")
+def error_runs(tmp_path_factory):
+    """Each bad input through the converter as a user runs it (a subprocess), all started at once."""
+    runs = {}
+    for name in ERROR_CASES:
+        tmp_path = tmp_path_factory.mktemp(name)
+        command, src, out, words = error_case(name, tmp_path)
+        proc = subprocess.Popen([sys.executable, "checkpoint_convert.py", command, "--input_dir", str(src),
+                                 "--output_dir", str(out)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        runs[name] = (proc, tmp_path, out, words)
+    results = {}
+    for name, (proc, *rest) in runs.items():
+        stderr = proc.communicate()[1]
+        results[name] = (proc.returncode, stderr, *rest)
+    return results
+
+
+@pytest.mark.parametrize("name", ERROR_CASES)
+def test_errors_are_one_line(name, error_runs):
+    returncode, stderr, tmp_path, out, words = error_runs[name]
+    assert returncode == 1, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert all(w in lines[0] for w in words), lines[0]
+    if name == "output_not_empty":
+        assert os.listdir(out) == ["keep.txt"]  # untouched
+    else:
+        assert not out.exists()
+    assert not [d for d in os.listdir(tmp_path) if d.startswith(".out.")]  # no temp folder left
+
+
+# --- peak memory ----------------------------------------------------------------------------------------
+
+MEASURE = """if 1:
+    import os, resource, sys, checkpoint_convert as C
+    workdir, C.MAX_SHARD_BYTES = sys.argv[1], int(sys.argv[2])
+    for command, src, dst in [("torch2dcp", "meta", "dcp"), ("dcp2torch", "dcp", "meta2"),
+                              ("dcp2hf", "dcp", "hf"), ("hf2dcp", "hf", "dcp2")]:
+        if os.fork() == 0:  # a fresh peak per command, without paying python + torch startup again
+            peaks = []
+            for name in ("tiny", "big"):
+                C.main([command, "--input_dir", os.path.join(workdir, name, src),
+                        "--output_dir", os.path.join(workdir, name, dst)])
+                peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
+            print("RSS", command, *peaks, flush=True)
+            os._exit(0)
+        assert os.wait()[1] == 0, command
+"""
+
+
+def measure_peak_rss(workdir, params: dict, dtype=torch.float32, n_shards=1,
+                     max_shard_bytes=C.MAX_SHARD_BYTES) -> dict:
+    """{command: (peak RSS growth, checkpoint size)} in bytes for each direction, in a subprocess.
+
+    The baseline is the peak after converting a tiny checkpoint in the same process first, so imports
+    and one-off allocations made on first use do not count as the conversion's memory."""
+    for name, p in (("tiny", PARAMS), ("big", params)):
+        write_meta(os.path.join(workdir, name, "meta"), p, random_state_dict(M.ModelArgs(**p), dtype=dtype),
+                   n_shards)
+    size = sum(os.path.getsize(f) for f in glob.glob(os.path.join(workdir, "big", "meta", "*.pth")))
+    result = subprocess.run([sys.executable, "-c", MEASURE, str(workdir), str(max_shard_bytes)],
+                            capture_output=True, text=True, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RSS ")]
+    return {command: ((int(peak) - int(base)) * 1024, size) for command, base, peak in rows}
+
+
+def test_peak_rss_small(tmp_path):
+    params = dict(PARAMS, dim=256, n_heads=8, n_kv_heads=4, n_layers=8, vocab_size=4096, multiple_of=64)
+    for command, (growth, size) in measure_peak_rss(tmp_path, params).items():
+        report = f"{command}: peak RSS grew {growth / 1e6:.0f} MB for a {size / 1e6:.0f} MB checkpoint"
+        print(report)  # visible with pytest -s
+        assert 15e6 < size and growth < 1.5 * size, report
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--measure", action="store_true", required=True)
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--n_layers", type=int, default=12)
+    parser.add_argument("--vocab_size", type=int, default=32000)
+    parser.add_argument("--n_shards", type=int, default=1, help="model-parallel consolidated.NN.pth files")
+    parser.add_argument("--max_shard_bytes", type=int, default=C.MAX_SHARD_BYTES, help="dcp2hf's file size")
+    parser.add_argument("--workdir", default=None, help="default: a temp folder, removed afterwards")
+    opts = parser.parse_args()
+    params = dict(PARAMS, dim=opts.dim, n_layers=opts.n_layers, n_heads=16, n_kv_heads=4,
+                  vocab_size=opts.vocab_size, multiple_of=256, ffn_dim_multiplier=None)
+    with tempfile.TemporaryDirectory(dir=opts.workdir) as workdir:
+        for command, (growth, size) in measure_peak_rss(workdir, params, torch.float32, opts.n_shards,
+                                                        opts.max_shard_bytes).items():
+            print(f"{command:10s} checkpoint {size / 2**20:5.0f} MiB  peak RSS growth "
+                  f"{growth / 2**20:5.0f} MiB ({growth / size:.2f}x)")
