@@ -1,6 +1,7 @@
 """Checkpointing in train.py: exact resume after SIGKILL and SIGTERM (FSDP and TP), async saves,
 keep_latest_k, the model-only export, initial_load_path and refused resumes. CPU, gloo."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -155,3 +156,38 @@ def test_initial_load_path_errors_are_one_line(tmp_path):
     line = [ln for ln in out.splitlines() if ln.startswith("error:")]
     assert len(line) == 1 and "model.tok_embeddings.weight (100, 256) vs ours (2048, 256)" in line[0]
     assert "model.layers.0.attention.wq.weight missing" in line[0] and "(and 51 more)" in line[0]
+
+
+def test_initial_load_from_converted_meta_weights(tmp_path):
+    """Meta-format weights -> checkpoint_convert.py torch2dcp -> train.py starts from exactly them."""
+    sys.path.insert(0, ROOT)
+    import torch.nn.functional as F
+    import train
+    from data import DataLoader, Tokenizer
+    from model import Transformer, flavors
+
+    torch.manual_seed(7)
+    model = Transformer(flavors["debugmodel"])
+    model.init_weights()
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    torch.save({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}, meta / "consolidated.00.pth")
+    params = {k: getattr(flavors["debugmodel"], k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads",
+              "vocab_size", "multiple_of", "ffn_dim_multiplier", "norm_eps", "rope_theta", "use_scaled_rope")}
+    (meta / "params.json").write_text(json.dumps(params))
+    subprocess.run([sys.executable, "checkpoint_convert.py", "torch2dcp", "--input_dir", str(meta),
+                    "--output_dir", str(tmp_path / "dcp")], cwd=ROOT, check=True)
+    out = run(tmp_path / "run", "--checkpoint.initial_load_path", tmp_path / "dcp", "--training.steps", 1, nproc=1)
+    assert "loaded weights from" in out
+
+    # The logged step-1 loss is the converted (bf16-rounded) weights' loss on the first global batch.
+    cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml")])
+    cfg.data.sources = [dataclasses.replace(s, path=os.path.join(ROOT, s.path)) for s in cfg.data.sources]
+    loader = DataLoader(cfg.data.sources, Tokenizer(os.path.join(ROOT, cfg.model.tokenizer_path)), 256, 8, 0, 1, 2,
+                        cfg.data.seed)
+    inputs, labels = next(loader)
+    loader.close()
+    model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()})
+    with torch.no_grad():
+        expected = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten()).item()
+    assert logged(tmp_path / "run")[1] == pytest.approx(expected, rel=1e-5)
