@@ -12,11 +12,15 @@ the same global batch, and resuming with another DP degree that divides num_stre
 
 import base64
 import binascii
+import json
 import os
+import random
 import time
 from dataclasses import dataclass
 from typing import Optional
 
+import fsspec
+import pyarrow.parquet as pq
 import torch
 
 
@@ -94,57 +98,86 @@ class DataSource:
 
 
 class SourceReader:
-    """Documents of one source for one logical stream, cycling through epochs.
+    """Documents of one source for one logical stream, epoch after epoch.
 
-    State: (epoch, rows read in this epoch). A restart re-opens the stream and skips the rows read
-    (re-reading them: the production pipeline will seek instead).
+    `datasets` resolves (path, config, data_files, split, revision) to a file list, the same way for a
+    hub id and a local folder; the files are then read here (parquet by row group, json lines), so the
+    position (epoch, file, row) is exact and a restart seeks straight to it. Each epoch shuffles the
+    files with (seed, source, epoch). Streams take every num_streams-th file when there are enough
+    files, otherwise every num_streams-th row of every file.
     """
 
     def __init__(self, src: DataSource, stream: int, num_streams: int, seed: int):
         self.src, self.stream, self.num_streams, self.seed = src, stream, num_streams, seed
-        self.epoch, self.rows = 0, 0
-        self._it = None
+        self.epoch, self.file, self.row = 0, 0, 0  # the next document to read
+        self._all_files, self._it = None, None
 
-    def _open(self):
-        from datasets import load_dataset
-        from datasets.distributed import split_dataset_by_node
+    def _files(self) -> list:
+        if self._all_files is None:
+            from datasets import load_dataset_builder
+            s = self.src
+            try:
+                builder = load_dataset_builder(s.path, name=s.config, data_files=s.data_files, revision=s.revision)
+                self._all_files = sorted(builder.config.data_files[s.split])
+            except (FileNotFoundError, KeyError) as e:  # also DataFilesNotFoundError, EmptyDatasetError
+                raise DataError(f"data source {s.name!r}: no {s.split!r} files for path={s.path!r} "
+                                f"data_files={s.data_files!r} ({type(e).__name__}: {e})".replace("\n", " "))
+        files = list(self._all_files)
+        random.Random(f"{self.seed}/{self.src.name}/{self.epoch}").shuffle(files)
+        return files[self.stream::self.num_streams] if len(files) >= self.num_streams else files
 
-        s = self.src
-        try:
-            ds = load_dataset(s.path, name=s.config, data_files=s.data_files, split=s.split,
-                              streaming=True, revision=s.revision)
-        except FileNotFoundError as e:  # also datasets' DataFilesNotFoundError / EmptyDatasetError
-            raise DataError(f"data source {s.name!r}: {s.path} / {s.data_files}: {e}".replace("\n", " "))
-        if s.text_column not in (ds.column_names or [s.text_column]):
-            raise DataError(f"data source {s.name!r}: no column {s.text_column!r} in {s.path} "
-                             f"(columns: {ds.column_names}); set text_column")
-        ds = ds.select_columns([s.text_column])
-        # Whole files per stream when they divide evenly, otherwise every n-th row.
-        ds = split_dataset_by_node(ds, rank=self.stream, world_size=self.num_streams)
-        # A new file order each epoch, fixed by (seed, epoch); buffer_size=1 keeps rows in file order,
-        # so a row count is an exact position.
-        ds = ds.shuffle(seed=self.seed, buffer_size=1)
-        ds.set_epoch(self.epoch)
-        return iter(ds.skip(self.rows)) if self.rows else iter(ds)
+    def _rows(self, path: str, start: int):
+        """(row, text) of one file from row `start` on: parquet seeks by row group, json skips lines."""
+        col = self.src.text_column
+        with fsspec.open(path, "rb", compression="infer") as f:
+            if path.endswith(".parquet"):
+                pf = pq.ParquetFile(f)
+                if col not in pf.schema_arrow.names:
+                    raise DataError(f"data source {self.src.name!r}: no column {col!r} in {path} (columns: "
+                                    f"{pf.schema_arrow.names}); set text_column")
+                first = 0
+                for g in range(pf.num_row_groups):
+                    n = pf.metadata.row_group(g).num_rows
+                    if first + n > start:
+                        texts = pf.read_row_group(g, columns=[col]).column(0).to_pylist()
+                        yield from ((first + i, t) for i, t in enumerate(texts) if first + i >= start)
+                    first += n
+            else:  # json lines, plain or compressed (the extension tells fsspec which)
+                for row, line in enumerate(f):
+                    if row >= start and line.strip():
+                        doc = json.loads(line)
+                        if col not in doc:
+                            raise DataError(f"data source {self.src.name!r}: no key {col!r} in {path} row "
+                                            f"{row} (keys: {sorted(doc)}); set text_column")
+                        yield row, doc[col]
+
+    def _documents(self):
+        """Yield texts from the current position on, keeping (epoch, file, row) up to date."""
+        while True:
+            files, whole_epoch, found = self._files(), self.file == 0 and self.row == 0, False
+            by_rows = len(self._all_files) < self.num_streams  # too few files: split rows instead
+            while self.file < len(files):
+                for row, text in self._rows(files[self.file], self.row):
+                    if by_rows and row % self.num_streams != self.stream:
+                        continue
+                    self.row, found = row + 1, True
+                    yield text or ""
+                self.file, self.row = self.file + 1, 0
+            if whole_epoch and not found:
+                raise DataError(f"data source {self.src.name!r} ({self.src.path}) has no rows for stream "
+                                f"{self.stream} of {self.num_streams}")
+            self.epoch, self.file, self.row = self.epoch + 1, 0, 0
 
     def next_text(self) -> str:
-        for attempt in range(2):
-            if self._it is None:
-                self._it = self._open()
-            for row in self._it:
-                self.rows += 1
-                return row[self.src.text_column] or ""
-            if self.rows == 0:
-                raise DataError(f"data source {self.src.name!r} ({self.src.path}) has no rows for "
-                                 f"stream {self.stream} of {self.num_streams}")
-            self.epoch, self.rows, self._it = self.epoch + 1, 0, None  # wrap to the next epoch
-        raise AssertionError("unreachable")
+        if self._it is None:
+            self._it = self._documents()
+        return next(self._it)
 
     def state_dict(self):
-        return {"epoch": self.epoch, "rows": self.rows}
+        return {"epoch": self.epoch, "file": self.file, "row": self.row}
 
     def load_state_dict(self, sd):
-        self.epoch, self.rows, self._it = sd["epoch"], sd["rows"], None
+        self.epoch, self.file, self.row, self._it = sd["epoch"], sd["file"], sd["row"], None
 
 
 # ---------------------------------------------------------------------------------------------------

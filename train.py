@@ -825,7 +825,10 @@ def main(cfg: Config):
             logger.info(f"stopping at step {step} on signal")
             break
 
-    loader.close()  # finish the readers' file generators while the interpreter is still whole
+    # A second preemption signal during shutdown must not kill a rank that already saved (Python would
+    # restore the default, fatal, handler while exiting): ignore them from here on.
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     if metrics_file:
         metrics_file.close()
     if tb:

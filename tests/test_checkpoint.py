@@ -63,12 +63,9 @@ def steps_saved(dump):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Uninterrupted 10-step runs: FSDP over 2 ranks, and TP=2."""
-    fsdp, tp = tmp_path_factory.mktemp("ref_fsdp"), tmp_path_factory.mktemp("ref_tp")
-    run(fsdp, *FSDP, "--checkpoint.interval", 100)
-    run(tp, "--parallelism.tensor_parallel_degree", 2, "--checkpoint.interval", 100)
-    return {"fsdp": logged(fsdp), "tp": logged(tp)}
+def reference(fsdp_reference, tp_reference):
+    """Losses of the uninterrupted 10-step runs (conftest.py): FSDP over 2 ranks, and TP=2."""
+    return {"fsdp": logged(fsdp_reference[0]), "tp": logged(tp_reference[0])}
 
 
 def test_fsdp_sigkill_then_sigterm_then_finish_is_bitwise_exact(reference, tmp_path):
@@ -94,7 +91,8 @@ def test_fsdp_sigkill_then_sigterm_then_finish_is_bitwise_exact(reference, tmp_p
 
 
 def test_tp_resume_is_bitwise_exact(reference, tmp_path):
-    args = ("--parallelism.tensor_parallel_degree", 2, "--checkpoint.interval", 100)
+    args = ("--parallelism.tensor_parallel_degree", 2, "--activation_checkpoint.mode", "selective",
+            "--checkpoint.interval", 100)
     proc = launch(tmp_path, *args)
     wait_for_step(proc, tmp_path, 4)
     stop_ranks(proc, signal.SIGUSR1)

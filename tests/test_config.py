@@ -11,7 +11,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import train  # noqa: E402
-from model import Transformer, flavors  # noqa: E402
 
 DEBUG = os.path.join(ROOT, "configs", "debug_model.toml")
 

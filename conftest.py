@@ -1,0 +1,32 @@
+"""Reference training runs shared by test_smoke.py and tests/: each costs ~20 s of CPU, run once."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _train_2proc(dump, *args):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump), "--metrics.log_freq", "1",
+           "--training.steps", "10", *map(str, args)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return dump, proc.stdout
+
+
+@pytest.fixture(scope="session")
+def fsdp_reference(tmp_path_factory):
+    """(dump folder, stdout) of 10 steps on 2 ranks, FSDP, global batch 8, checkpoints at 5 and 10."""
+    return _train_2proc(tmp_path_factory.mktemp("ref_fsdp"), "--training.local_batch_size", 4,
+                        "--checkpoint.enable", "--checkpoint.interval", 5)
+
+
+@pytest.fixture(scope="session")
+def tp_reference(tmp_path_factory):
+    """(dump folder, stdout) of 10 steps on 2 ranks, tensor parallel 2, selective AC, global batch 8."""
+    return _train_2proc(tmp_path_factory.mktemp("ref_tp"), "--parallelism.tensor_parallel_degree", 2,
+                        "--activation_checkpoint.mode", "selective")
