@@ -1,0 +1,359 @@
+"""slurm/multinode.sbatch on a real Slurm: a 2-node CPU job, and a job that hits its time limit, checkpoints on
+the warning signal, requeues itself and resumes with bitwise the same losses as an uninterrupted run.
+
+    bash .ci/install_slurm.sh          # munge slurmctld slurmd slurm-client shellcheck (Debian, as root)
+    python -m pytest tests/test_slurm.py -v
+
+The module starts its own munged, slurmctld and two slurmd (nodes n1 and n2 on this one machine), all on
+127.0.0.1 with state under a pytest tmp folder, and stops them by PID at the end. The slurmds run in a private
+mount namespace whose /etc/hosts maps n1 and n2 to 127.0.0.1, so the jobs can resolve their node names.
+Without root or the packages the cluster tests skip, saying why. About 4 minutes on 2 cores.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SBATCH = os.path.join(ROOT, "slurm", "multinode.sbatch")
+NODES = ("n1", "n2")
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel", "unshare",
+           "mount")
+DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+        "PREEMPTED"}
+
+# Small steps (the debug model at seq 64, 2 sequences per rank: 0.2-0.4 s a step on 2 cores), many of them:
+# the time-limit job must still be training when Slurm's warning comes (up to 45 s after the start, below).
+STEPS = 240
+TRAIN_ARGS = ["--training.steps", str(STEPS), "--training.seq_len", "64", "--training.local_batch_size", "2",
+              "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "100000"]
+
+
+# -------------------------------------------------------------------------------------------------------
+# A throwaway 2-node cluster
+# -------------------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path, n=40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return f"(no {path})"
+
+
+class Cluster:
+    def __init__(self, tmp):
+        self.tmp = str(tmp)
+        self.conf = os.path.join(self.tmp, "slurm.conf")
+        self.procs = []  # (name, Popen) in start order
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))}
+        bin_dir = os.path.join(self.tmp, "bin")  # `torchrun` for the jobs = this interpreter's torch
+        os.makedirs(bin_dir)
+        with open(os.path.join(bin_dir, "torchrun"), "w") as f:
+            f.write(f'#!/bin/sh\nexec "{sys.executable}" -m torch.distributed.run "$@"\n')
+        os.chmod(os.path.join(bin_dir, "torchrun"), 0o755)
+        env.update(SLURM_CONF=self.conf, PATH=f"{bin_dir}:{os.path.dirname(sys.executable)}:{env.get('PATH', '')}",
+                   CUDA_VISIBLE_DEVICES="", GLOO_SOCKET_IFNAME="lo", LOGLEVEL="INFO", PYTHONUNBUFFERED="1")
+        self.env = env
+
+    def write_config(self):
+        t = self.tmp
+        for d in ("state", "spool/n1", "spool/n2"):
+            os.makedirs(os.path.join(t, d), exist_ok=True)
+        cpus = os.cpu_count() or 1
+        nodes = "\n".join(f"NodeName={n} NodeAddr=127.0.0.1 Port={free_port()} CPUs={cpus} State=UNKNOWN"
+                          for n in NODES)
+        with open(self.conf, "w") as f:
+            f.write(f"""\
+ClusterName=ci
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={free_port()}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# cred_expire also sets how long a requeued job is held (default 120 s)
+AuthInfo=socket={t}/munge.sock,cred_expire=10
+# only 127.0.0.1, never every interface
+CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
+StateSaveLocation={t}/state
+SlurmdSpoolDir={t}/spool/%n
+SlurmctldPidFile={t}/slurmctld.pid
+SlurmdPidFile={t}/slurmd-%n.pid
+SlurmctldLogFile={t}/slurmctld.log
+SlurmdLogFile={t}/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+MailProg=/bin/true
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SwitchType=switch/none
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+ReturnToService=2
+SchedulerParameters=sched_interval=5,bf_interval=5
+# a job past its time limit is killed at once, SIGKILL 5 s after SIGTERM
+OverTimeLimit=0
+KillWait=5
+MinJobAge=3600
+{nodes}
+PartitionName=ci Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
+""")
+        with open("/etc/hosts") as f:
+            hosts = f.read()
+        with open(os.path.join(t, "hosts"), "w") as f:
+            f.write(hosts.rstrip("\n") + f"\n127.0.0.1 {' '.join(NODES)}\n")
+        with open(os.path.join(t, "munge.key"), "wb") as f:
+            f.write(os.urandom(1024))
+        os.chmod(os.path.join(t, "munge.key"), 0o400)
+
+    def spawn(self, name, cmd):
+        log = open(os.path.join(self.tmp, f"{name}.out"), "w")
+        proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.procs.append((name, proc))
+
+    def start(self):
+        t = self.tmp
+        self.write_config()
+        self.spawn("munged", ["munged", "-F", "--force", f"--socket={t}/munge.sock", f"--key-file={t}/munge.key",
+                              f"--pid-file={t}/munged.pid", f"--seed-file={t}/munged.seed",
+                              f"--log-file={t}/munged.log"])
+        self.wait_for(lambda: os.path.exists(f"{t}/munge.sock"), 10, "munged did not create its socket")
+        self.spawn("slurmctld", ["slurmctld", "-D"])
+        for node in NODES:  # private mount namespace: /etc/hosts with n1 n2, only for slurmd and its jobs
+            self.spawn(f"slurmd-{node}", ["unshare", "--mount", "sh", "-c",
+                                          'mount --bind "$1" /etc/hosts && exec slurmd -D -N "$2"', "sh",
+                                          f"{t}/hosts", node])
+        self.wait_for(lambda: self.run("sinfo", "-h", "-o", "%T %D", check=False).stdout.split() == ["idle", "2"],
+                      30, "the two nodes did not come up idle")
+
+    def wait_for(self, ready, timeout, what):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            dead = [n for n, p in self.procs if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"{what}: {dead} exited\n{self.logs()}")
+            if ready():
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"{what} within {timeout} s\n{self.logs()}")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n}:\n{tail(os.path.join(self.tmp, f'{n}.out'), 15)}" for n, _ in self.procs)
+
+    def run(self, *cmd, check=True, **kw):
+        proc = subprocess.run(cmd, env=kw.pop("env", self.env), capture_output=True, text=True, timeout=60, **kw)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)}: exit {proc.returncode}\n{proc.stdout}{proc.stderr}")
+        return proc
+
+    def sbatch(self, name, env, sbatch_args, train_args) -> str:
+        out = self.run("sbatch", "--parsable", f"--job-name={name}", "--nodes=2",
+                       f"--output={self.tmp}/{name}-%j.out", *sbatch_args, SBATCH, *train_args,
+                       cwd=ROOT, env={**self.env, **env}).stdout
+        return out.strip().split(";")[0]
+
+    def job(self, job_id) -> dict:
+        out = self.run("scontrol", "show", "job", "-o", job_id).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", out))
+
+    def stop(self):
+        """Cancel what still runs, stop the daemons by PID, then any job process they left behind."""
+        try:
+            if any(n == "slurmctld" and p.poll() is None for n, p in self.procs):
+                ids = self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
+                if ids:
+                    self.run("scancel", *ids, check=False)
+                    deadline = time.time() + 20
+                    while time.time() < deadline and self.run("squeue", "-h", check=False).stdout.strip():
+                        time.sleep(0.5)
+            deadline = time.time() + 10  # let finished steps' slurmstepd exit and be reaped by slurmd
+            while time.time() < deadline and self.leftovers(daemons=False):
+                time.sleep(0.5)
+        finally:
+            for _, proc in reversed(self.procs):
+                if proc.poll() is None:
+                    proc.terminate()
+                    try:
+                        proc.wait(timeout=15)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+            for pid in self.leftovers():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def leftovers(self, daemons=True) -> list:
+        """Processes whose environment carries this cluster's SLURM_CONF: slurmstepd and job processes, and
+        with daemons=True also the daemons (and slurmctld's slurmscriptd)."""
+        mark = f"SLURM_CONF={self.conf}".encode()
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            if int(pid) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if mark not in f.read().split(b"\0"):
+                        continue
+                with open(f"/proc/{pid}/comm") as f:
+                    comm = f.read().strip()
+            except OSError:
+                continue
+            if daemons or comm not in ("munged", "slurmctld", "slurmd", "slurmscriptd"):
+                found.append(int(pid))
+        return found
+
+
+def why_no_cluster():
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "needs root (munged, slurmctld and slurmd run as root here)"
+    missing = [b for b in DAEMONS if shutil.which(b) is None]
+    if missing:
+        return f"missing {' '.join(missing)}: run .ci/install_slurm.sh (Debian: munge slurmctld slurmd slurm-client)"
+    probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"unshare --mount is not permitted here: {probe.stderr.strip()}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = why_no_cluster()
+    if reason:
+        pytest.skip(f"no Slurm cluster: {reason}")
+    c = Cluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        try:
+            c.start()
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            pytest.skip(f"no Slurm cluster: the scheduler did not start: {e}")
+        yield c
+    finally:
+        c.stop()
+
+
+# -------------------------------------------------------------------------------------------------------
+# Helpers for the jobs
+# -------------------------------------------------------------------------------------------------------
+
+def wait_job(cluster, job_id, timeout, log, on_poll=None) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        info = cluster.job(job_id)
+        if on_poll:
+            on_poll(info)
+        if info.get("JobState") in DONE:
+            return info
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} not finished after {timeout} s: {cluster.job(job_id)}\n{tail(log, 60)}\n"
+                         f"--- slurmctld.log:\n{tail(os.path.join(cluster.tmp, 'slurmctld.log'), 20)}")
+
+
+def read(path) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def losses(dump) -> list:
+    """(step, loss) per metrics.jsonl line, in file order."""
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        return [(r["step"], r["loss"]) for r in map(json.loads, f)]
+
+
+def job_env(cluster, **extra):
+    return {"CONFIG_FILE": "configs/debug_model.toml", "NPROC_PER_NODE": "1", "PORT": str(free_port()), **extra}
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory):
+    """An uninterrupted 2-node x 1-process run: the baseline for the time-limit test."""
+    dump = str(tmp_path_factory.mktemp("reference"))
+    job_id = cluster.sbatch("reference", job_env(cluster), [], ["--job.dump_folder", dump, *TRAIN_ARGS])
+    log = os.path.join(cluster.tmp, f"reference-{job_id}.out")
+    info = wait_job(cluster, job_id, 420, log)
+    return job_id, info, dump, log
+
+
+# -------------------------------------------------------------------------------------------------------
+# Tests
+# -------------------------------------------------------------------------------------------------------
+
+def test_shellcheck_slurm_scripts():
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed (.ci/install_slurm.sh installs it)")
+    scripts = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(ROOT, "slurm")) for f in sorted(files)
+               if f.endswith((".sh", ".sbatch"))]
+    scripts.append(os.path.join(ROOT, ".ci", "install_slurm.sh"))
+    assert len(scripts) >= 5, scripts
+    proc = subprocess.run(["shellcheck", "--shell=bash", *scripts], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_two_node_job_completes(cluster, reference):
+    job_id, info, dump, log = reference
+    out = read(log)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out[-4000:]}"
+    assert info["NumNodes"] == "2" and info["NodeList"] == "n[1-2]", info
+    assert "world 2 = dp_replicate 1 x dp_shard 2" in out, out[-4000:]
+    # one torchrun agent per node joined the rendezvous, each as its own node rank (srun labels every line
+    # with the task id, one task per node; which node becomes rank 0 is up to the rendezvous)
+    node_ranks = dict(re.findall(r"^(\d+): .*\]\s+group_rank=(\d+)$", out, re.M))
+    assert sorted(node_ranks) == ["0", "1"] and sorted(node_ranks.values()) == ["0", "1"], out[-4000:]
+    assert len(re.findall(r"^\d+: .*\]\s+group_world_size=2$", out, re.M)) == 2, out[-4000:]
+    steps = [s for s, _ in losses(dump)]
+    assert steps == list(range(1, STEPS + 1))
+    assert os.path.isdir(os.path.join(dump, "checkpoint", f"step-{STEPS}"))
+
+
+def test_time_limit_checkpoints_requeues_and_resumes_exactly(cluster, reference, tmp_path):
+    """--time=2 with the warning 75 s before the end: slurmctld checks time limits every 30 s and sends the
+    warning at the last check before it is due, so 15-45 s after the start: after train.py has installed its
+    handler, while it trains, and long before the kill at 120-150 s. The job checkpoints, requeues itself
+    and resumes."""
+    dump = str(tmp_path / "dump")
+    job_id = cluster.sbatch("timelimit", job_env(cluster), ["--time=2", "--signal=B:USR1@75"],
+                            ["--job.dump_folder", dump, *TRAIN_ARGS])
+    log = os.path.join(cluster.tmp, f"timelimit-{job_id}.out")
+    extended = []
+
+    def extend_after_requeue(info):
+        # The resumed run gets 5 minutes so that it is not interrupted again (that would work too, only slower).
+        if not extended and info.get("Restarts") == "1" and info.get("JobState") == "PENDING":
+            cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=5")
+            extended.append(time.time())
+
+    info = wait_job(cluster, job_id, 540, log, on_poll=extend_after_requeue)
+    out = read(log)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out[-5000:]}"
+    assert info["Restarts"] == "1", f"expected exactly one requeue: {info}\n{out[-5000:]}"
+    assert "SIGUSR1: the time limit is near" in out and "requeueing job" in out, out[-5000:]
+    stopped = re.findall(r"stopping at step (\d+) on signal", out)
+    assert len(stopped) == 1, f"the job was not stopped by the warning (machine too fast?)\n{out[-5000:]}"
+    k = int(stopped[0])
+    assert 0 < k < STEPS
+    assert re.search(rf"resumed from \S*step-{k} at step {k}", out), out[-5000:]
+    assert sorted(os.listdir(os.path.join(dump, "checkpoint"))) == sorted([f"step-{k}", f"step-{STEPS}"])
+
+    got, want = losses(dump), losses(reference[2])
+    assert [s for s, _ in got] == list(range(1, STEPS + 1)), "every step logged once, none repeated"
+    assert got == want, next(f"step {a[0]}: {a[1]!r} != {b[1]!r}" for a, b in zip(got, want) if a != b)
