@@ -710,10 +710,11 @@ def main(cfg: Config):
     if load_step is not None:
         path = os.path.join(ckpt_folder, f"step-{load_step}")
         if load_step >= cfg.training.steps and "train.tokens_seen" not in read_checkpoint_metadata(path, model):
+            step = load_step  # the loop below has nothing left to do
             logger.info(f"{path} is the final export of a finished run: nothing to do")
-            return
-        step, tokens_seen = load(path, model_only=False)
-        logger.info(f"resumed from {path} at step {step}")
+        else:
+            step, tokens_seen = load(path, model_only=False)
+            logger.info(f"resumed from {path} at step {step}")
     elif ckpt.initial_load_path:
         step, tokens_seen = load(ckpt.initial_load_path, model_only=ckpt.initial_load_model_only)
         logger.info(f"loaded {'weights' if ckpt.initial_load_model_only else 'state'} from "
@@ -723,6 +724,13 @@ def main(cfg: Config):
     ckpt_group = dist.new_group(backend="gloo") if ckpt.enable and ckpt.async_mode == "async" else None
     pending = None  # (future, step) of an async save whose folder is not renamed into place yet
     params_json = dataclasses.asdict(model_args)  # written next to each checkpoint
+
+    def finish_async_save():
+        nonlocal pending
+        pending[0].result()
+        commit_save(ckpt_folder, pending[1], params_json, ckpt.keep_latest_k, rank)
+        logger.info(f"saved checkpoint {ckpt_folder}/step-{pending[1]} (async)")
+        pending = None
 
     # --- training loop ------------------------------------------------------------------------------------
     metrics_file = open(os.path.join(cfg.job.dump_folder, "metrics.jsonl"), "a") if rank == 0 else None
@@ -794,22 +802,17 @@ def main(cfg: Config):
             log_t0, log_tokens, log_steps, data_time = time.perf_counter(), 0, 0, 0.0
 
         # Every rank must agree to stop (and that an async save is complete) at the same step, or the
-        # saves below would deadlock. One tiny all-reduce per step.
+        # saves below would deadlock: one tiny all-reduce, and one host sync, per step.
         flags = torch.tensor([stop["signal"] is not None, pending is not None and not pending[0].done()],
                              device=device, dtype=torch.int32)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stopping, save_running = bool(flags[0]), bool(flags[1])
         if pending is not None and not save_running:
-            pending[0].result()
-            commit_save(ckpt_folder, pending[1], params_json, ckpt.keep_latest_k, rank)
-            logger.info(f"saved checkpoint {ckpt_folder}/step-{pending[1]} (async)")
-            pending = None
+            finish_async_save()
         last = step == cfg.training.steps
         if ckpt.enable and (step % ckpt.interval == 0 or last or stopping):
             if pending is not None:  # at most one save in flight
-                pending[0].result()
-                commit_save(ckpt_folder, pending[1], params_json, ckpt.keep_latest_k, rank)
-                pending = None
+                finish_async_save()
             t0 = time.perf_counter()
             tmp = begin_save(ckpt_folder, step, rank)
             state = train_state(model_only=last and ckpt.last_save_model_only)
