@@ -13,6 +13,7 @@ One flat main(cfg), top to bottom: config, mesh, model, parallelize, optimizer, 
 
 import dataclasses
 import difflib
+import fcntl
 import hashlib
 import inspect
 import json
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -166,6 +168,10 @@ class Config:
 
 class ConfigError(ValueError):
     """A user mistake in the config or the command line: reported as one line, exit code 2."""
+
+
+class RunError(RuntimeError):
+    """The run had to stop (non-finite loss, a final checkpoint that could not be written): one line, exit 3."""
 
 
 def _docs(cls) -> dict:
@@ -579,11 +585,12 @@ def main(cfg: Config):
         signal.signal(sig, on_signal)
 
     tokenizer = Tokenizer(cfg.model.tokenizer_path)
-    os.makedirs(cfg.job.dump_folder, exist_ok=True)
-    if rank == 0:
-        with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as f:
-            f.write(to_toml(cfg))
-        logger.info(f"{cfg.job.description}\n{to_toml(cfg)}".strip())
+    try:  # every rank checks, so every rank fails alike instead of waiting for rank 0 until a timeout
+        os.makedirs(cfg.job.dump_folder, exist_ok=True)
+        if not os.access(cfg.job.dump_folder, os.W_OK):
+            raise PermissionError("not writable")
+    except OSError as e:
+        raise ConfigError(f"job.dump_folder = {cfg.job.dump_folder!r} cannot be used: {e}")
 
     # --- device and mesh -------------------------------------------------------------------------------
     if torch.cuda.is_available():
@@ -597,6 +604,22 @@ def main(cfg: Config):
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     else:  # plain `python train.py`: a one-process group, no ports needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    # One run per dump folder: rank 0 holds an flock for the whole run (released by the OS however the
+    # process ends), so a second job pointed here stops before it touches config or checkpoints.
+    lock = open(os.path.join(cfg.job.dump_folder, ".lock"), "a") if rank == 0 else None
+    try:
+        locked = lock is None or fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB) is None
+    except BlockingIOError:
+        locked = False
+    ok = torch.tensor(int(locked), device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not ok:
+        raise ConfigError(f"job.dump_folder = {cfg.job.dump_folder!r} is in use by another run (its .lock is "
+                          "held); wait for that run to end or choose another dump_folder")
+    if rank == 0:
+        with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as f:
+            f.write(to_toml(cfg))
+        logger.info(f"{cfg.job.description}\n{to_toml(cfg)}".strip())
     p = cfg.parallelism
     mesh = init_device_mesh(device.type, (p.data_parallel_replicate_degree, sizes["dp_shard"],
                                           p.tensor_parallel_degree),
@@ -725,11 +748,28 @@ def main(cfg: Config):
     pending = None  # (future, step) of an async save whose folder is not renamed into place yet
     params_json = dataclasses.asdict(model_args)  # written next to each checkpoint
 
+    def save_failed(failed_step: int, e: BaseException, final: bool = False):
+        """The previous checkpoint is untouched; training goes on and the next interval tries again,
+        unless this was the save a stop depends on."""
+        if rank == 0:
+            shutil.rmtree(os.path.join(ckpt_folder, f".step-{failed_step}.tmp"), ignore_errors=True)
+        if isinstance(e, CheckpointException):  # DCP gathers (error, traceback) per rank: show the first
+            e = next(iter(e.failures.values()), (e,))[0]
+        done = checkpoints(ckpt_folder)
+        msg = (f"checkpoint step-{failed_step} failed ({type(e).__name__}: {str(e)[:300]}); the newest "
+               f"complete checkpoint is still {os.path.join(ckpt_folder, f'step-{done[-1]}') if done else 'none'}")
+        if final:
+            raise RunError(msg)
+        logger.error(msg)
+
     def finish_async_save():
         nonlocal pending
-        pending[0].result()
-        commit_save(ckpt_folder, pending[1], params_json, ckpt.keep_latest_k, rank)
-        logger.info(f"saved checkpoint {ckpt_folder}/step-{pending[1]} (async)")
+        try:
+            pending[0].result()
+            commit_save(ckpt_folder, pending[1], params_json, ckpt.keep_latest_k, rank)
+            logger.info(f"saved checkpoint {ckpt_folder}/step-{pending[1]} (async)")
+        except (CheckpointException, OSError) as e:
+            save_failed(pending[1], e)
         pending = None
 
     # --- training loop ------------------------------------------------------------------------------------
@@ -766,6 +806,20 @@ def main(cfg: Config):
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
+
+        # Every rank must agree at the same step to stop, that an async save is complete, and that the
+        # step is finite, or the saves below would deadlock: one tiny all-reduce, and one host sync, per
+        # step. It comes before optimizer.step() so that a non-finite step never reaches the weights.
+        flags = torch.stack([torch.tensor(stop["signal"] is not None, device=device),
+                             torch.tensor(pending is not None and not pending[0].done(), device=device),
+                             ~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)]).int()
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stopping, save_running, diverged = flags.tolist()
+        if diverged:
+            done = checkpoints(ckpt_folder)
+            raise RunError(f"step {step}: the loss or the gradient norm is not finite (grad_norm "
+                                f"{grad_norm.item():.4g}); nothing was saved from this step. Last good checkpoint: "
+                                f"{os.path.join(ckpt_folder, f'step-{done[-1]}') if done else 'none'}")
         lr = scheduler.get_last_lr()[0]  # the lr this step used
         optimizer.step()
         scheduler.step()
@@ -801,12 +855,6 @@ def main(cfg: Config):
             loss_sum.zero_()
             log_t0, log_tokens, log_steps, data_time = time.perf_counter(), 0, 0, 0.0
 
-        # Every rank must agree to stop (and that an async save is complete) at the same step, or the
-        # saves below would deadlock: one tiny all-reduce, and one host sync, per step.
-        flags = torch.tensor([stop["signal"] is not None, pending is not None and not pending[0].done()],
-                             device=device, dtype=torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stopping, save_running = bool(flags[0]), bool(flags[1])
         if pending is not None and not save_running:
             finish_async_save()
         last = step == cfg.training.steps
@@ -816,14 +864,17 @@ def main(cfg: Config):
             t0 = time.perf_counter()
             tmp = begin_save(ckpt_folder, step, rank)
             state = train_state(model_only=last and ckpt.last_save_model_only)
-            if ckpt_group is not None and not (last or stopping):
-                pending = (dcp.async_save(state, checkpoint_id=tmp, process_group=ckpt_group), step)
-                logger.info(f"checkpoint step-{step}: training blocked {time.perf_counter() - t0:.2f}s (async)")
-            else:
-                dcp.save(state, checkpoint_id=tmp)
-                commit_save(ckpt_folder, step, params_json, ckpt.keep_latest_k, rank)
-                logger.info(f"saved checkpoint {ckpt_folder}/step-{step}: training blocked "
-                            f"{time.perf_counter() - t0:.2f}s")
+            try:
+                if ckpt_group is not None and not (last or stopping):
+                    pending = (dcp.async_save(state, checkpoint_id=tmp, process_group=ckpt_group), step)
+                    logger.info(f"checkpoint step-{step}: training blocked {time.perf_counter() - t0:.2f}s (async)")
+                else:
+                    dcp.save(state, checkpoint_id=tmp)
+                    commit_save(ckpt_folder, step, params_json, ckpt.keep_latest_k, rank)
+                    logger.info(f"saved checkpoint {ckpt_folder}/step-{step}: training blocked "
+                                f"{time.perf_counter() - t0:.2f}s")
+            except (CheckpointException, OSError) as e:  # disk full, quota, permissions: DCP raises on every rank
+                save_failed(step, e, final=last or stopping)
         if stopping:
             logger.info(f"stopping at step {step} on signal")
             break
@@ -850,3 +901,6 @@ if __name__ == "__main__":
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(3)

@@ -1,0 +1,88 @@
+"""Failures that must not cost a run: divergence, a full disk, a second job on the same folder."""
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cmd(dump, *args):
+    return [sys.executable, "train.py", "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump),
+            "--metrics.log_freq", "1", *map(str, args)]
+
+
+def run(dump, *args, **kwargs):
+    return subprocess.run(cmd(dump, *args), cwd=ROOT, capture_output=True, text=True, timeout=600, **kwargs)
+
+
+def errors(proc):
+    return [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:")]
+
+
+def test_non_finite_loss_stops_without_saving_it(tmp_path):
+    proc = run(tmp_path, "--training.steps", 6, "--optimizer.lr", 1e30, "--lr_scheduler.warmup_steps", 0,
+               "--checkpoint.enable", "--checkpoint.interval", 1)
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (line,) = errors(proc)
+    assert line.startswith("error: step 2: the loss or the gradient norm is not finite")
+    assert line.endswith(f"Last good checkpoint: {tmp_path}/checkpoint/step-1")
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-1"]  # the bad step never reached disk
+    assert "Traceback" not in proc.stderr
+
+
+def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
+    assert run(tmp_path, "--training.steps", 2, "--checkpoint.enable", "--checkpoint.interval", 2).returncode == 0
+
+    def small_disk():  # a file-size limit makes every checkpoint write fail with EFBIG, like a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+
+    proc = run(tmp_path, "--training.steps", 6, "--checkpoint.enable", "--checkpoint.interval", 2,
+               preexec_fn=small_disk)
+    out = proc.stdout
+    assert "checkpoint step-4 failed (" in out, out[-3000:]
+    assert f"the newest complete checkpoint is still {tmp_path}/checkpoint/step-2" in out
+    assert "step: 6" in out  # training went on after the failed save at step 4
+    assert proc.returncode == 3  # but the final save failed too: that is not a success
+    (line,) = errors(proc)
+    assert line.startswith("error: checkpoint step-6 failed")
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2"]  # intact, no .tmp leftovers
+    # and the run resumes from it
+    proc = run(tmp_path, "--training.steps", 3, "--checkpoint.enable", "--checkpoint.interval", 100)
+    assert proc.returncode == 0 and "resumed from" in proc.stdout
+
+
+def test_second_job_on_the_same_dump_folder_is_refused(tmp_path):
+    first = subprocess.Popen(cmd(tmp_path, "--training.steps", 200), cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        while not metrics.exists():
+            assert first.poll() is None
+            time.sleep(0.2)
+        config_before = (tmp_path / "config.toml").read_text()
+        proc = run(tmp_path, "--training.steps", 3, "--optimizer.lr", 1e-4)
+        assert proc.returncode == 2
+        (line,) = errors(proc)
+        assert "is in use by another run" in line
+        assert (tmp_path / "config.toml").read_text() == config_before  # the running job's files untouched
+    finally:
+        first.kill()
+        first.wait()
+    # the lock dies with the process that held it, even after a SIGKILL
+    proc = run(tmp_path, "--training.steps", 1)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 1
+
+
+def test_dump_folder_that_cannot_be_created(tmp_path):
+    (tmp_path / "file").write_text("")
+    proc = run(tmp_path / "file" / "run", "--training.steps", 1)
+    assert proc.returncode == 2
+    (line,) = errors(proc)
+    assert "job.dump_folder" in line and "Not a directory" in line
