@@ -274,15 +274,31 @@ def validate(cfg: Config, world_size: int) -> dict:
     if cfg.model.flavor not in flavors:
         raise _unknown("model.flavor", cfg.model.flavor, flavors)
     args = flavors[cfg.model.flavor]
-    for key, value in [("training.steps", t.steps), ("training.local_batch_size", t.local_batch_size),
-                       ("training.seq_len", t.seq_len), ("metrics.log_freq", cfg.metrics.log_freq),
-                       ("checkpoint.interval", cfg.checkpoint.interval),
-                       ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree),
-                       ("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree)]:
-        if value < 1:
-            raise ConfigError(f"{key} = {value}: must be >= 1")
-    if not (cfg.optimizer.lr > 0 and math.isfinite(cfg.optimizer.lr)):
-        raise ConfigError(f"optimizer.lr = {cfg.optimizer.lr}: must be a positive number")
+    o, s, c = cfg.optimizer, cfg.lr_scheduler, cfg.checkpoint
+    at_least_1, at_least_0 = (lambda v: v >= 1, ">= 1"), (lambda v: v >= 0, ">= 0")
+    for key, value, (ok, allowed) in [
+            ("training.steps", t.steps, at_least_1), ("training.local_batch_size", t.local_batch_size, at_least_1),
+            ("training.seq_len", t.seq_len, at_least_1), ("metrics.log_freq", cfg.metrics.log_freq, at_least_1),
+            ("checkpoint.interval", c.interval, at_least_1),
+            ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree, at_least_1),
+            ("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree, at_least_1),
+            ("parallelism.data_parallel_shard_degree", p.data_parallel_shard_degree, (lambda v: v == -1 or v >= 1, "-1 or >= 1")),
+            ("training.global_batch_size", t.global_batch_size, (lambda v: v == -1 or v >= 1, "-1 or >= 1")),
+            ("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds, at_least_1),
+            ("optimizer.lr", o.lr, (lambda v: 0 < v < math.inf, "a positive number")),
+            ("optimizer.eps", o.eps, (lambda v: 0 < v < math.inf, "a positive number")),
+            ("optimizer.beta1", o.beta1, (lambda v: 0 <= v < 1, "in [0, 1)")),
+            ("optimizer.beta2", o.beta2, (lambda v: 0 <= v < 1, "in [0, 1)")),
+            ("optimizer.weight_decay", o.weight_decay, at_least_0), ("training.max_norm", t.max_norm, at_least_0),
+            ("lr_scheduler.warmup_steps", s.warmup_steps, at_least_0),
+            ("lr_scheduler.decay_ratio", s.decay_ratio, (lambda v: v == -1 or 0 < v <= 1, "-1 or in (0, 1]")),
+            ("lr_scheduler.min_lr_factor", s.min_lr_factor, (lambda v: 0 <= v <= 1, "in [0, 1]")),
+            ("checkpoint.keep_latest_k", c.keep_latest_k, at_least_0),
+            ("checkpoint.load_step", c.load_step, (lambda v: v >= -1, "-1 or >= 0")),
+            ("metrics.peak_tflops", cfg.metrics.peak_tflops, at_least_0),
+            ("data.num_streams", cfg.data.num_streams, at_least_0)]:
+        if not ok(value):  # NaN fails every comparison, so it lands here too
+            raise ConfigError(f"{key} = {value}: must be {allowed}")
     if t.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {t.seq_len} exceeds the {cfg.model.flavor} model's "
                           f"max_seq_len {args.max_seq_len}")
