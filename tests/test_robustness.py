@@ -86,3 +86,23 @@ def test_dump_folder_that_cannot_be_created(tmp_path):
     assert proc.returncode == 2
     (line,) = errors(proc)
     assert "job.dump_folder" in line and "Not a directory" in line
+
+
+def test_tokens_never_reach_logs_configs_or_metrics(tmp_path):
+    secret = "hf_notarealtoken1234567890"
+    proc = run(tmp_path, "--training.steps", 1, env={**os.environ, "HF_TOKEN": secret})
+    assert proc.returncode == 0
+    written = [proc.stdout, proc.stderr] + [p.read_text() for p in tmp_path.iterdir() if p.is_file()]
+    assert not any(secret in text for text in written)
+
+
+def test_loading_never_unpickles_and_never_runs_remote_code():
+    import ast
+    for name in ("train.py", "data.py", "model.py", "checkpoint_convert.py", "download_tokenizer.py"):
+        source = open(os.path.join(ROOT, name)).read()
+        assert "trust_remote_code" not in source
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "load" and \
+                    getattr(node.func.value, "id", None) == "torch":
+                kw = {k.arg: k.value for k in node.keywords}
+                assert "weights_only" in kw and kw["weights_only"].value is True, f"{name}:{node.lineno}"
