@@ -13,6 +13,7 @@ the same global batch, and resuming with another DP degree that divides num_stre
 import base64
 import binascii
 import json
+import logging
 import os
 import random
 import time
@@ -32,6 +33,9 @@ import torch
 LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 NUM_SPECIAL = 256
+# Pauses before re-opening a file after a transient read error (about 4 minutes in all, then stop).
+RETRY_DELAYS = (1, 2, 4, 8, 16, 32, 60, 60, 60)
+logger = logging.getLogger("data")
 
 
 class DataError(ValueError):
@@ -152,16 +156,35 @@ class SourceReader:
                         yield row, doc[col]
 
     def _documents(self):
-        """Yield texts from the current position on, keeping (epoch, file, row) up to date."""
+        """Yield texts from the current position on, keeping (epoch, file, row) up to date.
+
+        A transient read error (connection reset, timeout, HTTP 429/5xx) re-opens the file at the
+        position after the last document handed out, after a growing pause, so the stream is the
+        same; after RETRY_DELAYS are used up without progress the run stops with one line."""
+        failures = 0
         while True:
             files, whole_epoch, found = self._files(), self.file == 0 and self.row == 0, False
             by_rows = len(self._all_files) < self.num_streams  # too few files: split rows instead
             while self.file < len(files):
-                for row, text in self._rows(files[self.file], self.row):
-                    if by_rows and row % self.num_streams != self.stream:
-                        continue
-                    self.row, found = row + 1, True
-                    yield text or ""
+                try:
+                    for row, text in self._rows(files[self.file], self.row):
+                        if by_rows and row % self.num_streams != self.stream:
+                            continue
+                        self.row, found, failures = row + 1, True, 0
+                        yield text or ""
+                except (DataError, FileNotFoundError, PermissionError, IsADirectoryError):
+                    raise
+                except Exception as e:
+                    status = getattr(getattr(e, "response", None), "status_code", None)
+                    if not isinstance(e, OSError) or status in (401, 403, 404) or failures == len(RETRY_DELAYS):
+                        raise DataError(f"data source {self.src.name!r}: reading {files[self.file]} at row "
+                                        f"{self.row} failed{f' {failures + 1} times' if failures else ''} "
+                                        f"({type(e).__name__}: {str(e)[:200]})".replace("\n", " ")) from e
+                    logger.warning(f"data source {self.src.name!r}: {type(e).__name__} reading {files[self.file]};"
+                                   f" retrying from row {self.row} in {RETRY_DELAYS[failures]} s")
+                    time.sleep(RETRY_DELAYS[failures])
+                    failures += 1
+                    continue
                 self.file, self.row = self.file + 1, 0
             if whole_epoch and not found:
                 raise DataError(f"data source {self.src.name!r} ({self.src.path}) has no rows for stream "

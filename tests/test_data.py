@@ -144,3 +144,59 @@ def test_data_cli_prints_shares_and_throughput():
     show = subprocess.run([sys.executable, "data.py", "--config", "configs/debug_model.toml", "--show", "1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert show.stdout.startswith("--- sample 0 (256 tokens) ---\n<|begin_of_text|>")
+
+
+class FlakyFiles:
+    """An fsspec filesystem over local files whose reads fail now and then, like a hub connection."""
+    fail_at: dict = {}  # path -> the read calls (counted per open) that raise, or "down": every read
+
+    @classmethod
+    def register(cls):
+        import fsspec
+        from fsspec.implementations.local import LocalFileSystem
+
+        class Flaky(LocalFileSystem):
+            protocol = "flaky"
+
+            def _open(self, path, mode="rb", **kwargs):
+                f = super()._open(path.replace("flaky://", ""), mode, **kwargs)
+                plan, calls, read = cls.fail_at.setdefault(path.replace("flaky://", ""), []), [0], f.read
+
+                def flaky_read(*args):
+                    calls[0] += 1
+                    if plan == "down" or (plan and calls[0] == plan[0]):
+                        if plan != "down":
+                            plan.pop(0)
+                        raise ConnectionResetError("connection reset by peer")
+                    return read(*args)
+                f.read = flaky_read
+                return f
+
+        fsspec.register_implementation("flaky", Flaky, clobber=True)
+
+
+def test_transient_read_errors_are_retried_from_the_last_good_row(tok, sources, monkeypatch):
+    import data
+    monkeypatch.setattr(data, "RETRY_DELAYS", (0, 0, 0))
+    FlakyFiles.register()
+
+    def loader(flaky):
+        lo = DataLoader(sources, tok, 256, 4, 0, 1, 1)
+        for r in lo.streams[0].readers:
+            r._files()  # resolve, then read through the flaky filesystem
+            r._all_files = [("flaky://" if flaky else "") + f for f in r._all_files]
+        return lo
+
+    reference = loader(False)
+    expected = [next(reference)[0] for _ in range(200)]
+    files = [f for r in reference.streams[0].readers for f in r._all_files]
+    FlakyFiles.fail_at.clear()
+    FlakyFiles.fail_at.update({f: [2, 4] for f in files})  # every file fails twice mid-way
+    flaky = loader(True)
+    assert all(torch.equal(next(flaky)[0], x) for x in expected)
+    assert sum(2 - len(plan) for plan in FlakyFiles.fail_at.values()) >= 4  # errors did happen (json and parquet)
+
+    FlakyFiles.fail_at.update({f: "down" for f in files})  # a connection that never comes back
+    with pytest.raises(DataError, match=r"reading flaky://.* failed 4 times \(ConnectionResetError"):
+        for _ in range(50):
+            next(loader(True))
