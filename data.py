@@ -15,6 +15,7 @@ import binascii
 import json
 import logging
 import os
+import queue
 import random
 import time
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ class Tokenizer:
                  "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
         names = named + [f"<|reserved_special_token_{2 + i}|>" for i in range(NUM_SPECIAL - len(named))]
         self.special = {name: n + i for i, name in enumerate(names)}
+        self.path = path  # loader workers build their own copy from it
         self.model = tiktoken.Encoding(name=os.path.basename(path), pat_str=LLAMA3_PAT,
                                        mergeable_ranks=ranks, special_tokens=self.special)
         self.n_words = n + NUM_SPECIAL
@@ -221,14 +223,22 @@ class PackedStream:
         self.readers = [SourceReader(s, stream, num_streams, seed) for s in sources]
         self.tok, self.seq_len = tokenizer, seq_len
         self.counts = [0] * len(sources)  # tokens emitted per source
+        self.positions = [r.state_dict() for r in self.readers]  # per source: where its next document is
         self.cur, self.cur_state, self.offset, self.doc = None, None, 0, []
+        self.feed = self.read_doc  # replaced by a worker queue when the loader has workers
+
+    def read_doc(self, i: int):
+        """(tokens, position before, position after) of source i's next document, in this process."""
+        before = self.readers[i].state_dict()
+        tokens = self.tok.encode(self.readers[i].next_text())
+        return tokens, before, self.readers[i].state_dict()
 
     def _next_doc(self):
         total = sum(self.counts) + 1
         # deficit = tokens a source should have by now minus tokens it has; ties go to the first source
         self.cur = max(range(len(self.readers)), key=lambda i: self.shares[i] * total - self.counts[i])
-        self.cur_state = self.readers[self.cur].state_dict()
-        self.doc, self.offset = self.tok.encode(self.readers[self.cur].next_text()), 0
+        self.doc, self.cur_state, self.positions[self.cur] = self.feed(self.cur)
+        self.offset = 0
 
     def next_window(self) -> list:
         out = []
@@ -242,27 +252,96 @@ class PackedStream:
         return out
 
     def state_dict(self):
-        return {"readers": [r.state_dict() for r in self.readers], "counts": list(self.counts),
+        return {"readers": [dict(p) for p in self.positions], "counts": list(self.counts),
                 "cur": self.cur, "cur_state": self.cur_state, "offset": self.offset}
 
     def load_state_dict(self, sd):
         for r, rsd in zip(self.readers, sd["readers"]):
             r.load_state_dict(rsd)
+        self.positions = [dict(p) for p in sd["readers"]]
         self.counts, self.cur, self.offset = list(sd["counts"]), sd["cur"], sd["offset"]
         self.cur_state, self.doc = sd["cur_state"], []
         if self.cur is not None:  # re-read the document we were inside of
             reader = self.readers[self.cur]
-            after = reader.state_dict()
             reader.load_state_dict(self.cur_state)
             self.doc = self.tok.encode(reader.next_text())
-            assert reader.state_dict() == after, "re-reading the current document moved the reader"
+            assert reader.state_dict() == self.positions[self.cur], "re-reading the current document moved the reader"
+
+
+def _worker(tokenizer_path: str, jobs: list, queues: dict):
+    """Loader process: reads and tokenizes the documents of its (stream, source) pairs, in order, into
+    one bounded queue per pair. Each document travels with its reader positions, so the training
+    process checkpoints exactly what it consumed, whatever the workers have read ahead."""
+    tok, parent = Tokenizer(tokenizer_path), os.getppid()
+    readers = {}
+    for key, src, stream, num_streams, seed, position in jobs:
+        readers[key] = SourceReader(src, stream, num_streams, seed)
+        readers[key].load_state_dict(position)
+    try:
+        while True:
+            idle = True
+            for key, r in readers.items():
+                if not queues[key].full():
+                    before = r.state_dict()
+                    tokens = tok.encode(r.next_text())
+                    queues[key].put((tokens, before, r.state_dict()))
+                    idle = False
+            if idle:
+                if os.getppid() != parent:  # the trainer is gone (even by SIGKILL): stop too
+                    return
+                time.sleep(0.002)
+    except DataError as e:  # hand the one-line error to whoever waits on these queues
+        for q in queues.values():
+            q.put(("error", str(e)))
+
+
+class Workers:
+    """num_workers loader processes per rank; (stream, source) pairs are dealt out round-robin."""
+
+    def __init__(self, streams: list, num_workers: int, prefetch: int = 64):
+        import multiprocessing as mp
+        ctx = mp.get_context("spawn")  # not fork: the trainer process has threads (gloo, OMP, arrow)
+        pairs = [(s, i) for s in range(len(streams)) for i in range(len(streams[s].readers))]
+        self.queues = {key: ctx.Queue(maxsize=prefetch) for key in pairs}
+        self.procs = []
+        for w in range(min(num_workers, len(pairs))):
+            jobs = [(key, streams[key[0]].readers[key[1]].src, streams[key[0]].readers[key[1]].stream,
+                     streams[key[0]].readers[key[1]].num_streams, streams[key[0]].readers[key[1]].seed,
+                     streams[key[0]].positions[key[1]]) for key in pairs[w::num_workers]]
+            proc = ctx.Process(target=_worker, args=(streams[0].tok.path, jobs, {k: self.queues[k] for k, *_ in jobs}),
+                               daemon=True)
+            proc.start()
+            self.procs.append(proc)
+        for s, st in enumerate(streams):
+            st.feed = lambda i, s=s: self.get((s, i))
+
+    def get(self, key):
+        while True:
+            try:
+                item = self.queues[key].get(timeout=5)
+                break
+            except queue.Empty:
+                dead = [p for p in self.procs if not p.is_alive()]
+                if dead:
+                    raise DataError(f"data loader worker {dead[0].pid} died (exit code {dead[0].exitcode})")
+        if item[0] == "error":
+            raise DataError(item[1])
+        return item
+
+    def close(self):
+        for p in self.procs:
+            p.terminate()
+            p.join()
+        for q in self.queues.values():
+            q.cancel_join_thread()  # the read-ahead is thrown away, not flushed
+            q.close()
 
 
 class DataLoader:
     """Batches for one data-parallel rank: (inputs, labels), each (local_batch_size, seq_len)."""
 
     def __init__(self, sources, tokenizer, seq_len: int, local_batch_size: int, dp_rank: int,
-                 dp_degree: int, num_streams: int = 0, seed: int = 0):
+                 dp_degree: int, num_streams: int = 0, seed: int = 0, num_workers: int = 0):
         num_streams = num_streams or dp_degree
         if num_streams % dp_degree or local_batch_size % (num_streams // dp_degree):
             raise DataError(f"data.num_streams={num_streams} must be a multiple of the data-parallel "
@@ -274,19 +353,21 @@ class DataLoader:
                         for s in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
         self.per_stream = local_batch_size // per_rank
         self.stream_ids = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+        self.num_workers, self.workers = num_workers, None
 
     def __iter__(self):
         return self
 
     def __next__(self):
+        if self.num_workers and self.workers is None:  # started late: after a resume set the positions
+            self.workers = Workers(self.streams, self.num_workers)
         rows = [st.next_window() for st in self.streams for _ in range(self.per_stream)]
         batch = torch.tensor(rows, dtype=torch.long)  # (local_batch_size, seq_len + 1)
         return batch[:, :-1], batch[:, 1:]
 
     def close(self):
-        for st in self.streams:
-            for r in st.readers:
-                r._it = None
+        if self.workers is not None:
+            self.workers.close()
 
     def source_tokens(self) -> dict:
         return {n: sum(st.counts[i] for st in self.streams) for i, n in enumerate(self.names)}
@@ -296,6 +377,7 @@ class DataLoader:
         return {s: st.state_dict() for s, st in zip(self.stream_ids, self.streams)}
 
     def load_state_dict(self, sd: dict):
+        assert self.workers is None, "load the state before the first batch"
         for s, st in zip(self.stream_ids, self.streams):
             st.load_state_dict(sd[s])
 
@@ -310,7 +392,8 @@ def main():
     args, rest = p.parse_known_args()
     cfg = train.load_config(rest)
     tok = Tokenizer(cfg.model.tokenizer_path)
-    loader = DataLoader(cfg.data.sources, tok, cfg.training.seq_len, 1, 0, 1, 1, cfg.data.seed)
+    loader = DataLoader(cfg.data.sources, tok, cfg.training.seq_len, 1, 0, 1, 1, cfg.data.seed,
+                        cfg.data.num_workers)
     if args.show:
         for i in range(args.show):
             x, _ = next(loader)
@@ -327,7 +410,8 @@ def main():
     for name, c in counts.items():
         print(f"{name:>16}: {c:>10,} tokens  share {c / total:6.2%}  (weight {weights[name]:6.2%})")
     loader.close()
-    print(f"loader: {n:,} tokens in {dt:.2f}s = {n / dt:,.0f} tokens/s (one process, no workers)")
+    workers = f"{cfg.data.num_workers} worker(s)" if cfg.data.num_workers else "no workers"
+    print(f"loader: {n:,} tokens in {dt:.2f}s = {n / dt:,.0f} tokens/s (one stream, {workers})")
 
 
 if __name__ == "__main__":

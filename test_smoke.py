@@ -11,7 +11,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 LOG_LINE = re.compile(r"^step: +(\d+)  loss: +[\d.]+  grad_norm: +[\d.]+  lr: [\d.]+e[-+]\d+  "
-                      r"memory: [\d.]+GiB\([\d.]+%\)  tps: [\d,]+  tflops: [\d.]+  mfu: (n/a|[\d.]+%)$", re.M)
+                      r"memory: [\d.]+GiB\([\d.]+%\)  tps: [\d,]+  tflops: [\d.]+  mfu: (n/a|[\d.]+%)  data_wait: [\d.]+%$", re.M)
 
 
 def train(dump, *args, nproc=1):

@@ -147,6 +147,7 @@ class Comm:
 class Data:
     seed: int = 1234  # seeds the file order of every source (a new order each epoch)
     num_streams: int = 0  # logical data streams (a multiple of the DP degree); 0: the DP degree
+    num_workers: int = 0  # loader processes per rank that read and tokenize ahead; 0: in the training process
     sources: list = field(default_factory=list)  # [[data.sources]] tables: name, path, config, data_files, split, revision, text_column, weight
 
 
@@ -296,7 +297,8 @@ def validate(cfg: Config, world_size: int) -> dict:
             ("checkpoint.keep_latest_k", c.keep_latest_k, at_least_0),
             ("checkpoint.load_step", c.load_step, (lambda v: v >= -1, "-1 or >= 0")),
             ("metrics.peak_tflops", cfg.metrics.peak_tflops, at_least_0),
-            ("data.num_streams", cfg.data.num_streams, at_least_0)]:
+            ("data.num_streams", cfg.data.num_streams, at_least_0),
+            ("data.num_workers", cfg.data.num_workers, at_least_0)]:
         if not ok(value):  # NaN fails every comparison, so it lands here too
             raise ConfigError(f"{key} = {value}: must be {allowed}")
     if t.seq_len > args.max_seq_len:
@@ -677,7 +679,7 @@ def main(cfg: Config):
 
     # --- data: each dp rank reads its own streams; TP ranks of a replica read the same ones -------------
     loader = DataLoader(cfg.data.sources, tokenizer, cfg.training.seq_len, cfg.training.local_batch_size,
-                        dp_rank, dp, cfg.data.num_streams, cfg.data.seed)
+                        dp_rank, dp, cfg.data.num_streams, cfg.data.seed, cfg.data.num_workers)
 
     # --- checkpoint: resume from the newest complete step-N, or start from initial_load_path -----------
     ckpt = cfg.checkpoint
@@ -860,7 +862,7 @@ def main(cfg: Config):
             mfu = f"{record['mfu']:.1f}%" if peak else "n/a"
             logger.info(f"step: {step}  loss: {record['loss']:.4f}  grad_norm: {record['grad_norm']:.4f}  "
                         f"lr: {lr:.1e}  memory: {mem_gib:.2f}GiB({mem_pct:.1f}%)  tps: {tps:,.0f}  "
-                        f"tflops: {tflops:.1f}  mfu: {mfu}")
+                        f"tflops: {tflops:.1f}  mfu: {mfu}  data_wait: {record['data_wait_pct']:.1f}%")
             if metrics_file:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
@@ -899,6 +901,7 @@ def main(cfg: Config):
     # restore the default, fatal, handler while exiting): ignore them from here on.
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
+    loader.close()
     if metrics_file:
         metrics_file.close()
     if tb:

@@ -90,9 +90,10 @@ def test_fsdp_sigkill_then_sigterm_then_finish_is_bitwise_exact(reference, tmp_p
     assert logged(tmp_path) == reference["fsdp"]
 
 
-def test_tp_resume_is_bitwise_exact(reference, tmp_path):
+def test_tp_resume_with_loader_workers_is_bitwise_exact(reference, tmp_path):
+    # The reference ran without loader workers: workers change neither the stream nor the resume.
     args = ("--parallelism.tensor_parallel_degree", 2, "--activation_checkpoint.mode", "selective",
-            "--checkpoint.interval", 100)
+            "--checkpoint.interval", 100, "--data.num_workers", 2)
     proc = launch(tmp_path, *args)
     wait_for_step(proc, tmp_path, 4)
     stop_ranks(proc, signal.SIGUSR1)

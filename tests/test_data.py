@@ -200,3 +200,21 @@ def test_transient_read_errors_are_retried_from_the_last_good_row(tok, sources, 
     with pytest.raises(DataError, match=r"reading flaky://.* failed 4 times \(ConnectionResetError"):
         for _ in range(50):
             next(loader(True))
+
+
+@pytest.mark.parametrize("workers, resume_workers", [(1, 2), (2, 0)])
+def test_loader_workers_give_the_same_stream_and_resume_exactly(tok, sources, workers, resume_workers):
+    def make(w):
+        return DataLoader(sources, tok, 256, 4, 0, 1, 2, seed=3, num_workers=w)
+
+    reference = make(0)
+    expected = [next(reference)[0] for _ in range(300)]
+    loader = make(workers)
+    got = [next(loader)[0] for _ in range(120)]  # the workers have read well ahead by now
+    state = {s: json.loads(json.dumps(sd)) for s, sd in loader.state_dict().items()}
+    loader.close()
+    loader = make(resume_workers)  # another worker count: the stream does not depend on it
+    loader.load_state_dict(state)
+    got += [next(loader)[0] for _ in range(180)]
+    loader.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
