@@ -268,7 +268,7 @@ class PackedStream:
             assert reader.state_dict() == self.positions[self.cur], "re-reading the current document moved the reader"
 
 
-def _worker(tokenizer_path: str, jobs: list, queues: dict):
+def _worker(tokenizer_path: str, jobs: list, queues: dict, stop):
     """Loader process: reads and tokenizes the documents of its (stream, source) pairs, in order, into
     one bounded queue per pair. Each document travels with its reader positions, so the training
     process checkpoints exactly what it consumed, whatever the workers have read ahead."""
@@ -278,7 +278,7 @@ def _worker(tokenizer_path: str, jobs: list, queues: dict):
         readers[key] = SourceReader(src, stream, num_streams, seed)
         readers[key].load_state_dict(position)
     try:
-        while True:
+        while not stop.is_set():
             idle = True
             for key, r in readers.items():
                 if not queues[key].full():
@@ -303,13 +303,14 @@ class Workers:
         ctx = mp.get_context("spawn")  # not fork: the trainer process has threads (gloo, OMP, arrow)
         pairs = [(s, i) for s in range(len(streams)) for i in range(len(streams[s].readers))]
         self.queues = {key: ctx.Queue(maxsize=prefetch) for key in pairs}
+        self.stop = ctx.Event()
         self.procs = []
         for w in range(min(num_workers, len(pairs))):
             jobs = [(key, streams[key[0]].readers[key[1]].src, streams[key[0]].readers[key[1]].stream,
                      streams[key[0]].readers[key[1]].num_streams, streams[key[0]].readers[key[1]].seed,
                      streams[key[0]].positions[key[1]]) for key in pairs[w::num_workers]]
-            proc = ctx.Process(target=_worker, args=(streams[0].tok.path, jobs, {k: self.queues[k] for k, *_ in jobs}),
-                               daemon=True)
+            proc = ctx.Process(target=_worker, daemon=True,
+                               args=(streams[0].tok.path, jobs, {k: self.queues[k] for k, *_ in jobs}, self.stop))
             proc.start()
             self.procs.append(proc)
         for s, st in enumerate(streams):
@@ -329,12 +330,22 @@ class Workers:
         return item
 
     def close(self):
+        self.stop.set()
+        for q in self.queues.values():  # unblock a worker waiting to put
+            try:
+                while True:
+                    q.get_nowait()
+            except queue.Empty:
+                pass
         for p in self.procs:
-            p.terminate()
-            p.join()
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+                p.join()
         for q in self.queues.values():
             q.cancel_join_thread()  # the read-ahead is thrown away, not flushed
             q.close()
+        self.queues, self.procs = {}, []  # lets their semaphores go now, not at interpreter exit
 
 
 class DataLoader:
@@ -368,6 +379,9 @@ class DataLoader:
     def close(self):
         if self.workers is not None:
             self.workers.close()
+            self.workers = None
+            for st in self.streams:
+                st.feed = None  # the stream cannot go on without its workers
 
     def source_tokens(self) -> dict:
         return {n: sum(st.counts[i] for st in self.streams) for i, n in enumerate(self.names)}
