@@ -137,8 +137,10 @@ def test_local_json_and_parquet_folders_and_errors(tok, tmp_path):
 
 
 def test_data_cli_prints_shares_and_throughput():
+    # HF_HUB_OFFLINE=1 with local folders in the hub's layout: nothing may try the network.
     out = subprocess.run([sys.executable, "data.py", "--config", "configs/debug_model.toml", "--tokens", "200000"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr
     assert "share" in out.stdout and "tokens/s" in out.stdout and "finemath" in out.stdout
     show = subprocess.run([sys.executable, "data.py", "--config", "configs/debug_model.toml", "--show", "1"],
