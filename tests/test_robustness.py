@@ -106,3 +106,29 @@ def test_loading_never_unpickles_and_never_runs_remote_code():
                     getattr(node.func.value, "id", None) == "torch":
                 kw = {k.arg: k.value for k in node.keywords}
                 assert "weights_only" in kw and kw["weights_only"].value is True, f"{name}:{node.lineno}"
+
+
+def test_a_hung_rank_ends_the_run_within_the_configured_timeout(tmp_path):
+    """SIGSTOP one rank: the other's next collective must give up after comm.init_timeout_seconds."""
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             *cmd(tmp_path, "--training.steps", 500, "--training.local_batch_size", 4,
+                                  "--comm.init_timeout_seconds", 10)[1:]],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    while not metrics.exists():
+        assert proc.poll() is None
+        time.sleep(0.2)
+    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+        ranks = [int(p) for p in f.read().split()]
+    os.kill(ranks[1], signal.SIGSTOP)
+    start = time.time()
+    try:
+        proc.wait(timeout=120)
+    finally:
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode != 0
+    assert time.time() - start < 90  # 10 s timeout plus torchrun's teardown, not hours
