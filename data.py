@@ -292,7 +292,10 @@ def _worker(tokenizer_path: str, jobs: list, queues: dict, stop):
                 time.sleep(0.002)
     except DataError as e:  # hand the one-line error to whoever waits on these queues
         for q in queues.values():
-            q.put(("error", str(e)))
+            try:
+                q.put_nowait(("error", str(e)))  # a full queue is not being waited on
+            except queue.Full:
+                pass
 
 
 class Workers:
