@@ -290,12 +290,16 @@ def _worker(tokenizer_path: str, jobs: list, queues: dict, stop):
                 if os.getppid() != parent:  # the trainer is gone (even by SIGKILL): stop too
                     return
                 time.sleep(0.002)
-    except DataError as e:  # hand the one-line error to whoever waits on these queues
-        for q in queues.values():
-            try:
-                q.put_nowait(("error", str(e)))  # a full queue is not being waited on
-            except queue.Full:
-                pass
+    except DataError as e:  # hand the one-line error to every queue, behind what is already in it
+        undelivered = list(queues.values())
+        while undelivered and not stop.is_set():
+            for q in list(undelivered):
+                try:
+                    q.put_nowait(("error", str(e)))
+                    undelivered.remove(q)
+                except queue.Full:  # nobody is waiting on a full queue yet: try again later
+                    pass
+            time.sleep(0.01)
 
 
 class Workers:
