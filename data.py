@@ -17,6 +17,7 @@ import logging
 import os
 import queue
 import random
+import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -419,6 +420,7 @@ def main():
         for i in range(args.show):
             x, _ = next(loader)
             print(f"--- sample {i} ({x.shape[1]} tokens) ---\n{tok.decode(x[0].tolist())}")
+        loader.close()
         return
     t0, n = time.perf_counter(), 0
     while n < args.tokens:
@@ -436,4 +438,10 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from train import ConfigError  # train.py imports this module; importing it back is fine here
+
+    try:
+        main()
+    except (ConfigError, DataError) as e:  # the user's input, not a bug: one line
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -220,3 +220,11 @@ def test_loader_workers_give_the_same_stream_and_resume_exactly(tok, sources, wo
     got += [next(loader)[0] for _ in range(180)]
     loader.close()
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_data_cli_bad_input_is_one_line():
+    out = subprocess.run([sys.executable, "data.py", "--config", "configs/debug_model.toml", "--model.tokenizer_path",
+                          "missing.model"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "error: tokenizer file 'missing.model' not found; download it with download_tokenizer.py or set "
+        "--model.tokenizer_path"]
