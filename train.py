@@ -11,6 +11,7 @@ Config precedence: --section.key value on the command line > the TOML file > the
 One flat main(cfg), top to bottom: config, mesh, model, parallelize, optimizer, data, checkpoint, loop.
 """
 
+import contextlib
 import dataclasses
 import difflib
 import fcntl
@@ -44,7 +45,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+                                               SequenceParallel, loss_parallel, parallelize_module)
 
 from data import DataError, DataLoader, DataSource, Tokenizer
 from model import Transformer, flavors
@@ -388,7 +389,8 @@ def parallelize(model: Transformer, mesh, cfg: Config, device_type: str):
         parallelize_module(model, tp_mesh, {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+            # Logits stay sharded on the vocab (loss parallel): no rank ever holds (tokens x vocab) whole.
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
         })
         block_plan = {
             "attention_norm": SequenceParallel(),
@@ -511,15 +513,80 @@ def peak_tflops(cfg: Config, device: torch.device) -> float:
 
 
 def memory_stats(device: torch.device):
-    """Peak memory since the last call: (GiB, % of device) on GPU (reserved), RSS on CPU."""
+    """Peak memory since the last call: (GiB, % of device, allocated GiB). GPU: the caching allocator's
+    reserved and allocated peaks; CPU: the process's peak RSS (allocated is None)."""
     if device.type == "cuda":
-        peak = torch.cuda.max_memory_reserved(device)
+        peak, allocated = torch.cuda.max_memory_reserved(device), torch.cuda.max_memory_allocated(device)
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**30, 100 * peak / total, allocated / 2**30
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return peak / 2**30, 100 * peak / total, None
+
+
+def estimate_memory(model: Transformer, cfg: Config, sizes: dict, cuda: bool) -> dict:
+    """Bytes per device at the peak of a training step, by part, for eager mode (compile keeps less).
+
+    Weights, gradients and AdamW's two moments are fp32, sharded over dp_shard x tp. FSDP holds the
+    root's weights (embedding, norm, output) and up to two blocks gathered in the param dtype. Per
+    block and token, backward keeps (counted from model.py's ops; b: bytes of the param dtype, d: dim,
+    kv: kv heads x head_dim, f: FFN hidden; the fp32 copies in RMSNorm and rope are 4 bytes each):
+      AC none 7bd + 12d + 4kv + 4bf + 4 n_heads; selective op b(5d + 2kv + 2f) (the matmul and attention
+      outputs); full bd (the block input). With AC one block's full set comes back during its backward.
+    The loss keeps fp32 log-probs (tokens x vocab) and its backward holds two more such tensors.
+    CPU adds the process's resident memory before the model exists (Python, torch, tokenizer).
+    """
+    a, t, p = model.args, cfg.training, cfg.parallelism
+    tp, shards = p.tensor_parallel_degree, sizes["dp_shard"] * p.tensor_parallel_degree
+    b = 2 if t.mixed_precision_param == "bfloat16" else 4
+    n_total, n_block = model.num_params(), sum(q.numel() for q in model.layers[0].parameters())
+    d, kv, f = a.dim, model.layers[0].attention.wk.out_features, model.layers[0].feed_forward.w1.out_features
+    tokens = t.local_batch_size * t.seq_len
+    # With sequence parallelism the norms see tokens / tp; attention and FFN see a tp-th of the heads and
+    # hidden units over all tokens; the inputs gathered for wq/wk/wv and w1/w3 and the partial sums out of
+    # wo and w2 are full size.
+    norm = 2 * (b * d + 4 * d) / tp
+    full_block = norm + (5 * b * d + 4 * d + 4 * kv + 4 * b * f + 4 * a.n_heads) / tp + (2 * b * d if tp > 1 else 0)
+    saved = {"none": full_block, "full": b * d / tp,  # op: wq, attention, wk, wv, w1, w3 | input | wo, w2
+             "op": b * (2 * d + 2 * kv + 2 * f) / tp + b * d / tp + 2 * b * d}
+    ac = cfg.activation_checkpoint
+    mode = "op" if ac.mode == "selective" and ac.selective_ac_option == "op" else ac.mode
+    if mode == "selective":  # full AC on every Nth block, none on the others
+        n_ac = len(range(0, a.n_layers, int(ac.selective_ac_option)))
+        per_layer = n_ac * saved["full"] + (a.n_layers - n_ac) * full_block
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return peak / 2**30, 100 * peak / total
+        per_layer = a.n_layers * saved[mode]
+    parts = {
+        "weights": 4 * n_total / shards,
+        "optimizer": 8 * n_total / shards,
+        "gradients": 4 * n_total / shards,
+        "gathered": b * (n_total - (a.n_layers - 1) * n_block) / tp,  # the root and the last block
+        "activations": tokens * (per_layer + (4 * d + b * d) / tp),  # + the final norm
+        "loss": tokens * 12 * a.vocab_size / tp,  # vocab-sharded under TP (loss parallel)
+        "runtime": 0 if cuda else int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE"),
+    }
+    # Two candidate peaks. (1) The loss's backward: every block's activations and the loss tensors (and
+    # the gradients under accumulation; otherwise zero_grad(set_to_none) freed them). (2) A block's
+    # backward: gradients of the blocks above, activations of the blocks below, and the block's own
+    # working set (what AC recomputes, plus about two FFN-sized gradients). It peaks at the top or the
+    # bottom block: linear in between.
+    at_loss = parts["activations"] + parts["loss"] + (parts["gradients"] if sizes["grad_accum"] > 1 else 0)
+    working = tokens * (full_block - (saved[mode] if mode in saved else per_layer / a.n_layers) + 2 * b * f / tp)
+    grad_out, grad_block = 4 * (model.output.weight.numel() + d) / shards, 4 * n_block / shards
+    if sizes["grad_accum"] > 1:
+        in_blocks = parts["gradients"] + parts["activations"] + working
+    else:
+        in_blocks = working + grad_out + max(grad_block + parts["activations"],
+                                             a.n_layers * grad_block + parts["activations"] / a.n_layers)
+    parts["total"] = (parts["weights"] + parts["optimizer"] + parts["gathered"] + parts["runtime"]
+                      + max(at_loss, in_blocks, parts["gradients"]))
+    return parts
+
+
+def format_estimate(parts: dict) -> str:
+    items = "  ".join(f"{k} {v / 2**30:.2f}" for k, v in parts.items() if k != "total" and v)
+    return f"memory estimate per device: {parts['total'] / 2**30:.2f} GiB ({items} GiB)"
 
 
 def json_tensor(obj) -> torch.Tensor:
@@ -664,6 +731,8 @@ def main(cfg: Config):
     logger.info(f"model {cfg.model.flavor}: {n_params:,} parameters, world {world_size} = "
                 f"dp_replicate {p.data_parallel_replicate_degree} x dp_shard {sizes['dp_shard']} x "
                 f"tp {p.tensor_parallel_degree}, grad accumulation {sizes['grad_accum']}")
+    estimate = estimate_memory(model, cfg, sizes, cuda=device.type == "cuda")
+    logger.info(format_estimate(estimate))
 
     # --- parallelize, then materialise this rank's shards -----------------------------------------------
     parallelize(model, mesh, cfg, device.type)
@@ -802,6 +871,7 @@ def main(cfg: Config):
     params = [q for q in model.parameters() if q.requires_grad]
     log_t0, log_tokens, log_steps, data_time = time.perf_counter(), 0, 0, 0.0
     memory_stats(device)  # reset the GPU peak so the first log covers training only
+    peak_gib = 0.0  # the largest memory figure logged, compared with the start-up estimate at the end
     # Fixed-length loss accumulator on the device: no host sync per step except at log time.
     loss_sum = torch.zeros((), device=device)
 
@@ -813,13 +883,14 @@ def main(cfg: Config):
             inputs, labels = next(loader)
             data_time += time.perf_counter() - t0
             inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            logits = model(inputs)  # (local_batch_size, seq_len, vocab_size)
-            # Every position is a real token (packed data), so the mean per micro-batch divided by the
-            # number of micro-batches is the mean over the global batch once FSDP averages over dp.
-            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten()) / grad_accum
-            del logits
-            loss.backward()
-            loss_sum += loss.detach()
+            with loss_parallel() if p.tensor_parallel_degree > 1 else contextlib.nullcontext():
+                logits = model(inputs)  # (local_batch_size, seq_len, vocab_size), vocab-sharded under TP
+                # Every position is a real token (packed data), so the mean per micro-batch divided by the
+                # number of micro-batches is the mean over the global batch once FSDP averages over dp.
+                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten()) / grad_accum
+                del logits
+                loss.backward()
+            loss_sum += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()  # replicated
         max_norm = cfg.training.max_norm if cfg.training.max_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         if isinstance(grad_norm, DTensor):
@@ -853,9 +924,11 @@ def main(cfg: Config):
             dt = time.perf_counter() - log_t0
             tps = log_tokens / dt / world_size
             tflops = flops_per_token * tps / 1e12
-            mem_gib, mem_pct = memory_stats(device)
+            mem_gib, mem_pct, allocated_gib = memory_stats(device)
+            peak_gib = max(peak_gib, mem_gib)
             record = {"step": step, "loss": loss_avg.item() / dp / log_steps,
                       "grad_norm": grad_norm.item(), "lr": lr, "memory_gib": mem_gib, "memory_pct": mem_pct,
+                      "memory_allocated_gib": allocated_gib,
                       "tps": tps, "tflops": tflops, "mfu": 100 * tflops / peak if peak else None,
                       "data_wait_pct": 100 * data_time / dt, "tokens_seen": tokens_seen,
                       "source_tokens": dict(zip(loader.names, [int(x) for x in source.tolist()]))}
@@ -897,6 +970,9 @@ def main(cfg: Config):
             logger.info(f"stopping at step {step} on signal")
             break
 
+    if peak_gib:
+        logger.info(f"memory: peak {peak_gib:.2f} GiB ({'reserved' if device.type == 'cuda' else 'RSS'}), start-up "
+                    f"estimate {estimate['total'] / 2**30:.2f} GiB ({100 * (estimate['total'] / 2**30 / peak_gib - 1):+.0f}%)")
     # A second preemption signal during shutdown must not kill a rank that already saved (Python would
     # restore the default, fatal, handler while exiting): ignore them from here on.
     for sig in (signal.SIGTERM, signal.SIGUSR1):
