@@ -3,16 +3,26 @@
     python bench.py overhead --config configs/debug_model.toml   # trainer tokens/s vs a bare fwd/bwd/AdamW loop
     python bench.py startup --config configs/debug_model.toml    # seconds to the first step beyond `import torch`
     python bench.py memory --config configs/llama3_8b.toml --world_size 8   # the start-up memory estimate only
+    python bench.py matrix --config configs/debug_model.toml \
+        --vary activation_checkpoint.mode=none,full --vary training.local_batch_size=4,8   # one run per combination
     python data.py --config configs/debug_model.toml               # the data loader alone, tokens/s
 
-Extra `--section.key value` arguments go to train.py (e.g. `--training.local_batch_size 4`). Each
-command prints one summary line at the end. Timings on a shared machine are noisy: `overhead` alternates
-trainer and bare runs `--repeats` times and compares medians.
-"""
+On one GPU, an 8B-wide model on the bundled data (no network needed), every AC mode with and without compile:
+
+    python bench.py matrix --config configs/debug_model.toml --model.flavor 8B --model.n_layers 8 \
+        --training.seq_len 8192 --training.local_batch_size 1 --data.num_streams 1 \
+        --training.mixed_precision_param bfloat16 --optimizer.lr 3e-4 \
+        --vary activation_checkpoint.mode=none,selective,full --vary compile.enable=false,true
+
+Extra `--section.key value` arguments go to train.py. Timings on a shared machine are noisy: `overhead`
+alternates trainer and bare runs `--repeats` times and compares medians; `matrix` and `overhead` time
+only the steps after `--warmup`."""
 
 import argparse
+import itertools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -22,18 +32,29 @@ import time
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-def trainer_tps(extra: list, steps: int, warmup: int) -> float:
-    """Steady-state tokens/s per process of `python train.py`, from its metrics.jsonl (steps after warmup)."""
+def run_trainer(extra: list, steps: int, log_freq: int):
+    """`python train.py` for `steps` steps: (its metrics.jsonl records, its output), or (None, output) if it failed."""
     with tempfile.TemporaryDirectory() as dump:
         cmd = [sys.executable, "train.py", *extra, "--job.dump_folder", dump, "--training.steps", str(steps),
-               "--metrics.log_freq", str(warmup), "--checkpoint.enable", "false"]
+               "--metrics.log_freq", str(log_freq), "--checkpoint.enable", "false"]
         proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0:
-            sys.exit(f"error: train.py failed:\n{proc.stdout[-2000:]}")
+            return None, proc.stdout
         with open(os.path.join(dump, "metrics.jsonl")) as f:
-            records = [r for r in map(json.loads, f) if r["step"] > warmup]
-    # Each record covers the same number of tokens, so the overall rate is the harmonic mean.
-    return statistics.harmonic_mean(r["tps"] for r in records)
+            return [json.loads(line) for line in f], proc.stdout
+
+
+def steady_tps(records: list, warmup: int) -> float:
+    # Each record after the warmup covers the same number of tokens, so the overall rate is the harmonic mean.
+    return statistics.harmonic_mean(r["tps"] for r in records if r["step"] > warmup)
+
+
+def trainer_tps(extra: list, steps: int, warmup: int) -> float:
+    """Steady-state tokens/s per process of `python train.py`, from its metrics.jsonl (steps after warmup)."""
+    records, out = run_trainer(extra, steps, warmup)
+    if records is None:
+        sys.exit(f"error: train.py failed:\n{out[-2000:]}")
+    return steady_tps(records, warmup)
 
 
 def bare_tps(cfg, steps: int, warmup: int) -> float:
@@ -41,11 +62,12 @@ def bare_tps(cfg, steps: int, warmup: int) -> float:
     cross-entropy, backward and AdamW on random tokens. No FSDP, data loader, clipping or logging."""
     import torch
     import torch.nn.functional as F
-    from model import Transformer, flavors
+    import train
+    from model import Transformer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.training.seed)
-    model = Transformer(flavors[cfg.model.flavor]).to(device)
+    model = Transformer(train.flavor_args(cfg)).to(device)
     model.init_weights()
     if cfg.compile.enable:
         for block in model.layers:
@@ -107,25 +129,51 @@ def memory(args, extra):
     import train
     cfg = train.load_config(extra)
     import torch
-    from model import Transformer, flavors
+    from model import Transformer
     sizes = train.validate(cfg, args.world_size)
     with torch.device("meta"):  # shapes only: any flavor on any machine
-        model = Transformer(flavors[cfg.model.flavor])
+        model = Transformer(train.flavor_args(cfg))
     print(train.format_estimate(train.estimate_memory(model, cfg, sizes, cuda=args.device == "cuda")))
+
+
+def matrix(args, extra):
+    """One trainer run per combination of the --vary values: a markdown table of what its log says."""
+    names = [v.partition("=")[0] for v in args.vary]
+    choices = [v.partition("=")[2].split(",") for v in args.vary]
+    print(f"| {' | '.join(names)} | tps | tflops | mfu | peak memory GiB | allocated GiB | estimate GiB |")
+    print("|" + "---|" * (len(names) + 6))
+    for combo in itertools.product(*choices):
+        overrides = [x for name, value in zip(names, combo) for x in (f"--{name}", value)]
+        records, out = run_trainer([*extra, *overrides], args.steps, args.warmup)
+        estimate = re.search(r"memory estimate per device: ([\d.]+) GiB", out)
+        estimate = estimate.group(1) if estimate else "-"
+        if records is None:  # an OOM or a bad combination: say so and go on with the next
+            last = next((ln for ln in reversed(out.splitlines()) if ln.strip()), "")
+            print(f"| {' | '.join(combo)} | failed: {last[:120]} | | | | | {estimate} |", flush=True)
+            continue
+        steady = [r for r in records if r["step"] > args.warmup]
+        mfu = statistics.mean(r["mfu"] for r in steady) if steady[0]["mfu"] is not None else None
+        allocated = max((r["memory_allocated_gib"] or 0) for r in records)
+        print(f"| {' | '.join(combo)} | {steady_tps(records, args.warmup):,.0f} | "
+              f"{statistics.mean(r['tflops'] for r in steady):.1f} | {f'{mfu:.1f}%' if mfu is not None else 'n/a'} | "
+              f"{max(r['memory_gib'] for r in records):.2f} | {f'{allocated:.2f}' if allocated else 'n/a'} | "
+              f"{estimate} |", flush=True)
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["overhead", "startup", "memory"])
+    p.add_argument("what", choices=["overhead", "startup", "memory", "matrix"])
     p.add_argument("--steps", type=int, default=60, help="overhead: steps per run")
     p.add_argument("--warmup", type=int, default=10, help="overhead: untimed steps at the start of each run")
     p.add_argument("--repeats", type=int, default=3, help="runs of each kind")
     p.add_argument("--world_size", type=int, default=1, help="memory: GPUs in the job")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="memory: estimate for this device")
+    p.add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=A,B",
+                   help="matrix: a config key and its values; several --vary give every combination")
     a, rest = p.parse_known_args()
-    if a.what == "overhead" and (a.steps <= a.warmup or a.steps % a.warmup):
+    if a.what in ("overhead", "matrix") and (a.steps <= a.warmup or a.steps % a.warmup):
         sys.exit("error: --steps must be a multiple of --warmup and larger than it")
     try:
-        {"overhead": overhead, "startup": startup, "memory": memory}[a.what](a, rest)
+        {"overhead": overhead, "startup": startup, "memory": memory, "matrix": matrix}[a.what](a, rest)
     except ValueError as e:  # train.ConfigError: a bad key or value, one line
         sys.exit(f"error: {e}")

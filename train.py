@@ -66,6 +66,7 @@ class Job:
 @dataclass
 class Model:
     flavor: str = "debugmodel"  # debugmodel, 1B, 3B, 8B, 70B or 405B (see model.py)
+    n_layers: int = 0  # 0: the flavor's; N: the flavor's width with N blocks (e.g. an 8B-wide model on one GPU)
     tokenizer_path: str = "assets/tokenizer/tokenizer.model"  # Llama 3 tokenizer.model (tiktoken)
 
 
@@ -270,12 +271,18 @@ def load_config(argv) -> Config:
     return cfg
 
 
+def flavor_args(cfg: Config):
+    """The flavor's ModelArgs, with model.n_layers applied."""
+    args = flavors[cfg.model.flavor]
+    return dataclasses.replace(args, n_layers=cfg.model.n_layers) if cfg.model.n_layers else args
+
+
 def validate(cfg: Config, world_size: int) -> dict:
     """Reject configs that cannot work, before any process group or model exists. Returns derived sizes."""
     t, p = cfg.training, cfg.parallelism
     if cfg.model.flavor not in flavors:
         raise _unknown("model.flavor", cfg.model.flavor, flavors)
-    args = flavors[cfg.model.flavor]
+    args = flavor_args(cfg)
     o, s, c = cfg.optimizer, cfg.lr_scheduler, cfg.checkpoint
     at_least_1, at_least_0 = (lambda v: v >= 1, ">= 1"), (lambda v: v >= 0, ">= 0")
     for key, value, (ok, allowed) in [
@@ -299,7 +306,7 @@ def validate(cfg: Config, world_size: int) -> dict:
             ("checkpoint.load_step", c.load_step, (lambda v: v >= -1, "-1 or >= 0")),
             ("metrics.peak_tflops", cfg.metrics.peak_tflops, at_least_0),
             ("data.num_streams", cfg.data.num_streams, at_least_0),
-            ("data.num_workers", cfg.data.num_workers, at_least_0)]:
+            ("data.num_workers", cfg.data.num_workers, at_least_0), ("model.n_layers", cfg.model.n_layers, at_least_0)]:
         if not ok(value):  # NaN fails every comparison, so it lands here too
             raise ConfigError(f"{key} = {value}: must be {allowed}")
     if t.seq_len > args.max_seq_len:
@@ -716,7 +723,7 @@ def main(cfg: Config):
     torch.manual_seed(cfg.training.seed)
 
     # --- model: on the meta device, so no rank ever holds the full unsharded weights ---------------------
-    model_args = flavors[cfg.model.flavor]
+    model_args = flavor_args(cfg)
     if tokenizer.n_words > model_args.vocab_size:
         raise ConfigError(f"tokenizer {cfg.model.tokenizer_path} has {tokenizer.n_words} tokens but model "
                           f"{cfg.model.flavor} has vocab_size {model_args.vocab_size}")
@@ -760,7 +767,8 @@ def main(cfg: Config):
     run_keys = {"model.flavor": cfg.model.flavor, "training.seq_len": cfg.training.seq_len,
                 "training.global_batch_size": sizes["global_batch_size"], "data.seed": cfg.data.seed,
                 "data.num_streams": cfg.data.num_streams or dp,
-                "data.sources": [dataclasses.asdict(s) for s in cfg.data.sources]}
+                "data.sources": [dataclasses.asdict(s) for s in cfg.data.sources],
+                **({"model.n_layers": cfg.model.n_layers} if cfg.model.n_layers else {})}
 
     def train_state(model_only=False):
         """Everything a resume needs, as tensors only: DCP then never unpickles anything on load."""
@@ -797,7 +805,8 @@ def main(cfg: Config):
         if model_only:
             return 0, 0
         saved = json_from(state["train"]["config"])
-        diff = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in run_keys.items() if saved.get(k) != v]
+        diff = [f"{k}: {saved.get(k)!r} -> {run_keys.get(k)!r}" for k in {**saved, **run_keys}
+                if saved.get(k) != run_keys.get(k)]
         if diff:
             raise ConfigError(f"refusing to resume from {path}: the run changed {'; '.join(diff)} (use a new "
                               "dump_folder, or take only the weights with checkpoint.initial_load_path)")

@@ -144,6 +144,9 @@ def test_changed_config_refuses_to_resume(tmp_path):
     out = run(tmp_path, "--training.steps", 4, "--training.seq_len", 128, nproc=1, expect=2)
     assert "refusing to resume" in out and "training.seq_len: 256 -> 128" in out
     assert steps_saved(tmp_path) == [2]
+    # Fewer layers would load the first blocks of a deeper checkpoint silently: refused too.
+    out = run(tmp_path, "--training.steps", 4, "--model.n_layers", 4, nproc=1, expect=2)
+    assert "refusing to resume" in out and "model.n_layers: None -> 4" in out
 
 
 def test_initial_load_path_errors_are_one_line(tmp_path):

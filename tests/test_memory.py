@@ -41,7 +41,7 @@ def measure(configs):
                                  "--training.local_batch_size", "4", *extra])
         sizes = train.validate(cfg, dist.get_world_size())
         with torch.device("meta"):
-            model = Transformer(flavors[cfg.model.flavor])
+            model = Transformer(train.flavor_args(cfg))
         estimate = train.estimate_memory(model, cfg, sizes, cuda=True)["total"]  # without the process itself
         mesh = init_device_mesh("cpu", (1, sizes["dp_shard"], cfg.parallelism.tensor_parallel_degree),
                                 mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
@@ -128,7 +128,7 @@ def test_shipped_configs_fit_an_80_gib_gpu(name, world):
 
     cfg = train.load_config(["--config", os.path.join(ROOT, f"configs/{name}.toml")])
     with torch.device("meta"):
-        model = Transformer(flavors[cfg.model.flavor])
+        model = Transformer(train.flavor_args(cfg))
     total = train.estimate_memory(model, cfg, train.validate(cfg, world), cuda=True)["total"] / 2**30
     assert 1.15 * total < 80, f"{name} on {world} GPUs: {total:.1f} GiB estimated"
 
