@@ -535,8 +535,8 @@ def memory_stats(device: torch.device):
 def estimate_memory(model: Transformer, cfg: Config, sizes: dict, cuda: bool) -> dict:
     """Bytes per device at the peak of a training step, by part, for eager mode (compile keeps less).
 
-    Weights, gradients and AdamW's two moments are fp32, sharded over dp_shard x tp. FSDP holds the
-    root's weights (embedding, norm, output) and up to two blocks gathered in the param dtype. Per
+    Weights, gradients and AdamW's two moments are fp32, sharded over dp_shard x tp. At the peak FSDP
+    holds the root's weights (embedding, norm, output) and the last block gathered in the param dtype. Per
     block and token, backward keeps (counted from model.py's ops; b: bytes of the param dtype, d: dim,
     kv: kv heads x head_dim, f: FFN hidden; the fp32 copies in RMSNorm and rope are 4 bytes each):
       AC none 7bd + 12d + 4kv + 4bf + 4 n_heads; selective op b(5d + 2kv + 2f) (the matmul and attention
