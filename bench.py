@@ -14,6 +14,7 @@ On one GPU, an 8B-wide model on the bundled data (no network needed), every AC m
         --training.mixed_precision_param bfloat16 --optimizer.lr 3e-4 \
         --vary activation_checkpoint.mode=none,selective,full --vary compile.enable=false,true
 
+`--nproc 8` runs each combination under `torchrun --standalone --nproc_per_node 8` (e.g. the 8B config).
 Extra `--section.key value` arguments go to train.py. Timings on a shared machine are noisy: `overhead`
 alternates trainer and bare runs `--repeats` times and compares medians; `matrix` and `overhead` time
 only the steps after `--warmup`."""
@@ -32,10 +33,18 @@ import time
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_trainer(extra: list, steps: int, log_freq: int):
-    """`python train.py` for `steps` steps: (its metrics.jsonl records, its output), or (None, output) if it failed."""
+def fail(msg: str):
+    """A bad argument or config: one line and exit 2, as train.py does."""
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def run_trainer(extra: list, steps: int, log_freq: int, nproc: int = 1):
+    """train.py for `steps` steps (under torchrun when nproc > 1): (its metrics.jsonl records, its output),
+    or (None, output) if it failed."""
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     with tempfile.TemporaryDirectory() as dump:
-        cmd = [sys.executable, "train.py", *extra, "--job.dump_folder", dump, "--training.steps", str(steps),
+        cmd = [sys.executable, *launcher, "train.py", *extra, "--job.dump_folder", dump, "--training.steps", str(steps),
                "--metrics.log_freq", str(log_freq), "--checkpoint.enable", "false"]
         proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0:
@@ -144,7 +153,7 @@ def matrix(args, extra):
     print("|" + "---|" * (len(names) + 6))
     for combo in itertools.product(*choices):
         overrides = [x for name, value in zip(names, combo) for x in (f"--{name}", value)]
-        records, out = run_trainer([*extra, *overrides], args.steps, args.warmup)
+        records, out = run_trainer([*extra, *overrides], args.steps, args.warmup, args.nproc)
         estimate = re.search(r"memory estimate per device: ([\d.]+) GiB", out)
         estimate = estimate.group(1) if estimate else "-"
         if records is None:  # an OOM or a bad combination: say so and go on with the next
@@ -170,10 +179,14 @@ if __name__ == "__main__":
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="memory: estimate for this device")
     p.add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=A,B",
                    help="matrix: a config key and its values; several --vary give every combination")
+    p.add_argument("--nproc", type=int, default=1, help="matrix: processes per run (torchrun --standalone)")
     a, rest = p.parse_known_args()
     if a.what in ("overhead", "matrix") and (a.steps <= a.warmup or a.steps % a.warmup):
-        sys.exit("error: --steps must be a multiple of --warmup and larger than it")
+        fail("--steps must be a multiple of --warmup and larger than it")
+    bad = [v for v in a.vary if not re.fullmatch(r"\w+\.\w+=[^,]+(,[^,]+)*", v)]
+    if bad or (a.what == "matrix" and not a.vary):
+        fail(f"--vary {bad[0] if bad else '(none given)'}: expected section.key=value1,value2")
     try:
         {"overhead": overhead, "startup": startup, "memory": memory, "matrix": matrix}[a.what](a, rest)
     except ValueError as e:  # train.ConfigError: a bad key or value, one line
-        sys.exit(f"error: {e}")
+        fail(str(e))

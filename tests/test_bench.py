@@ -43,3 +43,16 @@ def test_overhead_and_startup_run():
     assert re.search(r"overhead: trainer [\d,]+ / bare [\d,]+ tokens/s = [\d.]+", out)
     out = bench("startup", "--config", "configs/debug_model.toml", "--repeats", "1")
     assert re.search(r"[\d.]+s beyond importing torch", out)
+
+
+def test_matrix_under_torchrun_and_bad_arguments():
+    out = bench("matrix", "--nproc", "2", "--config", "configs/debug_model.toml", "--model.n_layers", "2",
+                "--steps", "4", "--warmup", "2", "--vary", "parallelism.tensor_parallel_degree=1,2")
+    rows = [ln for ln in out.splitlines() if re.match(r"\| [12] \|", ln)]
+    assert len(rows) == 2 and all(re.match(r"\| [12] \| [\d,]+ \|", r) for r in rows), out
+    for args, message in [(["matrix", "--vary", "training.steps"], "--vary training.steps: expected section.key="),
+                          (["matrix"], "--vary (none given)"),
+                          (["memory", "--config", "nope.toml"], "config file 'nope.toml' not found")]:
+        proc = subprocess.run([sys.executable, "bench.py", *args], cwd=ROOT, capture_output=True, text=True)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
