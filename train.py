@@ -527,9 +527,18 @@ def memory_stats(device: torch.device):
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.reset_peak_memory_stats(device)
         return peak / 2**30, 100 * peak / total, allocated / 2**30
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB on Linux
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return peak / 2**30, 100 * peak / total, None
+
+
+def resident_bytes() -> int:
+    """The process's resident memory now (Linux), or its peak so far elsewhere (close to it at start-up)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return int(memory_stats(torch.device("cpu"))[0] * 2**30)
 
 
 def estimate_memory(model: Transformer, cfg: Config, sizes: dict, cuda: bool) -> dict:
@@ -571,7 +580,7 @@ def estimate_memory(model: Transformer, cfg: Config, sizes: dict, cuda: bool) ->
         "gathered": b * (n_total - (a.n_layers - 1) * n_block) / tp,  # the root and the last block
         "activations": tokens * (per_layer + (4 * d + b * d) / tp),  # + the final norm
         "loss": tokens * 12 * a.vocab_size / tp,  # vocab-sharded under TP (loss parallel)
-        "runtime": 0 if cuda else int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE"),
+        "runtime": 0 if cuda else resident_bytes(),
     }
     # Two candidate peaks. (1) The loss's backward: every block's activations and the loss tensors (and
     # the gradients under accumulation; otherwise zero_grad(set_to_none) freed them). (2) A block's

@@ -133,6 +133,24 @@ def test_shipped_configs_fit_an_80_gib_gpu(name, world):
     assert 1.15 * total < 80, f"{name} on {world} GPUs: {total:.1f} GiB estimated"
 
 
+def test_resident_memory_without_proc(monkeypatch):
+    """macOS has no /proc: the CPU estimate falls back to the peak RSS so far instead of failing."""
+    import builtins
+
+    import train
+
+    real_open = builtins.open
+
+    def no_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    on_linux = train.resident_bytes()
+    monkeypatch.setattr(builtins, "open", no_proc)
+    assert 0.5 * on_linux < train.resident_bytes() < 4 * on_linux
+
+
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
     measure(json.loads(sys.argv[1]))
