@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import difflib
 import fcntl
+import gc
 import hashlib
 import inspect
 import json
@@ -1011,6 +1012,10 @@ if __name__ == "__main__":
     try:
         config = load_config(sys.argv[1:])
         main(config)
+        # FSDP's state outlives main() in reference cycles, holding process groups and collective handles.
+        # Free it now, not during interpreter shutdown, where freeing them can abort the process (gloo's
+        # threads touching Python objects that are being torn down).
+        gc.collect()
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
