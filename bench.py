@@ -181,12 +181,21 @@ if __name__ == "__main__":
                    help="matrix: a config key and its values; several --vary give every combination")
     p.add_argument("--nproc", type=int, default=1, help="matrix: processes per run (torchrun --standalone)")
     a, rest = p.parse_known_args()
+    for name in ("warmup", "repeats", "world_size", "nproc"):
+        if getattr(a, name) < 1:
+            fail(f"--{name} {getattr(a, name)}: must be >= 1")
     if a.what in ("overhead", "matrix") and (a.steps <= a.warmup or a.steps % a.warmup):
         fail("--steps must be a multiple of --warmup and larger than it")
     bad = [v for v in a.vary if not re.fullmatch(r"\w+\.\w+=[^,]+(,[^,]+)*", v)]
     if bad or (a.what == "matrix" and not a.vary):
         fail(f"--vary {bad[0] if bad else '(none given)'}: expected section.key=value1,value2")
+    # bench.py sets these itself on every trainer run; a user's value would be silently overridden
+    ours = {"training.steps", "metrics.log_freq", "job.dump_folder", "checkpoint.enable"}
+    taken = [k for k in [v.partition("=")[0] for v in a.vary] + [x[2:].partition("=")[0] for x in rest] if k in ours]
+    if taken:
+        fail(f"{taken[0]} is set by bench.py (use --steps and --warmup); leave it out")
+    import train
     try:
         {"overhead": overhead, "startup": startup, "memory": memory, "matrix": matrix}[a.what](a, rest)
-    except ValueError as e:  # train.ConfigError: a bad key or value, one line
+    except train.ConfigError as e:  # a bad key or value: one line
         fail(str(e))

@@ -192,6 +192,8 @@ def _convert(value, typ, where: str):
             raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}")
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if typ is str and isinstance(value, int) and not isinstance(value, bool):  # selective_ac_option = 2
+        value = str(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}")
     return value
@@ -521,8 +523,8 @@ def peak_tflops(cfg: Config, device: torch.device) -> float:
 
 
 def memory_stats(device: torch.device):
-    """Peak memory since the last call: (GiB, % of device, allocated GiB). GPU: the caching allocator's
-    reserved and allocated peaks; CPU: the process's peak RSS (allocated is None)."""
+    """(GiB, % of device, allocated GiB). GPU: the caching allocator's reserved and allocated peaks since
+    the last call; CPU: the process's peak RSS since it started (allocated is None)."""
     if device.type == "cuda":
         peak, allocated = torch.cuda.max_memory_reserved(device), torch.cuda.max_memory_allocated(device)
         total = torch.cuda.get_device_properties(device).total_memory
@@ -778,7 +780,9 @@ def main(cfg: Config):
                 "training.global_batch_size": sizes["global_batch_size"], "data.seed": cfg.data.seed,
                 "data.num_streams": cfg.data.num_streams or dp,
                 "data.sources": [dataclasses.asdict(s) for s in cfg.data.sources],
-                **({"model.n_layers": cfg.model.n_layers} if cfg.model.n_layers else {})}
+                # Only a real change of depth: runs without the key (older ones too) compare as before.
+                **({"model.n_layers": model_args.n_layers} if model_args.n_layers != flavors[cfg.model.flavor].n_layers
+                   else {})}
 
     def train_state(model_only=False):
         """Everything a resume needs, as tensors only: DCP then never unpickles anything on load."""
@@ -890,7 +894,7 @@ def main(cfg: Config):
     params = [q for q in model.parameters() if q.requires_grad]
     log_t0, log_tokens, log_steps, data_time = time.perf_counter(), 0, 0, 0.0
     memory_stats(device)  # reset the GPU peak so the first log covers training only
-    peak_gib = 0.0  # the largest memory figure logged, compared with the start-up estimate at the end
+    peak_gib, peak_allocated_gib = 0.0, 0.0  # the largest figures logged, compared with the estimate at the end
     # Fixed-length loss accumulator on the device: no host sync per step except at log time.
     loss_sum = torch.zeros((), device=device)
 
@@ -944,7 +948,7 @@ def main(cfg: Config):
             tps = log_tokens / dt / world_size
             tflops = flops_per_token * tps / 1e12
             mem_gib, mem_pct, allocated_gib = memory_stats(device)
-            peak_gib = max(peak_gib, mem_gib)
+            peak_gib, peak_allocated_gib = max(peak_gib, mem_gib), max(peak_allocated_gib, allocated_gib or 0.0)
             record = {"step": step, "loss": loss_avg.item() / dp / log_steps,
                       "grad_norm": grad_norm.item(), "lr": lr, "memory_gib": mem_gib, "memory_pct": mem_pct,
                       "memory_allocated_gib": allocated_gib,
@@ -989,9 +993,12 @@ def main(cfg: Config):
             logger.info(f"stopping at step {step} on signal")
             break
 
-    if peak_gib:
-        logger.info(f"memory: peak {peak_gib:.2f} GiB ({'reserved' if device.type == 'cuda' else 'RSS'}), start-up "
-                    f"estimate {estimate['total'] / 2**30:.2f} GiB ({100 * (estimate['total'] / 2**30 / peak_gib - 1):+.0f}%)")
+    if peak_gib:  # the estimate counts tensors: on GPU it compares with the allocated peak, on CPU with RSS
+        measured = peak_allocated_gib or peak_gib
+        what = f"{peak_allocated_gib:.2f} GiB allocated, {peak_gib:.2f} GiB reserved" if peak_allocated_gib else \
+            f"{peak_gib:.2f} GiB RSS"
+        logger.info(f"memory: peak {what}; start-up estimate {estimate['total'] / 2**30:.2f} GiB "
+                    f"({100 * (estimate['total'] / 2**30 / measured - 1):+.0f}%)")
     # A second preemption signal during shutdown must not kill a rank that already saved (Python would
     # restore the default, fatal, handler while exiting): ignore them from here on.
     for sig in (signal.SIGTERM, signal.SIGUSR1):

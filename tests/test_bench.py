@@ -52,7 +52,11 @@ def test_matrix_under_torchrun_and_bad_arguments():
     assert len(rows) == 2 and all(re.match(r"\| [12] \| [\d,]+ \|", r) for r in rows), out
     for args, message in [(["matrix", "--vary", "training.steps"], "--vary training.steps: expected section.key="),
                           (["matrix"], "--vary (none given)"),
-                          (["memory", "--config", "nope.toml"], "config file 'nope.toml' not found")]:
+                          (["memory", "--config", "nope.toml"], "config file 'nope.toml' not found"),
+                          (["overhead", "--warmup", "0"], "--warmup 0: must be >= 1"),
+                          (["matrix", "--vary", "training.steps=5,10"], "training.steps is set by bench.py"),
+                          (["overhead", "--config", "configs/debug_model.toml", "--training.stpes", "3"],
+                           "unknown key in [training] 'stpes'")]:
         proc = subprocess.run([sys.executable, "bench.py", *args], cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1

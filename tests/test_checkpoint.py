@@ -4,6 +4,7 @@ keep_latest_k, the model-only export, initial_load_path and refused resumes. CPU
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -147,6 +148,10 @@ def test_changed_config_refuses_to_resume(tmp_path):
     # Fewer layers would load the first blocks of a deeper checkpoint silently: refused too.
     out = run(tmp_path, "--training.steps", 4, "--model.n_layers", 4, nproc=1, expect=2)
     assert "refusing to resume" in out and "model.n_layers: None -> 4" in out
+    # Naming the flavor's own depth is no change: it resumes (and reports memory against the estimate).
+    out = run(tmp_path, "--training.steps", 4, "--model.n_layers", 6, nproc=1)
+    assert "at step 2" in out and steps_saved(tmp_path) == [2, 4]
+    assert re.search(r"memory: peak [\d.]+ GiB RSS; start-up estimate [\d.]+ GiB \([+-]\d+%\)", out), out
 
 
 def test_initial_load_path_errors_are_one_line(tmp_path):

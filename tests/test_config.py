@@ -72,6 +72,10 @@ def test_toml_errors(tmp_path):
         train.load_config(["--config", str(bad)])
     with pytest.raises(train.ConfigError, match="not found"):
         train.load_config(["--config", str(tmp_path / "nope.toml")])
+    # An integer where the key takes a string (the README's `selective_ac_option = N`) is that string.
+    good = tmp_path / "good.toml"
+    good.write_text("[activation_checkpoint]\nmode = 'selective'\nselective_ac_option = 2\n")
+    assert train.load_config(["--config", str(good)]).activation_checkpoint.selective_ac_option == "2"
 
 
 def test_precedence_cli_over_toml_over_defaults():

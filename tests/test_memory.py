@@ -33,7 +33,7 @@ def measure(configs):
     from torch.distributed.tensor.parallel import loss_parallel
 
     import train
-    from model import Transformer, flavors
+    from model import Transformer
 
     dist.init_process_group("gloo")
     for extra in configs:
@@ -124,7 +124,7 @@ def test_shipped_configs_fit_an_80_gib_gpu(name, world):
     import torch
 
     import train
-    from model import Transformer, flavors
+    from model import Transformer
 
     cfg = train.load_config(["--config", os.path.join(ROOT, f"configs/{name}.toml")])
     with torch.device("meta"):
