@@ -573,15 +573,15 @@ def estimate_memory(model: Transformer, cfg: Config, sizes: dict, cuda: bool) ->
     mode = "op" if ac.mode == "selective" and ac.selective_ac_option == "op" else ac.mode
     if mode == "selective":  # full AC on every Nth block, none on the others
         n_ac = len(range(0, a.n_layers, int(ac.selective_ac_option)))
-        per_layer = n_ac * saved["full"] + (a.n_layers - n_ac) * full_block
+        all_blocks = n_ac * saved["full"] + (a.n_layers - n_ac) * full_block
     else:
-        per_layer = a.n_layers * saved[mode]
+        all_blocks = a.n_layers * saved[mode]
     parts = {
         "weights": 4 * n_total / shards,
         "optimizer": 8 * n_total / shards,
         "gradients": 4 * n_total / shards,
         "gathered": b * (n_total - (a.n_layers - 1) * n_block) / tp,  # the root and the last block
-        "activations": tokens * (per_layer + (4 * d + b * d) / tp),  # + the final norm
+        "activations": tokens * (all_blocks + (4 * d + b * d) / tp),  # + the final norm
         "loss": tokens * 12 * a.vocab_size / tp,  # vocab-sharded under TP (loss parallel)
         "runtime": 0 if cuda else resident_bytes(),
     }
@@ -591,7 +591,7 @@ def estimate_memory(model: Transformer, cfg: Config, sizes: dict, cuda: bool) ->
     # working set (what AC recomputes, plus about two FFN-sized gradients). It peaks at the top or the
     # bottom block: linear in between.
     at_loss = parts["activations"] + parts["loss"] + (parts["gradients"] if sizes["grad_accum"] > 1 else 0)
-    working = tokens * (full_block - (saved[mode] if mode in saved else per_layer / a.n_layers) + 2 * b * f / tp)
+    working = tokens * (full_block - (saved[mode] if mode in saved else all_blocks / a.n_layers) + 2 * b * f / tp)
     grad_out, grad_block = 4 * (model.output.weight.numel() + d) / shards, 4 * n_block / shards
     if sizes["grad_accum"] > 1:
         in_blocks = parts["gradients"] + parts["activations"] + working
