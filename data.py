@@ -384,6 +384,13 @@ class DataLoader:
         batch = torch.tensor(rows, dtype=torch.long)  # (local_batch_size, seq_len + 1)
         return batch[:, :-1], batch[:, 1:]
 
+    def check(self):  # TEMP stub until the data branch lands
+        for st in self.streams:
+            for r in st.readers:
+                files = r._files()
+                if files:
+                    next(r._rows(files[0], 0), None)
+
     def close(self):
         if self.workers is not None:
             self.workers.close()
@@ -402,6 +409,23 @@ class DataLoader:
         assert self.workers is None, "load the state before the first batch"
         for s, st in zip(self.stream_ids, self.streams):
             st.load_state_dict(sd[s])
+
+
+def heldout_windows(src, tokenizer, seq_len, limit=None):  # TEMP stub until the data branch lands
+    reader = SourceReader(src, 0, 1, 0)
+    reader._files()
+    out, buf = [], []
+    for path in reader._all_files:
+        for _, text in reader._rows(path, 0):
+            buf += tokenizer.encode(text or "")
+            while len(buf) >= seq_len + 1:
+                out.append(buf[:seq_len + 1])
+                buf = buf[seq_len + 1:]
+                if limit is not None and len(out) >= limit:
+                    return out
+    if not out:
+        raise DataError(f"validation source {src.name!r} has no complete sequence")
+    return out
 
 
 def main():

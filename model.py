@@ -20,6 +20,7 @@ This file imports nothing from torch.distributed: attention infers its (possibly
 sharded) head count from tensor shapes, so TP can shard heads without editing the model.
 """
 
+import hashlib
 import math
 import re
 from dataclasses import dataclass, fields
@@ -189,7 +190,7 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: ModelArgs):
+    def __init__(self, args: ModelArgs):
         super().__init__()
         self.attention = Attention(args)
         self.feed_forward = FeedForward(args)
@@ -206,7 +207,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)  # not tied to tok_embeddings
         # Non-persistent: derived from args, so not part of Meta's state dict (9 * n_layers + 3 keys).
@@ -242,6 +243,8 @@ class Transformer(nn.Module):
           layers add less to the residual stream at the start
         - output.weight: normal(0, dim ** -0.5)
         - attention_norm, ffn_norm, norm: ones
+        - any other parameter (one a research edit adds, e.g. a q/k norm): 1-D ones, otherwise
+          normal(0, 0.02); give it its own rule here when that is wrong for it
         - freqs_cis (buffer): recomputed from args on buffer_device (default: where it lives now)
         Every normal is truncated at 3 std. `normal_(name, tensor, std)` draws them; the default
         uses torch's global RNG. train.py passes one whose values do not depend on the sharding.
@@ -259,13 +262,32 @@ class Transformer(nn.Module):
                 normal_(name, p, self.args.dim ** -0.5)
             elif name.endswith(("wo.weight", "w2.weight", "w3.weight")):
                 normal_(name, p, out_std)
-            elif name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight")):
-                normal_(name, p, 0.02)
+            elif p.ndim == 1:  # wq/wk/wv/w1 and new weights fall through to the default rules
+                nn.init.ones_(p)
             else:
-                raise ValueError(f"init_weights: no init rule for parameter {name}")
+                normal_(name, p, 0.02)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
         if exclude_embedding:
             n -= self.tok_embeddings.weight.numel()
         return n
+
+
+def keyed_normal_(local: torch.Tensor, offset, full_shape, seed: int, name: str, std: float, rows_per_block: int = 64):
+    """Fill `local`, the block of a (rows, cols) weight starting at `offset`, with truncated normals whose
+    values depend on (seed, name, position) only, so a shard gets the same values as the whole tensor.
+
+    Rows are drawn in blocks of 64 from generators keyed by (seed, name, block): a shard draws the
+    blocks its rows touch, at full width, and keeps its own rows and columns.
+    """
+    r0, r1 = offset[0], offset[0] + local.shape[0]
+    c0, c1 = offset[1], offset[1] + local.shape[1]
+    for b in range(r0 // rows_per_block, -(-r1 // rows_per_block)):
+        digest = hashlib.sha256(f"{seed}/{name}/{b}".encode()).digest()
+        g = torch.Generator(device=local.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        lo, hi = b * rows_per_block, min((b + 1) * rows_per_block, full_shape[0])
+        block = torch.empty(hi - lo, full_shape[1], device=local.device, dtype=local.dtype)
+        nn.init.trunc_normal_(block, 0.0, std, -3 * std, 3 * std, generator=g)
+        a, z = max(lo, r0), min(hi, r1)
+        local[a - r0:z - r0].copy_(block[a - lo:z - lo, c0:c1])

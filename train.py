@@ -11,25 +11,8 @@ Config precedence: --section.key value on the command line > the TOML file > the
 One flat main(cfg), top to bottom: config, mesh, model, parallelize, optimizer, data, checkpoint, loop.
 """
 
-import contextlib
-import dataclasses
-import difflib
-import fcntl
-import gc
-import hashlib
-import inspect
-import json
-import logging
-import math
-import os
-import re
-import resource
-import shutil
-import signal
-import sys
-import time
-import tomllib
-import typing
+import argparse, contextlib, ctypes, dataclasses, difflib, fcntl, gc, hashlib, inspect, json, logging  # noqa: E401
+import math, os, re, resource, shutil, signal, sys, threading, time, tomllib, typing  # noqa: E401
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -48,8 +31,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
-from data import DataError, DataLoader, DataSource, Tokenizer
-from model import Transformer, flavors
+from data import DataError, DataLoader, DataSource, Tokenizer, heldout_windows
+from model import Transformer, flavors, keyed_normal_
 
 logger = logging.getLogger("train")
 
@@ -62,18 +45,19 @@ logger = logging.getLogger("train")
 class Job:
     dump_folder: str = "./outputs"  # where logs, metrics.jsonl, config.toml and checkpoints go
     description: str = ""  # free text, printed at start
+    print_config: bool = False  # also print the resolved config (always written to dump_folder/config.toml)
 
 
 @dataclass
 class Model:
     flavor: str = "debugmodel"  # debugmodel, 1B, 3B, 8B, 70B or 405B (see model.py)
     n_layers: int = 0  # 0: the flavor's; N: the flavor's width with N blocks (e.g. an 8B-wide model on one GPU)
-    tokenizer_path: str = "assets/tokenizer/tokenizer.model"  # Llama 3 tokenizer.model (tiktoken)
+    tokenizer_path: str = "assets/tokenizer/tokenizer.model"  # Llama 3 tokenizer.model (tiktoken); sets vocab_size
 
 
 @dataclass
 class Optimizer:
-    name: str = "AdamW"  # only AdamW
+    name: str = "AdamW"  # AdamW (build_optimizer() is the place to add another)
     lr: float = 8e-4  # peak learning rate
     beta1: float = 0.9  # Adam beta1
     beta2: float = 0.95  # Adam beta2
@@ -86,7 +70,7 @@ class LRScheduler:
     warmup_steps: int = 200  # linear warmup from ~0 to lr
     decay_ratio: float = -1.0  # WSD: fraction of steps spent decaying at the end; -1 decays after warmup
     decay_type: str = "linear"  # linear, cosine or sqrt
-    min_lr_factor: float = 0.0  # the decay ends at lr * min_lr_factor
+    min_lr_factor: float = 0.0  # the lr of the last step is lr * min_lr_factor
 
 
 @dataclass
@@ -111,7 +95,7 @@ class Parallelism:
 
 @dataclass
 class Checkpoint:
-    enable: bool = False  # save DCP checkpoints and resume from the newest one
+    enable: bool = False  # save DCP checkpoints and resume from the newest complete one
     folder: str = "checkpoint"  # under dump_folder; holds step-N/ folders
     interval: int = 500  # save every this many steps (and at the last step)
     keep_latest_k: int = 0  # delete older checkpoints, keeping this many; 0 keeps all
@@ -138,6 +122,9 @@ class Compile:
 class Metrics:
     log_freq: int = 10  # log every this many steps
     enable_tensorboard: bool = False  # also write TensorBoard events to dump_folder/tb
+    enable_wandb: bool = False  # also log to Weights & Biases (pip install wandb; WANDB_MODE=offline works without network)
+    wandb_project: str = ""  # W&B project; empty: $WANDB_PROJECT, else "llama3-pretrain"
+    wandb_run_name: str = ""  # W&B run name; empty: $WANDB_RUN_NAME, else the dump folder's name
     peak_tflops: float = 0.0  # peak TFLOP/s per device for MFU; 0: look up the GPU (CPU prints n/a)
 
 
@@ -155,6 +142,15 @@ class Data:
 
 
 @dataclass
+class Validation:
+    enable: bool = False  # evaluate held-out loss every freq steps and at the last step
+    freq: int = 500  # steps between rounds
+    steps: int = 10  # batches per source per round (the same sequences every round); -1: the whole held-out set
+    local_batch_size: int = 8  # sequences per data-parallel rank per batch
+    sources: list = field(default_factory=list)  # [[validation.sources]] tables, keys as in [[data.sources]] (weight unused)
+
+
+@dataclass
 class Config:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -168,10 +164,11 @@ class Config:
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
     data: Data = field(default_factory=Data)
+    validation: Validation = field(default_factory=Validation)
 
 
 class ConfigError(ValueError):
-    """A user mistake in the config or the command line: reported as one line, exit code 2."""
+    """A user mistake in the config, the command line or an input file: one line, exit code 2."""
 
 
 class RunError(RuntimeError):
@@ -213,18 +210,17 @@ def _set(cfg: Config, section: str, key: str, value, where: str):
     keys = {f.name: f for f in dataclasses.fields(obj)}
     if key not in keys:
         raise _unknown(f"key in [{section}]", key, keys)
-    if (section, key) == ("data", "sources"):
+    if key == "sources":
         if not isinstance(value, list) or not all(isinstance(s, dict) for s in value):
-            raise ConfigError(f"{where}: data.sources must be [[data.sources]] tables in the TOML")
-        value = [_source(s, f"{where}[{i}]") for i, s in enumerate(value)]
+            raise ConfigError(f"{where}: {section}.sources must be [[{section}.sources]] tables in the TOML")
+        value = [_source(s, f"{where} {section}.sources[{i}]") for i, s in enumerate(value)]
     else:
         value = _convert(value, typing.get_type_hints(type(obj))[key], f"{where} {section}.{key}")
     setattr(obj, key, value)
 
 
 def _source(d: dict, where: str) -> DataSource:
-    src = DataSource()
-    types = typing.get_type_hints(DataSource)
+    src, types = DataSource(), typing.get_type_hints(DataSource)
     for k, v in d.items():
         if k not in types:
             raise _unknown(f"key in {where}", k, types)
@@ -233,30 +229,44 @@ def _source(d: dict, where: str) -> DataSource:
     return src
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """--section.key for every config field (generated from the dataclasses), plus --config."""
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False, exit_on_error=False, formatter_class=(
+        lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=60, width=200)))
+    parser.add_argument("--config", "--job.config_file", action="append", metavar="TOML", help="the TOML config file")
+    for sec in dataclasses.fields(Config):
+        cls = type(getattr(Config(), sec.name))
+        docs = _docs(cls)
+        group = parser.add_argument_group(f"[{sec.name}]", f"[[{sec.name}.sources]] (TOML only): {docs['sources']}"
+                                          if "sources" in docs else None)
+        for f in dataclasses.fields(cls):
+            if f.name == "sources":
+                continue  # tables: TOML only
+            typ = typing.get_type_hints(cls)[f.name]
+            group.add_argument(f"--{sec.name}.{f.name}", default=argparse.SUPPRESS, metavar=typ.__name__.upper(),
+                               **({"nargs": "?", "const": "true"} if typ is bool else {}),  # bare --checkpoint.enable
+                               help=f"{docs[f.name]} (default: {getattr(cls(), f.name)!r})")
+    return parser
+
+
 def load_config(argv) -> Config:
     """Defaults, then the TOML file (--config), then --section.key value overrides."""
-    cfg, overrides, path = Config(), [], None
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
+    try:
+        args, unknown = build_parser().parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise ConfigError(str(e))
+    for arg in unknown:  # argparse would say "unrecognized arguments": name the close matches instead
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}; options look like --section.key value")
-        name, eq, value = arg[2:].partition("=")
-        if not eq:  # `--section.key value`, or a bare boolean flag `--checkpoint.enable`
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if nxt is None or nxt.startswith("--"):
-                value = "true"
-            else:
-                value, i = nxt, i + 1
-        if name in ("config", "job.config_file"):
-            path = value
-        else:
-            section, dot, key = name.partition(".")
-            if not dot:
-                raise ConfigError(f"option --{name}: expected --section.key (e.g. --training.steps)")
-            overrides.append((section, key, value))
-        i += 1
-    if path is not None:
+        section, dot, key = arg[2:].partition("=")[0].partition(".")
+        if not dot:
+            raise ConfigError(f"option {arg}: expected --section.key (e.g. --training.steps)")
+        _set(Config(), section, key, None, "command line")  # raises: unknown section or key, or a TOML table
+    cfg, files = Config(), args.config or []
+    if len(files) > 1:
+        raise ConfigError(f"--config given {len(files)} times ({', '.join(files)}); give one file and "
+                          "override single keys with --section.key value")
+    for path in files:
         try:
             with open(path, "rb") as f:
                 toml = tomllib.load(f)
@@ -269,65 +279,58 @@ def load_config(argv) -> Config:
                 raise ConfigError(f"{path}: {section!r} must be a [section] table")
             for key, value in table.items():
                 _set(cfg, section, key, value, path)
-    for section, key, value in overrides:
-        _set(cfg, section, key, value, "command line")
+    for name, value in vars(args).items():
+        if name != "config":
+            _set(cfg, *name.split(".", 1), value, "command line")
     return cfg
 
 
-def flavor_args(cfg: Config):
-    """The flavor's ModelArgs, with model.n_layers applied."""
+def flavor_args(cfg: Config, vocab_size: int = 0):
+    """The flavor's ModelArgs with model.n_layers applied, and the tokenizer's vocab_size when given."""
     args = flavors[cfg.model.flavor]
-    return dataclasses.replace(args, n_layers=cfg.model.n_layers) if cfg.model.n_layers else args
+    return dataclasses.replace(args, n_layers=cfg.model.n_layers or args.n_layers,
+                               vocab_size=vocab_size or args.vocab_size)
 
 
 def validate(cfg: Config, world_size: int) -> dict:
     """Reject configs that cannot work, before any process group or model exists. Returns derived sizes."""
-    t, p = cfg.training, cfg.parallelism
+    t, p, v = cfg.training, cfg.parallelism, cfg.validation
     if cfg.model.flavor not in flavors:
         raise _unknown("model.flavor", cfg.model.flavor, flavors)
+    pos, nonneg, prob = (lambda x: x >= 1, ">= 1"), (lambda x: x >= 0, ">= 0"), (lambda x: 0 <= x < 1, "in [0, 1)")
+    minus1_or = (lambda x: x == -1 or x >= 1, "-1 or >= 1")
+    positive = (lambda x: 0 < x < math.inf, "a positive number")
+
+    def one_of(*names):
+        return lambda x: x in names, f"one of {', '.join(names)}"
+
+    rules = {  # key: (check, what it must be); NaN fails every comparison, so it is caught too
+        "training.steps": pos, "training.local_batch_size": pos, "training.seq_len": pos, "metrics.log_freq": pos,
+        "checkpoint.interval": pos, "parallelism.tensor_parallel_degree": pos, "comm.init_timeout_seconds": pos,
+        "parallelism.data_parallel_replicate_degree": pos, "parallelism.data_parallel_shard_degree": minus1_or,
+        "training.global_batch_size": minus1_or, "optimizer.lr": positive, "optimizer.eps": positive,
+        "optimizer.beta1": prob, "optimizer.beta2": prob, "optimizer.weight_decay": nonneg, "training.max_norm": nonneg,
+        "lr_scheduler.warmup_steps": nonneg, "lr_scheduler.min_lr_factor": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+        "lr_scheduler.decay_ratio": (lambda x: x == -1 or 0 < x <= 1, "-1 or in (0, 1]"),
+        "checkpoint.keep_latest_k": nonneg, "checkpoint.load_step": (lambda x: x >= -1, "-1 or >= 0"),
+        "metrics.peak_tflops": nonneg, "data.num_streams": nonneg, "data.num_workers": nonneg, "model.n_layers": nonneg,
+        "validation.freq": pos, "validation.steps": minus1_or, "validation.local_batch_size": pos,
+        "activation_checkpoint.mode": one_of("none", "full", "selective"),
+        "lr_scheduler.decay_type": one_of("linear", "cosine", "sqrt"),
+        "training.mixed_precision_param": one_of("bfloat16", "float32"),
+        "training.mixed_precision_reduce": one_of("bfloat16", "float32"), "optimizer.name": one_of("AdamW"),
+        "checkpoint.async_mode": one_of("disabled", "async"), "checkpoint.export_dtype": one_of("float32", "bfloat16"),
+        "activation_checkpoint.selective_ac_option": (lambda x: x == "op" or (x.isdigit() and int(x) > 0),
+                                                      "'op' or a positive integer"),
+    }
+    for key, (ok, allowed) in rules.items():
+        value = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
+        if not ok(value):
+            raise ConfigError(f"{key} = {value!r}: must be {allowed}")
     args = flavor_args(cfg)
-    o, s, c = cfg.optimizer, cfg.lr_scheduler, cfg.checkpoint
-    at_least_1, at_least_0 = (lambda v: v >= 1, ">= 1"), (lambda v: v >= 0, ">= 0")
-    for key, value, (ok, allowed) in [
-            ("training.steps", t.steps, at_least_1), ("training.local_batch_size", t.local_batch_size, at_least_1),
-            ("training.seq_len", t.seq_len, at_least_1), ("metrics.log_freq", cfg.metrics.log_freq, at_least_1),
-            ("checkpoint.interval", c.interval, at_least_1),
-            ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree, at_least_1),
-            ("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree, at_least_1),
-            ("parallelism.data_parallel_shard_degree", p.data_parallel_shard_degree, (lambda v: v == -1 or v >= 1, "-1 or >= 1")),
-            ("training.global_batch_size", t.global_batch_size, (lambda v: v == -1 or v >= 1, "-1 or >= 1")),
-            ("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds, at_least_1),
-            ("optimizer.lr", o.lr, (lambda v: 0 < v < math.inf, "a positive number")),
-            ("optimizer.eps", o.eps, (lambda v: 0 < v < math.inf, "a positive number")),
-            ("optimizer.beta1", o.beta1, (lambda v: 0 <= v < 1, "in [0, 1)")),
-            ("optimizer.beta2", o.beta2, (lambda v: 0 <= v < 1, "in [0, 1)")),
-            ("optimizer.weight_decay", o.weight_decay, at_least_0), ("training.max_norm", t.max_norm, at_least_0),
-            ("lr_scheduler.warmup_steps", s.warmup_steps, at_least_0),
-            ("lr_scheduler.decay_ratio", s.decay_ratio, (lambda v: v == -1 or 0 < v <= 1, "-1 or in (0, 1]")),
-            ("lr_scheduler.min_lr_factor", s.min_lr_factor, (lambda v: 0 <= v <= 1, "in [0, 1]")),
-            ("checkpoint.keep_latest_k", c.keep_latest_k, at_least_0),
-            ("checkpoint.load_step", c.load_step, (lambda v: v >= -1, "-1 or >= 0")),
-            ("metrics.peak_tflops", cfg.metrics.peak_tflops, at_least_0),
-            ("data.num_streams", cfg.data.num_streams, at_least_0),
-            ("data.num_workers", cfg.data.num_workers, at_least_0), ("model.n_layers", cfg.model.n_layers, at_least_0)]:
-        if not ok(value):  # NaN fails every comparison, so it lands here too
-            raise ConfigError(f"{key} = {value}: must be {allowed}")
     if t.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {t.seq_len} exceeds the {cfg.model.flavor} model's "
                           f"max_seq_len {args.max_seq_len}")
-    for key, value, allowed in [
-            ("activation_checkpoint.mode", cfg.activation_checkpoint.mode, ("none", "full", "selective")),
-            ("lr_scheduler.decay_type", cfg.lr_scheduler.decay_type, ("linear", "cosine", "sqrt")),
-            ("training.mixed_precision_param", t.mixed_precision_param, ("bfloat16", "float32")),
-            ("training.mixed_precision_reduce", t.mixed_precision_reduce, ("bfloat16", "float32")),
-            ("optimizer.name", cfg.optimizer.name, ("AdamW",)),
-            ("checkpoint.async_mode", cfg.checkpoint.async_mode, ("disabled", "async")),
-            ("checkpoint.export_dtype", cfg.checkpoint.export_dtype, ("float32", "bfloat16"))]:
-        if value not in allowed:
-            raise ConfigError(f"{key} = {value!r}: must be one of {', '.join(allowed)}")
-    sac = cfg.activation_checkpoint.selective_ac_option
-    if cfg.activation_checkpoint.mode == "selective" and not (sac == "op" or (sac.isdigit() and int(sac) > 0)):
-        raise ConfigError(f"activation_checkpoint.selective_ac_option = {sac!r}: must be 'op' or a positive integer")
     tp, rep = p.tensor_parallel_degree, p.data_parallel_replicate_degree
     shard = p.data_parallel_shard_degree if p.data_parallel_shard_degree != -1 else world_size // (tp * rep)
     if shard < 1 or rep * shard * tp != world_size:
@@ -342,24 +345,24 @@ def validate(cfg: Config, world_size: int) -> dict:
                           "(sequence parallelism splits it)")
     dp = rep * shard
     gbs = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
-    if gbs < 1 or gbs % (t.local_batch_size * dp):
+    if gbs % (t.local_batch_size * dp):
         raise ConfigError(f"training.global_batch_size = {gbs} must be a multiple of local_batch_size "
                           f"{t.local_batch_size} x data-parallel degree {dp}")
-    if not cfg.data.sources:
-        raise ConfigError("data.sources is empty; add [[data.sources]] tables to the TOML")
-    for s in cfg.data.sources:
-        if not s.name or not s.path:
-            raise ConfigError(f"data.sources: every source needs a name and a path (got {s})")
-        if not (s.weight >= 0 and math.isfinite(s.weight)):
-            raise ConfigError(f"data.sources {s.name!r}: weight = {s.weight} must be >= 0")
-    if sum(s.weight for s in cfg.data.sources) <= 0:
-        raise ConfigError("data.sources: the weights sum to 0; give at least one source a positive weight")
+    for section, sources in (("data", cfg.data.sources), ("validation", v.sources if v.enable else [])):
+        for s in sources:
+            if not s.name or not s.path:
+                raise ConfigError(f"{section}.sources: every source needs a name and a path (got {s})")
+            if not (s.weight >= 0 and math.isfinite(s.weight)):
+                raise ConfigError(f"{section}.sources {s.name!r}: weight = {s.weight} must be >= 0")
+    if not cfg.data.sources or sum(s.weight for s in cfg.data.sources) <= 0:
+        raise ConfigError("data.sources: add [[data.sources]] tables to the TOML, at least one with weight > 0")
+    if v.enable and not v.sources:
+        raise ConfigError("validation.enable is set but validation.sources is empty; add [[validation.sources]] tables")
     streams = cfg.data.num_streams or dp
     if streams % dp or t.local_batch_size % (streams // dp):
         raise ConfigError(f"data.num_streams = {streams} must be a multiple of the data-parallel degree {dp} "
                           f"and divide into local_batch_size {t.local_batch_size} per rank")
-    return {"dp_shard": shard, "dp": dp, "global_batch_size": gbs,
-            "grad_accum": gbs // (t.local_batch_size * dp)}
+    return {"dp_shard": shard, "dp": dp, "global_batch_size": gbs, "grad_accum": gbs // (t.local_batch_size * dp)}
 
 
 def to_toml(cfg: Config) -> str:
@@ -378,34 +381,24 @@ def to_toml(cfg: Config) -> str:
     return "\n".join(out)
 
 
-def print_help():
-    print(__doc__)
-    for f in dataclasses.fields(Config):
-        cls = type(getattr(Config(), f.name))
-        print(f"[{f.name}]")
-        for k, doc in _docs(cls).items():
-            print(f"  --{f.name}.{k} (default {getattr(cls(), k)!r}): {doc}")
-
-
 # -------------------------------------------------------------------------------------------------
 # Parallelism: TP plan, activation checkpointing, compile, FSDP2, and a layout-independent init
 # -------------------------------------------------------------------------------------------------
 
-def parallelize(model: Transformer, mesh, cfg: Config, device_type: str):
+def parallelize(model: Transformer, mesh, cfg: Config):
     tp_mesh = mesh["tp"]
     if tp_mesh.size() > 1:
         # Sequence parallel between blocks: activations are sharded on seq (Shard(1)) for norms and
         # residual adds, gathered before attention / FFN, and reduce-scattered after wo / w2.
-        parallelize_module(model, tp_mesh, {
+        root_plan = {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
             # Logits stay sharded on the vocab (loss parallel): no rank ever holds (tokens x vocab) whole.
             "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-        })
+        }
         block_plan = {
             "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                            desired_input_layouts=(Replicate(), None)),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
@@ -416,8 +409,10 @@ def parallelize(model: Transformer, mesh, cfg: Config, device_type: str):
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
             "feed_forward.w3": ColwiseParallel(),
         }
+        parallelize_module(model, tp_mesh, root_plan)
         for block in model.layers:
             parallelize_module(block, tp_mesh, block_plan)
+        replicate_unplanned(model, tp_mesh)
 
     ac = cfg.activation_checkpoint
     if ac.mode != "none":
@@ -453,6 +448,22 @@ def parallelize(model: Transformer, mesh, cfg: Config, device_type: str):
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
+def replicate_unplanned(model: torch.nn.Module, tp_mesh):
+    """Parameters the TP plan does not name (a q/k norm, a gate, ...) become replicated on the TP mesh, so
+    every parameter lives on the same mesh (clip_grad_norm_ needs that). The module's input is declared
+    Shard(0) and its output handed back as a plain tensor: every TP rank computes on its own share of the
+    activations (heads, hidden units or sequence), so the gradients are summed over TP ranks, which is
+    right for per-token modules anywhere except on the inputs gathered for wq/wk/wv and w1/w3."""
+    for name, module in model.named_modules():
+        own = [n for n, q in module.named_parameters(recurse=False) if not isinstance(q, DTensor)]
+        if not own:
+            continue
+        if module._forward_pre_hooks or module._forward_hooks:  # already given a style by the plan
+            raise ConfigError(f"tensor parallel: parameter {name}.{own[0]} is not in the TP plan and its module "
+                              "has a TP style; add it to the plan in train.parallelize")
+        parallelize_module(module, tp_mesh, SequenceParallel(sequence_dim=0, use_local_output=True))
+
+
 def layout_independent_normal(seed: int):
     """An init fill for model.init_weights whose values depend on (seed, weight name, position) only,
     so 1 process, FSDP and TP start from identical weights. Each rank fills only its own shard."""
@@ -462,50 +473,75 @@ def layout_independent_normal(seed: int):
         name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
         if isinstance(w, DTensor):
             _, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
-            fill_normal_region(w.to_local(), offset, w.shape, seed, name, std)
+            keyed_normal_(w.to_local(), offset, w.shape, seed, name, std)
         else:
-            fill_normal_region(w, (0, 0), w.shape, seed, name, std)
+            keyed_normal_(w, (0, 0), w.shape, seed, name, std)
 
     return fill
 
 
-def fill_normal_region(local: torch.Tensor, offset, full_shape, seed: int, name: str, std: float,
-                       rows_per_block: int = 64):
-    """Fill `local`, the block of a (rows, cols) weight starting at `offset`, with truncated normals.
-
-    Rows are drawn in blocks of 64 from generators keyed by (seed, name, block): a shard draws the
-    blocks its rows touch, at full width, and keeps its own rows and columns.
-    """
-    r0, r1 = offset[0], offset[0] + local.shape[0]
-    c0, c1 = offset[1], offset[1] + local.shape[1]
-    for b in range(r0 // rows_per_block, -(-r1 // rows_per_block)):
-        digest = hashlib.sha256(f"{seed}/{name}/{b}".encode()).digest()
-        g = torch.Generator(device=local.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-        lo, hi = b * rows_per_block, min((b + 1) * rows_per_block, full_shape[0])
-        block = torch.empty(hi - lo, full_shape[1], device=local.device, dtype=local.dtype)
-        torch.nn.init.trunc_normal_(block, 0.0, std, -3 * std, 3 * std, generator=g)
-        a, z = max(lo, r0), min(hi, r1)
-        local[a - r0:z - r0].copy_(block[a - lo:z - lo, c0:c1])
-
-
 # -------------------------------------------------------------------------------------------------
-# Schedule, metrics, checkpoint helpers
+# Optimizer, schedule, validation, metrics
 # -------------------------------------------------------------------------------------------------
+
+def build_optimizer(model, cfg: Config, device: torch.device):
+    """The optimizer and its lr schedule. Checkpointing saves whatever state the optimizer keeps."""
+    o = cfg.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                  weight_decay=o.weight_decay, fused=device.type == "cuda" or None)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
+
 
 def lr_factor(step: int, cfg: Config) -> float:
-    """Multiplier on the peak lr at optimizer step `step` (0-based): warmup, stable, decay."""
+    """Multiplier on the peak lr at optimizer step `step` (0-based): warmup, stable, decay to min_lr_factor."""
     s, total = cfg.lr_scheduler, cfg.training.steps
     warmup = min(s.warmup_steps, total)
     if step < warmup:
         return (step + 1) / (warmup + 1)
     decay_steps = total - warmup if s.decay_ratio < 0 else max(1, round(total * s.decay_ratio))
     decay_start = total - decay_steps
-    if step < decay_start:
+    if step < decay_start or decay_steps == 0:
         return 1.0
-    progress = min(1.0, (step - decay_start + 1) / (decay_steps + 1))
+    progress = min(1.0, (step - decay_start + 1) / decay_steps)  # 1.0 at the last step
     shape = {"linear": 1 - progress, "sqrt": 1 - math.sqrt(progress),
              "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[s.decay_type]
     return s.min_lr_factor + (1 - s.min_lr_factor) * shape
+
+
+def load_heldout(cfg: Config, tokenizer, dp_rank: int, dp: int) -> dict:
+    """Per validation source, this rank's (inputs, labels): the first steps x local_batch_size x dp held-out
+    sequences (all of them for steps = -1), row i on rank i % dp. Ranks with fewer rows are padded with
+    label -100 (ignored), so every rank runs the same number of forwards (FSDP's collectives)."""
+    v, seq_len = cfg.validation, cfg.training.seq_len
+    heldout = {}
+    for src in v.sources:
+        windows = heldout_windows(src, tokenizer, seq_len, None if v.steps == -1 else v.steps * v.local_batch_size * dp)
+        n = -(-len(windows) // (dp * v.local_batch_size)) * v.local_batch_size  # rows per rank, whole batches
+        mine = torch.tensor(windows[dp_rank::dp], dtype=torch.long).reshape(-1, seq_len + 1)  # (rows, seq_len + 1)
+        inputs = torch.zeros(n, seq_len, dtype=torch.long)
+        labels = torch.full((n, seq_len), -100, dtype=torch.long)
+        inputs[:len(mine)], labels[:len(mine)] = mine[:, :-1], mine[:, 1:]
+        heldout[src.name] = (inputs, labels)
+    return heldout
+
+
+@torch.no_grad()
+def evaluate(model, heldout: dict, batch: int, device, dp_group, tp: int) -> dict:
+    """Mean held-out loss per source and overall (per token), and the tokens evaluated."""
+    model.eval()
+    sums = torch.zeros(len(heldout), 2, dtype=torch.float64, device=device)  # per source: loss sum, tokens
+    for i, (inputs, labels) in enumerate(heldout.values()):
+        for b in range(0, len(inputs), batch):
+            x, y = inputs[b:b + batch].to(device), labels[b:b + batch].to(device)
+            with loss_parallel() if tp > 1 else contextlib.nullcontext():
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")  # -100 is ignored
+            sums[i, 0] += loss.full_tensor() if isinstance(loss, DTensor) else loss
+            sums[i, 1] += (y != -100).sum()
+    dist.all_reduce(sums, group=dp_group)
+    model.train()
+    per_source = {name: (s[0] / s[1]).item() for name, s in zip(heldout, sums)}
+    return {"validation_loss": (sums[:, 0].sum() / sums[:, 1].sum()).item(),
+            "validation_source_loss": per_source, "validation_tokens": int(sums[:, 1].sum())}
 
 
 # Dense bf16 peak TFLOP/s per device, matched against torch.cuda.get_device_name (first match wins).
@@ -535,137 +571,310 @@ def memory_stats(device: torch.device):
     return peak / 2**30, 100 * peak / total, None
 
 
-def resident_bytes() -> int:
-    """The process's resident memory now (Linux), or its peak so far elsewhere (close to it at start-up)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return int(memory_stats(torch.device("cpu"))[0] * 2**30)
+class MetricsLogger:
+    """Rank 0 sends each record (a flat dict) to the console, metrics.jsonl, TensorBoard and W&B: a new
+    scalar is one more key in the record. Other ranks drop everything."""
+
+    HIDDEN = {"step", "tokens_seen", "source_tokens", "memory_allocated_gib", "memory_pct", "validation_tokens"}
+
+    def __init__(self, cfg: Config, rank: int):
+        self.jsonl = self.tb = self.wandb = None
+        dump = cfg.job.dump_folder
+        if rank != 0:
+            return
+        self.jsonl = open(os.path.join(dump, "metrics.jsonl"), "a")
+        if cfg.metrics.enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(dump, "tb"))
+        if cfg.metrics.enable_wandb:
+            import wandb  # optional: imported only when enabled
+            id_file = os.path.join(dump, "wandb_run_id")  # a resumed run continues the same W&B run
+            run_id = open(id_file).read().strip() if os.path.exists(id_file) else wandb.util.generate_id()
+            with open(id_file, "w") as f:
+                f.write(run_id)
+            name = cfg.metrics.wandb_run_name or os.environ.get("WANDB_RUN_NAME") or os.path.basename(os.path.abspath(dump))
+            self.wandb = wandb.init(project=cfg.metrics.wandb_project or os.environ.get("WANDB_PROJECT") or "llama3-pretrain",
+                                    name=name, id=run_id, resume="allow", dir=dump, config=dataclasses.asdict(cfg))
+
+    def log(self, r: dict):
+        if self.jsonl is None:
+            return
+        if "loss" in r:  # a training step, in torchtitan's format so existing log parsers work
+            mfu = f"{r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+            line = (f"step: {r['step']}  loss: {r['loss']:.4f}  grad_norm: {r['grad_norm']:.4f}  lr: {r['lr']:.1e}  "
+                    f"memory: {r['memory_gib']:.2f}GiB({r['memory_pct']:.1f}%)  tps: {r['tps']:,.0f}  "
+                    f"tflops: {r['tflops']:.1f}  mfu: {mfu}  data_wait: {r['data_wait_pct']:.1f}%")
+            shown = {"loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu", "data_wait_pct"}
+        else:  # a validation round
+            per = ", ".join(f"{k} {v:.4f}" for k, v in r["validation_source_loss"].items())
+            line = (f"validate: step {r['step']}  loss {r['validation_loss']:.4f}  ppl {math.exp(min(r['validation_loss'], 50)):.2f}"
+                    f"  ({per})  {r['validation_seconds']:.1f}s")
+            shown = {"validation_loss", "validation_source_loss", "validation_seconds"}
+        extra = [f"{k}: {v:.4g}" for k, v in r.items() if k not in shown | self.HIDDEN and isinstance(v, (int, float))]
+        logger.info("  ".join([line, *extra]))
+        self.jsonl.write(json.dumps(r) + "\n")
+        self.jsonl.flush()
+        scalars = {(f"{k}/{n}" if n else k): x for k, v in r.items() if k != "step"  # nested dicts: "key/name"
+                   for n, x in (v.items() if isinstance(v, dict) else [("", v)]) if isinstance(x, (int, float))}
+        for k, x in scalars.items() if self.tb else ():
+            self.tb.add_scalar(k, x, r["step"])
+        if self.wandb:
+            self.wandb.log(scalars, step=r["step"])
+
+    def close(self):
+        for sink in (self.jsonl, self.tb):
+            if sink:
+                sink.close()
+        if self.wandb:
+            self.wandb.finish()
 
 
-def estimate_memory(model: Transformer, cfg: Config, sizes: dict, cuda: bool) -> dict:
-    """Bytes per device at the peak of a training step, by part, for eager mode (compile keeps less).
-
-    Weights, gradients and AdamW's two moments are fp32, sharded over dp_shard x tp. At the peak FSDP
-    holds the root's weights (embedding, norm, output) and the last block gathered in the param dtype. Per
-    block and token, backward keeps (counted from model.py's ops; b: bytes of the param dtype, d: dim,
-    kv: kv heads x head_dim, f: FFN hidden; the fp32 copies in RMSNorm and rope are 4 bytes each):
-      AC none 7bd + 12d + 4kv + 4bf + 4 n_heads; selective op b(5d + 2kv + 2f) (the matmul and attention
-      outputs); full bd (the block input). With AC one block's full set comes back during its backward.
-    The loss keeps fp32 log-probs (tokens x vocab) and its backward holds two more such tensors.
-    CPU adds the process's resident memory before the model exists (Python, torch, tokenizer).
-    """
-    a, t, p = model.args, cfg.training, cfg.parallelism
-    tp, shards = p.tensor_parallel_degree, sizes["dp_shard"] * p.tensor_parallel_degree
-    b = 2 if t.mixed_precision_param == "bfloat16" else 4
-    n_total, n_block = model.num_params(), sum(q.numel() for q in model.layers[0].parameters())
-    d, kv, f = a.dim, model.layers[0].attention.wk.out_features, model.layers[0].feed_forward.w1.out_features
-    tokens = t.local_batch_size * t.seq_len
-    # With sequence parallelism the norms see tokens / tp; attention and FFN see a tp-th of the heads and
-    # hidden units over all tokens; the inputs gathered for wq/wk/wv and w1/w3 and the partial sums out of
-    # wo and w2 are full size.
-    norm = 2 * (b * d + 4 * d) / tp
-    full_block = norm + (5 * b * d + 4 * d + 4 * kv + 4 * b * f + 4 * a.n_heads) / tp + (2 * b * d if tp > 1 else 0)
-    saved = {"none": full_block, "full": b * d / tp,  # op: wq, attention, wk, wv, w1, w3 | input | wo, w2
-             "op": b * (2 * d + 2 * kv + 2 * f) / tp + b * d / tp + 2 * b * d}
-    ac = cfg.activation_checkpoint
-    mode = "op" if ac.mode == "selective" and ac.selective_ac_option == "op" else ac.mode
-    if mode == "selective":  # full AC on every Nth block, none on the others
-        n_ac = len(range(0, a.n_layers, int(ac.selective_ac_option)))
-        all_blocks = n_ac * saved["full"] + (a.n_layers - n_ac) * full_block
-    else:
-        all_blocks = a.n_layers * saved[mode]
-    parts = {
-        "weights": 4 * n_total / shards,
-        "optimizer": 8 * n_total / shards,
-        "gradients": 4 * n_total / shards,
-        "gathered": b * (n_total - (a.n_layers - 1) * n_block) / tp,  # the root and the last block
-        "activations": tokens * (all_blocks + (4 * d + b * d) / tp),  # + the final norm
-        "loss": tokens * 12 * a.vocab_size / tp,  # vocab-sharded under TP (loss parallel)
-        "runtime": 0 if cuda else resident_bytes(),
-    }
-    # Two candidate peaks. (1) The loss's backward: every block's activations and the loss tensors (and
-    # the gradients under accumulation; otherwise zero_grad(set_to_none) freed them). (2) A block's
-    # backward: gradients of the blocks above, activations of the blocks below, and the block's own
-    # working set (what AC recomputes, plus about two FFN-sized gradients). It peaks at the top or the
-    # bottom block: linear in between.
-    at_loss = parts["activations"] + parts["loss"] + (parts["gradients"] if sizes["grad_accum"] > 1 else 0)
-    working = tokens * (full_block - (saved[mode] if mode in saved else all_blocks / a.n_layers) + 2 * b * f / tp)
-    grad_out, grad_block = 4 * (model.output.weight.numel() + d) / shards, 4 * n_block / shards
-    if sizes["grad_accum"] > 1:
-        in_blocks = parts["gradients"] + parts["activations"] + working
-    else:
-        in_blocks = working + grad_out + max(grad_block + parts["activations"],
-                                             a.n_layers * grad_block + parts["activations"] / a.n_layers)
-    parts["total"] = (parts["weights"] + parts["optimizer"] + parts["gathered"] + parts["runtime"]
-                      + max(at_loss, in_blocks, parts["gradients"]))
-    return parts
-
-
-def format_estimate(parts: dict) -> str:
-    items = "  ".join(f"{k} {v / 2**30:.2f}" for k, v in parts.items() if k != "total" and v)
-    return f"memory estimate per device: {parts['total'] / 2**30:.2f} GiB ({items} GiB)"
-
+# -------------------------------------------------------------------------------------------------
+# Checkpoints: <dump_folder>/<folder>/step-N, DCP, written to .step-N.tmp and renamed when complete
+# -------------------------------------------------------------------------------------------------
 
 def json_tensor(obj) -> torch.Tensor:
     """Plain Python state as a uint8 tensor, so checkpoints hold tensors only (no pickle on load)."""
     return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
 
 
-def checkpoints(folder: str) -> list:
-    """Steps of the complete checkpoints, oldest first. Saves land in .tmp folders and are renamed when done."""
-    if not os.path.isdir(folder):
-        return []
-    return sorted(int(m.group(1)) for d in os.listdir(folder) if (m := re.fullmatch(r"step-(\d+)", d)))
-
-
-def begin_save(folder: str, step: int, rank: int) -> str:
-    """Clear leftovers of crashed saves; every rank then writes into the returned .tmp folder."""
-    if rank == 0:
-        os.makedirs(folder, exist_ok=True)
-        for d in os.listdir(folder):
-            if re.fullmatch(r"\.step-\d+\.tmp", d):
-                shutil.rmtree(os.path.join(folder, d), ignore_errors=True)
-    dist.barrier()
-    return os.path.join(folder, f".step-{step}.tmp")
-
-
-def commit_save(folder: str, step: int, params: dict, keep_latest_k: int, rank: int):
-    """Once every rank has written (dcp fsyncs each file): one rename makes step-N appear whole."""
-    dist.barrier()
-    if rank == 0:
-        tmp, final = os.path.join(folder, f".step-{step}.tmp"), os.path.join(folder, f"step-{step}")
-        with open(os.path.join(tmp, "params.json"), "w") as f:  # what checkpoint_convert.py needs
-            json.dump(params, f, indent=2)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        dir_fd = os.open(folder, os.O_RDONLY)
-        os.fsync(dir_fd)  # make the rename itself survive a power loss
-        os.close(dir_fd)
-        # Old checkpoints go only now, after the new one is complete.
-        for old in (checkpoints(folder)[:-keep_latest_k] if keep_latest_k > 0 else []):
-            shutil.rmtree(os.path.join(folder, f"step-{old}"), ignore_errors=True)
-    dist.barrier()
-
-
-def read_checkpoint_metadata(path: str, model) -> dict:
-    """Sizes of the tensors in a DCP folder, after checking that its model fits ours (one-line errors)."""
-    try:
-        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    except Exception as e:  # a missing folder, or not a DCP checkpoint
-        raise ConfigError(f"{path} is not a DCP checkpoint ({type(e).__name__}: {e})".replace("\n", " "))
-    ours = {f"model.{k}": tuple(v.shape) for k, v in get_model_state_dict(model).items()}
-    bad = [f"{k} {tuple(meta[k].size)} vs ours {s}" for k, s in ours.items() if k in meta and tuple(meta[k].size) != s]
-    bad += [f"{k} missing" for k in ours if k not in meta]
-    if bad:
-        raise ConfigError(f"checkpoint {path} does not fit this model: {'; '.join(bad[:5])}"
-                          + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""))
-    return meta
-
-
 def json_from(t: torch.Tensor):
     return json.loads(bytes(t.tolist()))
+
+
+def incomplete(path: str):
+    """Why a step-N folder cannot be loaded (None if it can): DCP's .metadata must be readable and every
+    file it names at least as long as the data it records there (a cut copy, a full disk)."""
+    try:
+        meta = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # missing, truncated, or not DCP at all
+        return f"{os.path.join(path, '.metadata')} is missing or unreadable ({type(e).__name__})"
+    need = {}
+    for info in (meta.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        have = os.path.getsize(os.path.join(path, name)) if os.path.exists(os.path.join(path, name)) else None
+        if have is None or have < size:
+            return f"{os.path.join(path, name)} is {'missing' if have is None else f'{have} bytes, the metadata needs {size}'}"
+
+
+def checkpoints(folder: str, warn: bool = False) -> list:
+    """Steps of the complete checkpoints, oldest first (saves land in .tmp folders, renamed when done)."""
+    steps = sorted(int(m.group(1)) for d in (os.listdir(folder) if os.path.isdir(folder) else [])
+                   if (m := re.fullmatch(r"step-(\d+)", d)))
+    reasons = {s: incomplete(os.path.join(folder, f"step-{s}")) for s in steps}
+    for s in [s for s in steps if reasons[s] and warn]:
+        logger.warning(f"skipping incomplete checkpoint step-{s}: {reasons[s]}")
+    return [s for s in steps if not reasons[s]]
+
+
+class Checkpointer:
+    """What a checkpoint holds (state()), resume, atomic sync/async saves and keep_latest_k."""
+
+    def __init__(self, cfg: Config, model, optimizer, scheduler, loader, sizes: dict, rank: int):
+        self.cfg, self.ckpt, self.rank = cfg, cfg.checkpoint, rank
+        self.folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+        self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
+        with open(cfg.model.tokenizer_path, "rb") as f:
+            tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()
+        # Keys that change the math or the data order: a resume with other values is refused. The DP degree
+        # is not among them: a run may resume on more or fewer GPUs as long as num_streams stays the same.
+        self.run_keys = {"model.flavor": cfg.model.flavor, "model.n_layers": model.args.n_layers,
+                         "model.tokenizer_sha256": tokenizer_sha256, "training.seq_len": cfg.training.seq_len,
+                         "training.global_batch_size": sizes["global_batch_size"], "data.seed": cfg.data.seed,
+                         "data.num_streams": cfg.data.num_streams or sizes["dp"],
+                         "data.sources": [dataclasses.asdict(s) for s in cfg.data.sources]}
+        self.sd_options = StateDictOptions(flatten_optimizer_state_dict=True)
+        # Async saves write from a background thread on their own gloo group, apart from training's collectives.
+        self.group = dist.new_group(backend="gloo") if self.ckpt.enable and self.ckpt.async_mode == "async" else None
+        self.pending = None  # (future, step) of an async save not yet renamed into place
+
+    def state(self, step: int, tokens_seen: int, model_only: bool = False) -> dict:
+        """Everything a resume needs, as tensors only: DCP then never unpickles anything on load."""
+        state = {"model": get_model_state_dict(self.model), "train": {"step": torch.tensor(step)}}
+        if model_only:  # the export at the end of training
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.ckpt.export_dtype]
+            return {**state, "model": {k: v.to(dtype) for k, v in state["model"].items()}}
+        opt = get_optimizer_state_dict(self.model, self.optimizer, options=self.sd_options)
+        # param_groups (lr, betas) come from the config and the scheduler, not the checkpoint
+        state["optimizer"] = {k: v for k, v in opt.items() if k.startswith("state.")}
+        state["train"].update(tokens_seen=torch.tensor(tokens_seen), steps=torch.tensor(self.cfg.training.steps),
+                              config=json_tensor(self.run_keys), lr_scheduler=json_tensor(self.scheduler.state_dict()))
+        state["data"] = {f"stream{s}": json_tensor(sd) for s, sd in self.loader.state_dict().items()}
+        state["rng"] = {f"rank{dist.get_rank()}": torch.get_rng_state()}
+        return state
+
+    def resume(self):
+        """(step, tokens_seen): from the newest complete step-N (or load_step), else initial_load_path."""
+        ckpt = self.ckpt
+        done = checkpoints(self.folder, warn=True) if ckpt.enable else []
+        if ckpt.load_step >= 0 and ckpt.load_step not in done:
+            path = os.path.join(self.folder, f"step-{ckpt.load_step}")
+            raise ConfigError(f"checkpoint.load_step = {ckpt.load_step}: {path} cannot be loaded "
+                              f"({incomplete(path) if os.path.isdir(path) else 'no such folder'}); complete: {done}")
+        if done:
+            path = os.path.join(self.folder, f"step-{ckpt.load_step if ckpt.load_step >= 0 else done[-1]}")
+            if "train.tokens_seen" in self.metadata(path):
+                return self.load(path, model_only=False)
+            if int(path.rsplit("-", 1)[1]) < self.cfg.training.steps:
+                raise ConfigError(f"{path} holds only model weights (a last_save_model_only export); start "
+                                  "from it with checkpoint.initial_load_path in a new dump_folder")
+            logger.info(f"{path} is the final export of a finished run: nothing to do")
+            return int(path.rsplit("-", 1)[1]), 0
+        if ckpt.initial_load_path:
+            step, tokens = self.load(ckpt.initial_load_path, model_only=ckpt.initial_load_model_only)
+            logger.info(f"loaded {'weights' if ckpt.initial_load_model_only else 'state'} from "
+                        f"{ckpt.initial_load_path}, starting at step {step}")
+            return step, tokens
+        return 0, 0
+
+    def metadata(self, path: str) -> dict:
+        """Sizes of the tensors in a DCP folder, after checking that it is complete and fits our model."""
+        if reason := incomplete(path):
+            raise ConfigError(f"{path} is not a complete DCP checkpoint: {reason}")
+        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        ours = {f"model.{k}": tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
+        bad = [f"{k} {tuple(meta[k].size)} vs ours {s}" for k, s in ours.items() if k in meta and tuple(meta[k].size) != s]
+        bad += [f"{k} missing" for k in ours if k not in meta]
+        if bad:
+            raise ConfigError(f"checkpoint {path} does not fit this model: {'; '.join(bad[:5])}"
+                              + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""))
+        return meta
+
+    def load(self, path: str, model_only: bool):
+        meta, rank_key = self.metadata(path), f"rank{dist.get_rank()}"
+        state = {"model": get_model_state_dict(self.model)} if model_only else self.state(0, 0)
+        for key in meta if not model_only else ():  # JSON blobs: allocate what was saved
+            section, _, name = key.partition(".")
+            if section in ("train", "data") and meta[key].properties.dtype == torch.uint8:
+                state[section][name] = torch.empty(meta[key].size, dtype=torch.uint8)
+        if not model_only:
+            state["train"] = {k: v for k, v in state["train"].items() if f"train.{k}" in meta}  # older runs lack some
+            if f"rng.{rank_key}" not in meta:  # resuming on more ranks than before
+                del state["rng"]
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except CheckpointException as e:  # DCP gathers (error, traceback) per rank: show the first
+            e = next(iter(e.failures.values()), (e,))[0]
+            raise ConfigError(f"cannot load {path}: {type(e).__name__}: {str(e)[:300]}".replace("\n", " "))
+        set_model_state_dict(self.model, state["model"])
+        if model_only:
+            return 0, 0
+        train, saved = state["train"], json_from(state["train"]["config"])
+        if diff := [f"{k}: {saved[k]!r} -> {self.run_keys[k]!r}" for k in saved if saved[k] != self.run_keys.get(k, saved[k])]:
+            raise ConfigError(f"refusing to resume from {path}: the run changed {'; '.join(diff)} (use a new "
+                              "dump_folder, or take only the weights with checkpoint.initial_load_path)")
+        opt = get_optimizer_state_dict(self.model, self.optimizer, options=self.sd_options)
+        set_optimizer_state_dict(self.model, self.optimizer, {**opt, **state["optimizer"]}, options=self.sd_options)
+        self.scheduler.load_state_dict(json_from(train["lr_scheduler"]))
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr  # load_state_dict restores the scheduler, not the lr it last set
+        self.loader.load_state_dict({s: json_from(state["data"][f"stream{s}"]) for s in self.loader.stream_ids})
+        if "rng" in state:
+            torch.set_rng_state(state["rng"][rank_key])
+        step, steps = int(train["step"]), int(train.get("steps", self.cfg.training.steps))
+        logger.info(f"resumed from {path} at step {step}")
+        if steps != self.cfg.training.steps:  # allowed, but the lr schedule is a function of training.steps
+            logger.warning(f"training.steps changed {steps} -> {self.cfg.training.steps}: the lr schedule now ends at "
+                           f"step {self.cfg.training.steps} instead of {steps}, and the lr from here on follows it")
+        return step, int(train["tokens_seen"])
+
+    def save(self, step: int, tokens_seen: int, final: bool):
+        """Write step-N: in the background (async_mode) unless the run stops after it."""
+        if self.pending is not None:  # at most one save in flight
+            self.finish()
+        t0, tmp = time.perf_counter(), os.path.join(self.folder, f".step-{step}.tmp")
+        if self.rank == 0:  # clear leftovers of crashed saves
+            os.makedirs(self.folder, exist_ok=True)
+            for d in [d for d in os.listdir(self.folder) if re.fullmatch(r"\.step-\d+\.tmp", d)]:
+                shutil.rmtree(os.path.join(self.folder, d), ignore_errors=True)
+        dist.barrier()
+        state = self.state(step, tokens_seen, model_only=final and self.ckpt.last_save_model_only)
+        try:
+            if self.group is not None and not final:
+                self.pending = (dcp.async_save(state, checkpoint_id=tmp, process_group=self.group), step)
+                logger.info(f"checkpoint step-{step}: training blocked {time.perf_counter() - t0:.2f}s (async)")
+                return
+            dcp.save(state, checkpoint_id=tmp)
+            self.commit(step)
+            logger.info(f"saved checkpoint {self.folder}/step-{step}: training blocked {time.perf_counter() - t0:.2f}s")
+        except (CheckpointException, OSError) as e:  # disk full, quota, permissions: DCP raises on every rank
+            self.failed(step, e, final)
+
+    def finish(self):
+        """Wait for the async save in flight and rename it into place."""
+        (future, step), self.pending = self.pending, None
+        try:
+            future.result()
+            self.commit(step)
+            logger.info(f"saved checkpoint {self.folder}/step-{step} (async)")
+        except (CheckpointException, OSError) as e:
+            self.failed(step, e, final=False)
+
+    def commit(self, step: int):
+        """Once every rank has written (dcp fsyncs each file): one rename makes step-N appear whole."""
+        dist.barrier()
+        if self.rank == 0:
+            tmp, final = os.path.join(self.folder, f".step-{step}.tmp"), os.path.join(self.folder, f"step-{step}")
+            with open(os.path.join(tmp, "params.json"), "w") as f:  # what checkpoint_convert.py needs
+                json.dump(dataclasses.asdict(self.model.args), f, indent=2)
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            dir_fd = os.open(self.folder, os.O_RDONLY)
+            os.fsync(dir_fd)  # make the rename itself survive a power loss
+            os.close(dir_fd)
+            keep = self.ckpt.keep_latest_k  # old checkpoints go only now, after the new one is complete
+            for old in (checkpoints(self.folder)[:-keep] if keep > 0 else []):
+                shutil.rmtree(os.path.join(self.folder, f"step-{old}"), ignore_errors=True)
+        dist.barrier()
+
+    def failed(self, step: int, e: BaseException, final: bool):
+        """The previous checkpoint is untouched; training goes on and the next interval tries again,
+        unless this was the save a stop depends on."""
+        if self.rank == 0:
+            shutil.rmtree(os.path.join(self.folder, f".step-{step}.tmp"), ignore_errors=True)
+        e = next(iter(e.failures.values()), (e,))[0] if isinstance(e, CheckpointException) else e
+        done = checkpoints(self.folder)
+        msg = (f"checkpoint step-{step} failed ({type(e).__name__}: {str(e)[:300]}); the newest complete "
+               f"checkpoint is still {os.path.join(self.folder, f'step-{done[-1]}') if done else 'none'}")
+        if final:
+            raise RunError(msg)
+        logger.error(msg)
+
+
+def agree(error: str, device) -> None:
+    """Every rank learns whether any rank failed (error non-empty), and all raise that rank's one line, so
+    no rank is left waiting in a collective for one that has stopped."""
+    flag = torch.tensor(int(bool(error)), device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        raise ConfigError(next(e for e in errors if e))
+
+
+def open_dump_folder(cfg: Config, rank: int, device):
+    """Every rank checks that the dump folder is usable. Rank 0 returns an flock on it, held for the whole
+    run (released by the OS however the process ends): a second job pointed here stops before it touches
+    config or checkpoints."""
+    error, lock = "", None
+    try:
+        os.makedirs(cfg.job.dump_folder, exist_ok=True)
+        if not os.access(cfg.job.dump_folder, os.W_OK):
+            raise PermissionError("not writable")
+        if rank == 0:
+            lock = open(os.path.join(cfg.job.dump_folder, ".lock"), "a")
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        error = (f"job.dump_folder = {cfg.job.dump_folder!r} is in use by another run (its .lock is held); "
+                 "wait for that run to end or choose another dump_folder")
+    except OSError as e:
+        error = f"job.dump_folder = {cfg.job.dump_folder!r} cannot be used: {e}"
+    agree(error, device)
+    if rank == 0:
+        with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as f:
+            f.write(to_toml(cfg))
+    return lock
 
 
 # -------------------------------------------------------------------------------------------------
@@ -673,33 +882,24 @@ def json_from(t: torch.Tensor):
 # -------------------------------------------------------------------------------------------------
 
 def main(cfg: Config):
-    # --- config: validated before any process group or model exists, on every rank alike ----------
+    # --- 1. config: validated before any process group or model exists, on every rank alike ------------
     world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     sizes = validate(cfg, world_size)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s",
                         stream=sys.stdout, force=True)
-    # Preemption (Slurm's warning signal, or a plain kill): finish the step, save, exit 0.
-    # Installed before the slow start-up, so a signal that comes early is not lost either.
-    stop = {"signal": None}
-
-    def on_signal(signum, frame):
-        stop["signal"] = signum
-
+    # Preemption (Slurm's warning signal, or a plain kill): finish the step, save, exit 0. Installed
+    # before the slow start-up, so an early signal is not lost. Under torchrun, the launcher's death
+    # (killed by a SIGUSR1 it does not handle, say) reaches each rank as SIGTERM.
+    stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, on_signal)
-
+        signal.signal(sig, lambda signum, frame: stop.set())
+    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     tokenizer = Tokenizer(cfg.model.tokenizer_path)
-    try:  # every rank checks, so every rank fails alike instead of waiting for rank 0 until a timeout
-        os.makedirs(cfg.job.dump_folder, exist_ok=True)
-        if not os.access(cfg.job.dump_folder, os.W_OK):
-            raise PermissionError("not writable")
-    except OSError as e:
-        raise ConfigError(f"job.dump_folder = {cfg.job.dump_folder!r} cannot be used: {e}")
 
-    # --- device and mesh -------------------------------------------------------------------------------
+    # --- 2. device, process group, dump folder, mesh ----------------------------------------------------
     if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        device, backend = torch.device("cuda", local_rank), "nccl"
+        device, backend = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))), "nccl"
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
@@ -708,25 +908,11 @@ def main(cfg: Config):
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     else:  # plain `python train.py`: a one-process group, no ports needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    # One run per dump folder: rank 0 holds an flock for the whole run (released by the OS however the
-    # process ends), so a second job pointed here stops before it touches config or checkpoints.
-    lock = open(os.path.join(cfg.job.dump_folder, ".lock"), "a") if rank == 0 else None
-    try:
-        locked = lock is None or fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB) is None
-    except BlockingIOError:
-        locked = False
-    ok = torch.tensor(int(locked), device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if not ok:
-        raise ConfigError(f"job.dump_folder = {cfg.job.dump_folder!r} is in use by another run (its .lock is "
-                          "held); wait for that run to end or choose another dump_folder")
-    if rank == 0:
-        with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as f:
-            f.write(to_toml(cfg))
-        logger.info(f"{cfg.job.description}\n{to_toml(cfg)}".strip())
+    lock = open_dump_folder(cfg, rank, device)  # noqa: F841 (held open until the process ends)
+    if cfg.job.print_config:
+        logger.info(to_toml(cfg))
     p = cfg.parallelism
-    mesh = init_device_mesh(device.type, (p.data_parallel_replicate_degree, sizes["dp_shard"],
-                                          p.tensor_parallel_degree),
+    mesh = init_device_mesh(device.type, (p.data_parallel_replicate_degree, sizes["dp_shard"], p.tensor_parallel_degree),
                             mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")  # all ranks that see different data
     dp_rank, dp = dp_mesh.get_local_rank(), dp_mesh.size()
@@ -734,179 +920,68 @@ def main(cfg: Config):
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.training.seed)
 
-    # --- model: on the meta device, so no rank ever holds the full unsharded weights ---------------------
-    model_args = flavor_args(cfg)
-    if tokenizer.n_words > model_args.vocab_size:
-        raise ConfigError(f"tokenizer {cfg.model.tokenizer_path} has {tokenizer.n_words} tokens but model "
-                          f"{cfg.model.flavor} has vocab_size {model_args.vocab_size}")
+    # --- 3. model: on the meta device, so no rank ever holds the full unsharded weights ---------------------
+    model_args = flavor_args(cfg, vocab_size=tokenizer.n_words)  # the vocabulary follows the tokenizer
     with torch.device("meta"):
         model = Transformer(model_args)
-    n_params = model.num_params()
     # FLOPs per token, forward + backward: 6 per non-embedding weight plus attention scores (causal
     # attention counted as full, as in the PaLM/torchtitan MFU convention).
-    head_dim = model_args.dim // model_args.n_heads
-    flops_per_token = (6 * model.num_params(exclude_embedding=True)
-                       + 12 * model_args.n_layers * model_args.n_heads * head_dim * cfg.training.seq_len)
-    logger.info(f"model {cfg.model.flavor}: {n_params:,} parameters, world {world_size} = "
-                f"dp_replicate {p.data_parallel_replicate_degree} x dp_shard {sizes['dp_shard']} x "
-                f"tp {p.tensor_parallel_degree}, grad accumulation {sizes['grad_accum']}")
-    estimate = estimate_memory(model, cfg, sizes, cuda=device.type == "cuda")
-    logger.info(format_estimate(estimate))
+    flops_per_token = 6 * model.num_params(exclude_embedding=True) + 12 * model_args.n_layers * model_args.dim * cfg.training.seq_len
+    logger.info(f"{cfg.job.description + ': ' if cfg.job.description else ''}model {cfg.model.flavor} "
+                f"({model.num_params():,} parameters, vocab {model_args.vocab_size:,}), world {world_size} = "
+                f"dp_replicate {p.data_parallel_replicate_degree} x dp_shard {sizes['dp_shard']} x tp "
+                f"{p.tensor_parallel_degree}, grad accumulation {sizes['grad_accum']}; config in "
+                f"{os.path.join(cfg.job.dump_folder, 'config.toml')}")
 
-    # --- parallelize, then materialise this rank's shards -----------------------------------------------
-    parallelize(model, mesh, cfg, device.type)
+    # --- 4. parallelize, then materialise this rank's shards --------------------------------------------------
+    parallelize(model, mesh, cfg)
     model.to_empty(device=device)
     model.init_weights(normal_=layout_independent_normal(cfg.training.seed), buffer_device=device)
     model.train()
 
-    # --- optimizer and lr schedule ----------------------------------------------------------------------
-    o = cfg.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                  weight_decay=o.weight_decay, fused=device.type == "cuda" or None)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
-
-    # --- data: each dp rank reads its own streams; TP ranks of a replica read the same ones -------------
+    # --- 5. optimizer, lr schedule, data (each dp rank reads its own streams; TP ranks the same ones) ----------
+    optimizer, scheduler = build_optimizer(model, cfg, device)
     loader = DataLoader(cfg.data.sources, tokenizer, cfg.training.seq_len, cfg.training.local_batch_size,
                         dp_rank, dp, cfg.data.num_streams, cfg.data.seed, cfg.data.num_workers)
+    error, heldout = "", {}
+    try:  # every rank resolves every source now, so a bad one stops all ranks alike before step 1
+        loader.check()
+        heldout = load_heldout(cfg, tokenizer, dp_rank, dp) if cfg.validation.enable else {}
+    except DataError as e:
+        error = str(e)
+    agree(error, device)
 
-    # --- checkpoint: resume from the newest complete step-N, or start from initial_load_path -----------
-    ckpt = cfg.checkpoint
-    ckpt_folder = os.path.join(cfg.job.dump_folder, ckpt.folder)
-    step, tokens_seen = 0, 0
-    sd_options = StateDictOptions(flatten_optimizer_state_dict=True)
-    # Keys that change the math or the data order: a resume with other values is refused. The DP degree
-    # is not among them: a run may resume on more or fewer GPUs as long as num_streams stays the same.
-    run_keys = {"model.flavor": cfg.model.flavor, "training.seq_len": cfg.training.seq_len,
-                "training.global_batch_size": sizes["global_batch_size"], "data.seed": cfg.data.seed,
-                "data.num_streams": cfg.data.num_streams or dp,
-                "data.sources": [dataclasses.asdict(s) for s in cfg.data.sources],
-                # Only a real change of depth: runs without the key (older ones too) compare as before.
-                **({"model.n_layers": model_args.n_layers} if model_args.n_layers != flavors[cfg.model.flavor].n_layers
-                   else {})}
+    # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path -----------
+    checkpointer = Checkpointer(cfg, model, optimizer, scheduler, loader, sizes, rank)
+    step, tokens_seen = checkpointer.resume()
+    if step >= cfg.training.steps:
+        logger.info(f"the run is at step {step} of training.steps = {cfg.training.steps}: nothing left to do "
+                    "(raise --training.steps to train further)")
 
-    def train_state(model_only=False):
-        """Everything a resume needs, as tensors only: DCP then never unpickles anything on load."""
-        state = {"model": get_model_state_dict(model), "train": {"step": torch.tensor(step)}}
-        if model_only:  # the export at the end of training
-            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[ckpt.export_dtype]
-            return {**state, "model": {k: v.to(dtype) for k, v in state["model"].items()}}
-        opt_sd = get_optimizer_state_dict(model, optimizer, options=sd_options)
-        # param_groups (lr, betas) come from the config and the scheduler, not the checkpoint
-        state["optimizer"] = {k: v for k, v in opt_sd.items() if k.startswith("state.")}
-        state["train"].update(tokens_seen=torch.tensor(tokens_seen), config=json_tensor(run_keys),
-                              lr_scheduler=json_tensor(scheduler.state_dict()))
-        state["data"] = {f"stream{s}": json_tensor(sd) for s, sd in loader.state_dict().items()}
-        state["rng"] = {f"rank{dist.get_rank()}": torch.get_rng_state()}
-        return state
-
-    def load(path: str, model_only: bool):
-        meta = read_checkpoint_metadata(path, model)
-        if model_only:
-            state = {"model": get_model_state_dict(model)}
-        else:
-            if not any(k.startswith("optimizer.") for k in meta):
-                raise ConfigError(f"{path} holds only model weights (a last_save_model_only export); start "
-                                  "from it with checkpoint.initial_load_path in a new dump_folder")
-            state = train_state()
-            for key in meta:  # JSON blobs: allocate the size they were saved with
-                section, _, name = key.partition(".")
-                if meta[key].properties.dtype == torch.uint8 and section in ("train", "data"):
-                    state[section][name] = torch.empty(meta[key].size, dtype=torch.uint8)
-            if f"rng.rank{dist.get_rank()}" not in meta:  # resuming on more ranks than before
-                del state["rng"]
-        dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(model, state["model"])
-        if model_only:
-            return 0, 0
-        saved = json_from(state["train"]["config"])
-        diff = [f"{k}: {saved.get(k)!r} -> {run_keys.get(k)!r}" for k in {**saved, **run_keys}
-                if saved.get(k) != run_keys.get(k)]
-        if diff:
-            raise ConfigError(f"refusing to resume from {path}: the run changed {'; '.join(diff)} (use a new "
-                              "dump_folder, or take only the weights with checkpoint.initial_load_path)")
-        opt_sd = get_optimizer_state_dict(model, optimizer, options=sd_options)
-        opt_sd.update(state["optimizer"])
-        set_optimizer_state_dict(model, optimizer, opt_sd, options=sd_options)
-        scheduler.load_state_dict(json_from(state["train"]["lr_scheduler"]))
-        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-            group["lr"] = lr  # load_state_dict restores the scheduler, not the lr it last set
-        loader.load_state_dict({s: json_from(state["data"][f"stream{s}"]) for s in loader.stream_ids})
-        if "rng" in state:
-            torch.set_rng_state(state["rng"][f"rank{dist.get_rank()}"])
-        return int(state["train"]["step"]), int(state["train"]["tokens_seen"])
-
-    done = checkpoints(ckpt_folder) if ckpt.enable else []
-    load_step = ckpt.load_step if ckpt.load_step >= 0 else (done[-1] if done else None)
-    if load_step is not None and load_step not in done:
-        raise ConfigError(f"checkpoint.load_step = {load_step}: no complete checkpoint {ckpt_folder}/"
-                          f"step-{load_step} (have {done})")
-    if load_step is not None:
-        path = os.path.join(ckpt_folder, f"step-{load_step}")
-        if load_step >= cfg.training.steps and "train.tokens_seen" not in read_checkpoint_metadata(path, model):
-            step = load_step  # the loop below has nothing left to do
-            logger.info(f"{path} is the final export of a finished run: nothing to do")
-        else:
-            step, tokens_seen = load(path, model_only=False)
-            logger.info(f"resumed from {path} at step {step}")
-    elif ckpt.initial_load_path:
-        step, tokens_seen = load(ckpt.initial_load_path, model_only=ckpt.initial_load_model_only)
-        logger.info(f"loaded {'weights' if ckpt.initial_load_model_only else 'state'} from "
-                    f"{ckpt.initial_load_path}, starting at step {step}")
-    # Async saves stage the state in CPU memory, then write from a background thread on their own gloo
-    # group so they never share a communicator with training's collectives.
-    ckpt_group = dist.new_group(backend="gloo") if ckpt.enable and ckpt.async_mode == "async" else None
-    pending = None  # (future, step) of an async save whose folder is not renamed into place yet
-    params_json = dataclasses.asdict(model_args)  # written next to each checkpoint
-
-    def save_failed(failed_step: int, e: BaseException, final: bool = False):
-        """The previous checkpoint is untouched; training goes on and the next interval tries again,
-        unless this was the save a stop depends on."""
-        if rank == 0:
-            shutil.rmtree(os.path.join(ckpt_folder, f".step-{failed_step}.tmp"), ignore_errors=True)
-        if isinstance(e, CheckpointException):  # DCP gathers (error, traceback) per rank: show the first
-            e = next(iter(e.failures.values()), (e,))[0]
-        done = checkpoints(ckpt_folder)
-        msg = (f"checkpoint step-{failed_step} failed ({type(e).__name__}: {str(e)[:300]}); the newest "
-               f"complete checkpoint is still {os.path.join(ckpt_folder, f'step-{done[-1]}') if done else 'none'}")
-        if final:
-            raise RunError(msg)
-        logger.error(msg)
-
-    def finish_async_save():
-        nonlocal pending
-        try:
-            pending[0].result()
-            commit_save(ckpt_folder, pending[1], params_json, ckpt.keep_latest_k, rank)
-            logger.info(f"saved checkpoint {ckpt_folder}/step-{pending[1]} (async)")
-        except (CheckpointException, OSError) as e:
-            save_failed(pending[1], e)
-        pending = None
-
-    # --- training loop ------------------------------------------------------------------------------------
-    metrics_file = open(os.path.join(cfg.job.dump_folder, "metrics.jsonl"), "a") if rank == 0 else None
-    tb = None
-    if cfg.metrics.enable_tensorboard and rank == 0:
-        from torch.utils.tensorboard import SummaryWriter
-        tb = SummaryWriter(os.path.join(cfg.job.dump_folder, "tb"))
-    peak = peak_tflops(cfg, device)
+    # --- 7. training loop ---------------------------------------------------------------------------------
+    metrics = MetricsLogger(cfg, rank)
+    peak, grad_accum, tp = peak_tflops(cfg, device), sizes["grad_accum"], p.tensor_parallel_degree
     tokens_per_step = sizes["global_batch_size"] * cfg.training.seq_len
-    grad_accum = sizes["grad_accum"]
     params = [q for q in model.parameters() if q.requires_grad]
-    log_t0, log_tokens, log_steps, data_time = time.perf_counter(), 0, 0, 0.0
     memory_stats(device)  # reset the GPU peak so the first log covers training only
-    peak_gib, peak_allocated_gib = 0.0, 0.0  # the largest figures logged, compared with the estimate at the end
-    # Fixed-length loss accumulator on the device: no host sync per step except at log time.
-    loss_sum = torch.zeros((), device=device)
+    peak_gib = peak_allocated = 0.0  # the largest figures logged, reported at the end
+    log_t0, log_steps, data_time = time.perf_counter(), 0, 0.0
+    loss_sum = torch.zeros((), device=device)  # summed on the device; read at log time only
 
     while step < cfg.training.steps:
         step += 1
         optimizer.zero_grad(set_to_none=True)
+        data_error = ""
         for _ in range(grad_accum):
             t0 = time.perf_counter()
-            inputs, labels = next(loader)
+            try:
+                inputs, labels = next(loader)
+            except DataError as e:  # keep in step with the other ranks' collectives; all stop below
+                data_error = data_error or str(e)
+                inputs = labels = torch.zeros(cfg.training.local_batch_size, cfg.training.seq_len, dtype=torch.long)
             data_time += time.perf_counter() - t0
             inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            with loss_parallel() if p.tensor_parallel_degree > 1 else contextlib.nullcontext():
+            with loss_parallel() if tp > 1 else contextlib.nullcontext():
                 logits = model(inputs)  # (local_batch_size, seq_len, vocab_size), vocab-sharded under TP
                 # Every position is a real token (packed data), so the mean per micro-batch divided by the
                 # number of micro-batches is the mean over the global batch once FSDP averages over dp.
@@ -914,111 +989,78 @@ def main(cfg: Config):
                 del logits
                 loss.backward()
             loss_sum += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()  # replicated
-        max_norm = cfg.training.max_norm if cfg.training.max_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.training.max_norm or math.inf, foreach=True)
+        grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
 
-        # Every rank must agree at the same step to stop, that an async save is complete, and that the
-        # step is finite, or the saves below would deadlock: one tiny all-reduce, and one host sync, per
-        # step. It comes before optimizer.step() so that a non-finite step never reaches the weights.
-        flags = torch.stack([torch.tensor(stop["signal"] is not None, device=device),
-                             torch.tensor(pending is not None and not pending[0].done(), device=device),
-                             ~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)]).int()
+        # Every rank must agree, at the same step, to stop (a signal or a data error), that an async save
+        # is complete, and that the step is finite, or the saves below would deadlock: one tiny all-reduce
+        # per step, which is also this loop's one host sync. It comes before optimizer.step() so that a
+        # non-finite step or a bad batch never reaches the weights.
+        saving = checkpointer.pending is not None and not checkpointer.pending[0].done()
+        flags = torch.tensor([stop.is_set(), bool(data_error), saving], device=device)
+        flags = torch.cat([flags, ~torch.isfinite(grad_norm.reshape(1)) | ~torch.isfinite(loss_sum.reshape(1))]).int()
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stopping, save_running, diverged = flags.tolist()
+        stopping, data_failed, save_running, diverged = flags.tolist()
+        if data_failed:
+            agree(data_error or "", device)
         if diverged:
-            done = checkpoints(ckpt_folder)
-            raise RunError(f"step {step}: the loss or the gradient norm is not finite (grad_norm "
-                                f"{grad_norm.item():.4g}); nothing was saved from this step. Last good checkpoint: "
-                                f"{os.path.join(ckpt_folder, f'step-{done[-1]}') if done else 'none'}")
+            done = checkpoints(checkpointer.folder)
+            raise RunError(f"step {step}: the loss or the gradient norm is not finite (grad_norm {grad_norm.item():.4g}); "
+                           f"nothing was saved from this step. Last good checkpoint: "
+                           f"{os.path.join(checkpointer.folder, f'step-{done[-1]}') if done else 'none'}")
         lr = scheduler.get_last_lr()[0]  # the lr this step used
         optimizer.step()
         scheduler.step()
         tokens_seen += tokens_per_step
-        log_tokens += tokens_per_step
-        log_steps += 1
+        log_steps, last = log_steps + 1, step == cfg.training.steps
 
-        if step % cfg.metrics.log_freq == 0 or step == 1 or step == cfg.training.steps:
-            loss_avg = loss_sum.clone()
-            dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM, group=dp_mesh.get_group())
-            source = torch.tensor(list(loader.source_tokens().values()), dtype=torch.float64, device=device)
-            dist.all_reduce(source, group=dp_mesh.get_group())
+        if step % cfg.metrics.log_freq == 0 or step == 1 or last:
+            sums = torch.tensor([*loader.source_tokens().values(), 0.0], dtype=torch.float64, device=device)
+            sums[-1] = loss_sum
+            dist.all_reduce(sums, group=dp_mesh.get_group())  # tokens per source, and the loss, over dp ranks
             dt = time.perf_counter() - log_t0
-            tps = log_tokens / dt / world_size
-            tflops = flops_per_token * tps / 1e12
-            mem_gib, mem_pct, allocated_gib = memory_stats(device)
-            peak_gib, peak_allocated_gib = max(peak_gib, mem_gib), max(peak_allocated_gib, allocated_gib or 0.0)
-            record = {"step": step, "loss": loss_avg.item() / dp / log_steps,
-                      "grad_norm": grad_norm.item(), "lr": lr, "memory_gib": mem_gib, "memory_pct": mem_pct,
-                      "memory_allocated_gib": allocated_gib,
-                      "tps": tps, "tflops": tflops, "mfu": 100 * tflops / peak if peak else None,
-                      "data_wait_pct": 100 * data_time / dt, "tokens_seen": tokens_seen,
-                      "source_tokens": dict(zip(loader.names, [int(x) for x in source.tolist()]))}
-            mfu = f"{record['mfu']:.1f}%" if peak else "n/a"
-            logger.info(f"step: {step}  loss: {record['loss']:.4f}  grad_norm: {record['grad_norm']:.4f}  "
-                        f"lr: {lr:.1e}  memory: {mem_gib:.2f}GiB({mem_pct:.1f}%)  tps: {tps:,.0f}  "
-                        f"tflops: {tflops:.1f}  mfu: {mfu}  data_wait: {record['data_wait_pct']:.1f}%")
-            if metrics_file:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-            if tb:
-                for k in ("loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu"):
-                    if record[k] is not None:
-                        tb.add_scalar(k, record[k], step)
+            tps = log_steps * tokens_per_step / dt / world_size
+            mem_gib, mem_pct, allocated = memory_stats(device)
+            peak_gib, peak_allocated = max(peak_gib, mem_gib), max(peak_allocated, allocated or 0.0)
+            metrics.log({"step": step, "loss": sums[-1].item() / dp / log_steps, "grad_norm": grad_norm.item(),
+                         "lr": lr, "memory_gib": mem_gib, "memory_pct": mem_pct, "memory_allocated_gib": allocated,
+                         "tps": tps, "tflops": flops_per_token * tps / 1e12,
+                         "mfu": 100 * flops_per_token * tps / 1e12 / peak if peak else None,
+                         "data_wait_pct": 100 * data_time / dt, "tokens_seen": tokens_seen,
+                         "source_tokens": dict(zip(loader.names, [int(x) for x in sums[:-1].tolist()]))})
             loss_sum.zero_()
-            log_t0, log_tokens, log_steps, data_time = time.perf_counter(), 0, 0, 0.0
+            log_t0, log_steps, data_time = time.perf_counter(), 0, 0.0
 
-        if pending is not None and not save_running:
-            finish_async_save()
-        last = step == cfg.training.steps
-        if ckpt.enable and (step % ckpt.interval == 0 or last or stopping):
-            if pending is not None:  # at most one save in flight
-                finish_async_save()
+        if cfg.validation.enable and (step % cfg.validation.freq == 0 or last):
             t0 = time.perf_counter()
-            tmp = begin_save(ckpt_folder, step, rank)
-            state = train_state(model_only=last and ckpt.last_save_model_only)
-            try:
-                if ckpt_group is not None and not (last or stopping):
-                    pending = (dcp.async_save(state, checkpoint_id=tmp, process_group=ckpt_group), step)
-                    logger.info(f"checkpoint step-{step}: training blocked {time.perf_counter() - t0:.2f}s (async)")
-                else:
-                    dcp.save(state, checkpoint_id=tmp)
-                    commit_save(ckpt_folder, step, params_json, ckpt.keep_latest_k, rank)
-                    logger.info(f"saved checkpoint {ckpt_folder}/step-{step}: training blocked "
-                                f"{time.perf_counter() - t0:.2f}s")
-            except (CheckpointException, OSError) as e:  # disk full, quota, permissions: DCP raises on every rank
-                save_failed(step, e, final=last or stopping)
+            result = evaluate(model, heldout, cfg.validation.local_batch_size, device, dp_mesh.get_group(), tp)
+            metrics.log({"step": step, **result, "validation_seconds": time.perf_counter() - t0})
+            log_t0 += time.perf_counter() - t0  # the next training log's tps leaves the round out
+
+        if checkpointer.pending is not None and not save_running:
+            checkpointer.finish()
+        if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or last or stopping):
+            checkpointer.save(step, tokens_seen, final=last or stopping)
         if stopping:
             logger.info(f"stopping at step {step} on signal")
             break
 
-    if peak_gib:  # the estimate counts tensors: on GPU it compares with the allocated peak, on CPU with RSS
-        measured = peak_allocated_gib or peak_gib
-        what = f"{peak_allocated_gib:.2f} GiB allocated, {peak_gib:.2f} GiB reserved" if peak_allocated_gib else \
-            f"{peak_gib:.2f} GiB RSS"
-        logger.info(f"memory: peak {what}; start-up estimate {estimate['total'] / 2**30:.2f} GiB "
-                    f"({100 * (estimate['total'] / 2**30 / measured - 1):+.0f}%)")
+    if peak_gib:
+        logger.info(f"memory: peak {peak_allocated:.2f} GiB allocated, {peak_gib:.2f} GiB reserved" if peak_allocated
+                    else f"memory: peak {peak_gib:.2f} GiB RSS")
     # A second preemption signal during shutdown must not kill a rank that already saved (Python would
     # restore the default, fatal, handler while exiting): ignore them from here on.
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     loader.close()
-    if metrics_file:
-        metrics_file.close()
-    if tb:
-        tb.close()
+    metrics.close()
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
-        print_help()
-        sys.exit(0)
     try:
-        config = load_config(sys.argv[1:])
-        main(config)
+        main(load_config(sys.argv[1:]))
         # FSDP's state outlives main() in reference cycles, holding process groups and collective handles.
         # Free it now, not during interpreter shutdown, where freeing them can abort the process (gloo's
         # threads touching Python objects that are being torn down).

@@ -132,3 +132,30 @@ def test_a_hung_rank_ends_the_run_within_the_configured_timeout(tmp_path):
                 pass
     assert proc.returncode != 0
     assert time.time() - start < 90  # 10 s timeout plus torchrun's teardown, not hours
+
+
+def test_a_data_error_on_one_rank_ends_every_rank_with_the_same_line(tmp_path):
+    """Stream 1's C4 file is cut off mid-way: only the rank reading it fails, several steps in; both ranks
+    must end with that one line and exit 2, not one line and a gloo traceback."""
+    import gzip
+    import shutil
+    src = tmp_path / "c4"
+    shutil.copytree(os.path.join(ROOT, "assets", "data", "c4"), src)
+    files = sorted((src / "en").glob("c4-train.*.json.gz"))
+    data = gzip.decompress(files[1].read_bytes())
+    files[1].write_bytes(gzip.compress(data)[:len(gzip.compress(data)) // 20])  # cut off after a few documents
+    toml = open(os.path.join(ROOT, "configs", "debug_model.toml")).read()
+    toml = toml.replace('path = "assets/data/c4"', f'path = "{src}"')
+    (tmp_path / "c.toml").write_text(toml)
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "train.py", "--config", str(tmp_path / "c.toml"), "--job.dump_folder", str(tmp_path / "d"),
+                           "--metrics.log_freq", "1", "--training.steps", "40", "--training.local_batch_size", "4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = errors(proc)
+    assert proc.returncode != 0 and len(lines) == 2 and lines[0] == lines[1], proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "c4" in lines[0] and files[1].name in lines[0]
+    assert "step: 2" in proc.stdout  # found inside the loop, not at start-up
+    assert proc.stderr.count("exitcode  : 2") == 2  # torchrun's report: both ranks exited 2
+    assert 'train.py", line' not in proc.stderr and "Connection closed" not in proc.stderr  # no rank's traceback
+    assert time.time() - start < 120
