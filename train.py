@@ -589,7 +589,7 @@ class MetricsLogger:
         if cfg.metrics.enable_wandb:
             import wandb  # optional: imported only when enabled
             id_file = os.path.join(dump, "wandb_run_id")  # a resumed run continues the same W&B run
-            run_id = open(id_file).read().strip() if os.path.exists(id_file) else wandb.util.generate_id()
+            run_id = open(id_file).read().strip() if os.path.exists(id_file) else os.urandom(4).hex()
             with open(id_file, "w") as f:
                 f.write(run_id)
             name = cfg.metrics.wandb_run_name or os.environ.get("WANDB_RUN_NAME") or os.path.basename(os.path.abspath(dump))

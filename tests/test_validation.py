@@ -1,0 +1,113 @@
+"""[validation]: the same held-out sequences every round, the same loss on any layout, no effect on training;
+and the metrics sinks (W&B offline)."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def train(dump, *args, nproc=1, env=None, expect=0):
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    f"--nproc_per_node={nproc}"]
+    cmd = [*launcher, "train.py", "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump),
+           "--metrics.log_freq", "1", "--training.steps", "4", "--validation.freq", "2", *map(str, args)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    assert proc.returncode == expect, proc.stdout[-2000:] + proc.stderr[-3000:]
+    records = [json.loads(ln) for ln in open(os.path.join(dump, "metrics.jsonl"))] if expect == 0 else []
+    return proc, [r for r in records if "loss" in r], [r for r in records if "validation_loss" in r]
+
+
+# One thread, as torchrun gives each rank: MKL picks its thread count by load otherwise, and a run on
+# a busy machine can then differ from another in the last bit of a loss.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_DYNAMIC": "FALSE"}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("val1"), env=ONE_THREAD)
+
+
+def test_validation_rounds_are_reported_and_leave_training_untouched(one_process, tmp_path):
+    proc, steps, rounds = one_process
+    assert [r["step"] for r in rounds] == [2, 4]  # every freq steps, and at the last step
+    for r in rounds:
+        assert set(r) == {"step", "validation_loss", "validation_source_loss", "validation_tokens", "validation_seconds"}
+        assert r["validation_tokens"] == 2 * 8 * 256 and set(r["validation_source_loss"]) == {"c4"}
+    assert rounds[1]["validation_loss"] < rounds[0]["validation_loss"]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("validate: step 4  loss ")]
+    assert len(lines) == 1 and " ppl " in lines[0] and "(c4 " in lines[0], proc.stdout
+    _, without, none = train(tmp_path, "--validation.enable", "false", env=ONE_THREAD)
+    assert none == [] and [r["loss"] for r in without] == [r["loss"] for r in steps]  # bitwise
+
+
+def test_validation_loss_is_the_same_on_fsdp_and_tp_and_on_resume(one_process, tmp_path):
+    _, _, rounds = one_process
+    _, _, fsdp = train(tmp_path / "fsdp", "--training.local_batch_size", 4, "--validation.local_batch_size", 4,
+                       "--checkpoint.enable", "--checkpoint.interval", 2, nproc=2)
+    _, _, tp = train(tmp_path / "tp", "--parallelism.tensor_parallel_degree", 2, "--activation_checkpoint.mode",
+                     "selective", nproc=2)
+    for other in (fsdp, tp):
+        assert [r["validation_loss"] for r in other] == pytest.approx([r["validation_loss"] for r in rounds], rel=1e-5)
+        assert [r["validation_tokens"] for r in other] == [r["validation_tokens"] for r in rounds]
+    # Resuming from step 2 replays steps 3-4 and the step-4 round exactly.
+    _, steps, again = train(tmp_path / "fsdp", "--training.local_batch_size", 4, "--validation.local_batch_size", 4,
+                            "--checkpoint.enable", "--checkpoint.load_step", 2, nproc=2)
+    assert again[-1]["validation_loss"] == fsdp[-1]["validation_loss"]
+    assert steps[-1]["step"] == 4 and steps[-1]["loss"] == steps[-3]["loss"]  # step 4: first run, then the replay
+
+
+def test_a_missing_validation_source_stops_before_training(tmp_path):
+    toml = open(os.path.join(ROOT, "configs", "debug_model.toml")).read()
+    (tmp_path / "c.toml").write_text(toml.replace("en/c4-validation.*.json.gz", "en/no-such-file.*.json.gz"))
+    proc = subprocess.run([sys.executable, "train.py", "--config", str(tmp_path / "c.toml"), "--job.dump_folder",
+                           str(tmp_path / "d")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("error: ") and len(proc.stderr.splitlines()) == 1
+    assert "'c4'" in proc.stderr and "step: " not in proc.stdout
+
+
+def wandb_records(path):
+    """The protobuf records of an offline .wandb file: a 7-byte header, then LevelDB-style 32 KiB blocks of
+    chunks, each (crc32, length, type) + payload; types 1 (full) and 4 (last) end a record."""
+    import struct
+    data, pos, buf = open(path, "rb").read(), 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        buf, pos = buf + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            yield buf
+            buf = b""
+
+
+def test_wandb_offline_gets_the_same_scalars_and_a_resume_continues_the_run(tmp_path):
+    pytest.importorskip("wandb")
+    env = {"WANDB_MODE": "offline", "WANDB_PROJECT": "test-project", "WANDB_SILENT": "true"}
+    train(tmp_path, "--metrics.enable_wandb", "--checkpoint.enable", "--checkpoint.interval", 2,
+          "--training.steps", 2, env=env)
+    run_id = (tmp_path / "wandb_run_id").read_text()
+    train(tmp_path, "--metrics.enable_wandb", "--checkpoint.enable", env=env)
+    assert (tmp_path / "wandb_run_id").read_text() == run_id
+    runs = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")))
+    assert len(runs) == 2 and all(r.endswith(f"-{run_id}") for r in runs)
+    from wandb.proto import wandb_internal_pb2
+    logged = {}
+    for run in runs:
+        for data in wandb_records(glob.glob(os.path.join(run, "*.wandb"))[0]):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(data)
+            if rec.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+                logged.setdefault(items["_step"], {}).update(items)
+    assert sorted(logged) == [1, 2, 3, 4]
+    records = [json.loads(ln) for ln in open(tmp_path / "metrics.jsonl")]
+    step4 = [r for r in records if r["step"] == 4]
+    assert logged[4]["loss"] == step4[0]["loss"] and logged[4]["validation_loss"] == step4[1]["validation_loss"]
+    assert logged[4]["validation_source_loss/c4"] == step4[1]["validation_source_loss"]["c4"]
