@@ -49,7 +49,7 @@ def wait_for_step(proc, dump, step):
 def logged(dump):
     """Loss per step; after a restart the re-run steps overwrite the earlier ones."""
     with open(os.path.join(dump, "metrics.jsonl")) as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}  # not validation rounds
 
 
 def stop_ranks(proc, sig):
@@ -259,3 +259,48 @@ def test_resume_says_when_the_schedule_changes_and_when_nothing_is_left(tmp_path
     assert "nothing left to do" in out and "step: " not in out
     out = run(tmp_path, "--training.steps", 8, nproc=1)
     assert "training.steps changed 4 -> 8: the lr schedule now ends at step 8" in out
+
+
+def descendants(pid):
+    """Every process below pid (ranks, their loader workers), depth first."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            kids = open(f"/proc/{pid}/task/{tid}/children").read().split()
+        except FileNotFoundError:
+            continue
+        for kid in map(int, kids):
+            out += [kid] + descendants(kid)
+    return out
+
+
+def alive(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("delivery", ["ranks", "launcher", "every process"])
+def test_preemption_signal_saves_and_ends_the_job_however_it_is_delivered(delivery, reference, tmp_path):
+    """SIGUSR1 to both ranks; SIGTERM to torchrun alone; SIGUSR1 to every process of the job, loader workers
+    included (Slurm's --signal=USR1 without B:), which kills torchrun itself: saved, gone within 30 s."""
+    proc = launch(tmp_path, *FSDP, "--data.num_workers", 2, "--checkpoint.interval", 100)
+    wait_for_step(proc, tmp_path, 3)
+    ranks = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+    job = [proc.pid] + descendants(proc.pid)
+    assert len(job) >= 2 + 1 + 2 * 2  # torchrun, 2 ranks, their workers (and spawn's resource tracker)
+    targets = {"ranks": ranks, "launcher": [proc.pid], "every process": job}[delivery]
+    for pid in targets:
+        os.kill(pid, signal.SIGTERM if delivery == "launcher" else signal.SIGUSR1)
+    start = time.time()
+    out, _ = proc.communicate(timeout=60)
+    while any(alive(p) for p in job) and time.time() - start < 30:
+        time.sleep(0.2)
+    assert not [p for p in job if alive(p)] and time.time() - start < 30, out[-3000:]
+    stopped = int(re.search(r"stopping at step (\d+) on signal", out).group(1))
+    assert steps_saved(tmp_path) == [stopped] and "Traceback" not in out, out[-3000:]
+    assert "exitcode" not in out  # torchrun reports no rank that failed
+    if delivery == "every process":  # and the resumed run continues exactly
+        run(tmp_path, *FSDP, "--data.num_workers", 2, "--checkpoint.interval", 100)
+        assert logged(tmp_path) == reference["fsdp"]

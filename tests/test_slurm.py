@@ -277,7 +277,7 @@ def read(path) -> str:
 def losses(dump) -> list:
     """(step, loss) per metrics.jsonl line, in file order."""
     with open(os.path.join(dump, "metrics.jsonl")) as f:
-        return [(r["step"], r["loss"]) for r in map(json.loads, f)]
+        return [(r["step"], r["loss"]) for r in map(json.loads, f) if "loss" in r]  # not validation rounds
 
 
 def job_env(cluster, **extra):

@@ -16,7 +16,7 @@ def train(dump, *args):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     with open(os.path.join(dump, "metrics.jsonl")) as f:
-        return proc.stdout, [json.loads(line) for line in f]
+        return proc.stdout, [r for r in map(json.loads, f) if "loss" in r]  # training steps, not validation rounds
 
 
 def losses(records):
