@@ -231,7 +231,8 @@ def _source(d: dict, where: str) -> DataSource:
 
 def build_parser() -> argparse.ArgumentParser:
     """--section.key for every config field (generated from the dataclasses), plus --config."""
-    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False, exit_on_error=False, formatter_class=(
+    parser = argparse.ArgumentParser(usage="%(prog)s [--config TOML] [--section.key VALUE ...]", description=__doc__,
+                                     allow_abbrev=False, exit_on_error=False, formatter_class=(
         lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=60, width=200)))
     parser.add_argument("--config", "--job.config_file", action="append", metavar="TOML", help="the TOML config file")
     for sec in dataclasses.fields(Config):
