@@ -251,6 +251,12 @@ def test_incomplete_checkpoints_are_skipped_and_refused_by_name(tmp_path):
         line = [ln for ln in out.splitlines() if ln.startswith("error:")]
         assert len(line) == 1 and f"checkpoint.load_step = {step}" in line[0] and why in line[0], out[-2000:]
         assert "Traceback" not in out
+    # Garbage of the right length passes the check; what dcp.load then raises is still one line.
+    shard = next(p for p in (ckpt / "step-2").iterdir() if p.name.endswith(".distcp"))
+    shard.write_bytes(b"\x00" * os.path.getsize(shard))
+    out = run(tmp_path, "--checkpoint.load_step", 2, nproc=1, expect=2)
+    line = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert len(line) == 1 and f"cannot load {ckpt}/step-2" in line[0] and "Traceback" not in out, out[-2000:]
 
 
 def test_resume_says_when_the_schedule_changes_and_when_nothing_is_left(tmp_path):
