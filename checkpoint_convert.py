@@ -28,9 +28,6 @@ from safetensors.torch import save_file
 from model import ModelArgs, Transformer
 
 MAX_SHARD_BYTES = 5 * 10**9  # per safetensors file, as Hugging Face does by default; tests lower it
-# Model-parallel split dim of each weight in Meta's consolidated.NN.pth: ColumnParallel 0, RowParallel 1,
-# ParallelEmbedding splits the embedding dim. Anything else (the norms) is replicated.
-META_SHARD_DIM = dict(wq=0, wk=0, wv=0, w1=0, w3=0, output=0, wo=1, w2=1, tok_embeddings=1)
 META_TO_HF = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
               "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
               "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
@@ -91,11 +88,15 @@ def load_meta(dir: str):
     if len(shards) > 1:
         # Merge one layer at a time, reopening the mmaps in between: dropping them releases the pages
         # already copied, so peak memory is the merged model plus one layer, not twice the model.
-        merged = {}
+        want, merged = expected_shapes(args), {}
         for _, keys in itertools.groupby(shards[0], lambda k: re.match(r"layers\.\d+|[^.]+", k)[0]):
             shards = shards or open_shards()
             for k in keys:
-                merged[k] = merge_shards(k, [s[k] for s in shards], paths)
+                missing = [p for p, s in zip(paths, shards) if k not in s]
+                if missing:
+                    raise ConvertError(f"{missing[0]} has no {k} but {paths[0]} has; are all "
+                                       f"consolidated.*.pth from one checkpoint?")
+                merged[k] = merge_shards(k, [s[k] for s in shards], paths, want.get(k))
             shards = None
         shards = [merged]
     sd = shards[0]
@@ -104,14 +105,24 @@ def load_meta(dir: str):
     return args, sd
 
 
-def merge_shards(key: str, pieces: list, paths: list) -> torch.Tensor:
-    dim = META_SHARD_DIM.get(key.split(".")[-2])
-    for path, p in zip(paths, pieces):
-        if dim is not None and (p.dim() != 2 or p.shape[1 - dim] != pieces[0].shape[1 - dim]):
-            raise ConvertError(f"{path}: {key} has shape {tuple(p.shape)} but {paths[0]} has "
-                               f"{tuple(pieces[0].shape)}; model-parallel shards differ only in dim {dim}")
-    # Replicated tensors (norms) are copied too, so that nothing keeps a shard's mmap alive.
-    return pieces[0].clone() if dim is None else torch.cat(pieces, dim=dim)
+def merge_shards(key: str, pieces: list, paths: list, full) -> torch.Tensor:
+    """Concatenate model-parallel pieces on the one dim where their sizes add up to the shape params.json
+    implies: Meta's layouts differ by version (tok_embeddings: Llama 2 dim 1, Llama 3 the vocab, dim 0),
+    so the shapes decide, not the name. Pieces of the full shape (the norms) are replicated: take one."""
+    shapes = [tuple(p.shape) for p in pieces]
+    if full is None or all(s == tuple(full) for s in shapes):  # unknown keys: check_shapes names them
+        return pieces[0].clone()  # a copy, so that nothing keeps a shard's mmap alive
+    full = tuple(full)
+    for d in range(len(full)):
+        rest = full[:d] + full[d + 1:]
+        if all(len(s) == len(full) and s[:d] + s[d + 1:] == rest for s in shapes) and \
+                sum(s[d] for s in shapes) == full[d]:
+            return torch.cat(pieces, dim=d)
+    odd = next((i for i, s in enumerate(shapes) if s != shapes[0]), None)
+    got = (f"{shapes[0]} in each of the {len(shapes)} shards" if odd is None else
+           f"{shapes[0]} in {os.path.basename(paths[0])} but {shapes[odd]} in {os.path.basename(paths[odd])}")
+    raise ConvertError(f"{os.path.dirname(paths[0])}: {key} is {got}, which no concatenation dim turns into "
+                       f"the {full} params.json implies; are the shards and params.json from one model?")
 
 
 def save_meta(dcp_dir: str, out: str, dtype: str = None):

@@ -34,6 +34,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to")  #
 # Meta's params.json keys only: GQA, Llama 3.1 rope scaling, a vocab that is not Llama 3's.
 PARAMS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=384, multiple_of=32,
               ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0, use_scaled_rope=True)
+# Model-parallel split dim per weight in Meta's consolidated.NN.pth: ColumnParallel 0, RowParallel 1; the
+# embedding is VocabParallel (dim 0) in Llama 3's reference, ParallelEmbedding (dim 1) in Llama 2's.
+# Anything else (the norms) is replicated.
+LLAMA3_SPLIT = dict(wq=0, wk=0, wv=0, w1=0, w3=0, output=0, wo=1, w2=1, tok_embeddings=0)
+LLAMA2_SPLIT = {**LLAMA3_SPLIT, "tok_embeddings": 1}
 
 
 def convert(command, src, dst, *extra):
@@ -58,8 +63,8 @@ def random_state_dict(args: M.ModelArgs, seed=0, dtype=torch.bfloat16) -> dict:
     return sd
 
 
-def write_meta(dir, params: dict, sd: dict, n_shards=1):
-    """Meta's layout, split across model-parallel ranks as Meta's ColumnParallel/RowParallel do."""
+def write_meta(dir, params: dict, sd: dict, n_shards=1, split=LLAMA3_SPLIT):
+    """Meta's layout, split across model-parallel ranks as Meta's reference code does."""
     os.makedirs(dir)
     with open(os.path.join(dir, "params.json"), "w") as f:
         json.dump(params, f)
@@ -67,7 +72,7 @@ def write_meta(dir, params: dict, sd: dict, n_shards=1):
     for rank in range(n_shards):
         shard = {}
         for k, w in sd.items():
-            dim = C.META_SHARD_DIM.get(k.split(".")[-2])
+            dim = split.get(k.split(".")[-2])
             shard[k] = w.clone() if dim is None else w.chunk(n_shards, dim=dim)[rank].clone()
         torch.save(shard, os.path.join(dir, f"consolidated.{rank:02d}.pth"))
     return dir
@@ -128,10 +133,14 @@ def test_dcp2torch_dtype(meta, dcp_dir, tmp_path):
     assert all(w.dtype == torch.float32 and torch.equal(w, meta[1][k].float()) for k, w in back.items())
 
 
-def test_model_parallel_shards_merge(meta, tmp_path):
+@pytest.mark.parametrize("split,n_shards", [(LLAMA3_SPLIT, 8), (LLAMA2_SPLIT, 2)], ids=["llama3", "llama2"])
+def test_model_parallel_shards_merge(meta, tmp_path, split, n_shards):
+    """Llama 3 (70B, 405B) shards split the embedding on the vocab, Llama 2's on dim: both merge exactly."""
     params, sd, _ = meta
-    sharded = write_meta(tmp_path / "mp", params, sd, n_shards=2)
-    assert len(torch.load(sharded / "consolidated.01.pth", weights_only=True)["output.weight"]) == 192
+    sharded = write_meta(tmp_path / "mp", params, sd, n_shards, split)
+    shard = torch.load(sharded / f"consolidated.{n_shards - 1:02d}.pth", weights_only=True)
+    assert shard["output.weight"].shape == (384 // n_shards, 64)
+    assert shard["tok_embeddings.weight"].shape == ((384 // 8, 64) if split is LLAMA3_SPLIT else (384, 32))
     back = convert("dcp2torch", convert("torch2dcp", sharded, tmp_path / "dcp"), tmp_path / "back")
     assert_bitwise_equal(torch.load(back / "consolidated.00.pth", weights_only=True), sd)
 
@@ -253,7 +262,13 @@ def error_case(name, tmp_path):
         shard = torch.load(bad / "consolidated.01.pth", weights_only=True)
         shard["layers.1.attention.wo.weight"] = shard["layers.1.attention.wo.weight"][:-1]
         torch.save(shard, bad / "consolidated.01.pth")
-        return "torch2dcp", bad, out, ["consolidated.01.pth", "layers.1.attention.wo.weight", "dim 1"]
+        return "torch2dcp", bad, out, ["layers.1.attention.wo.weight is (64, 32) in consolidated.00.pth but "
+                                       "(63, 32) in consolidated.01.pth", "no concatenation dim", "(64, 64)"]
+    if name == "shard_vs_params":  # every shard alike, but from a model with another dim
+        bad = write_meta(tmp_path / "sp", params, sd, n_shards=2)
+        json.dump({**params, "dim": 128}, open(bad / "params.json", "w"))
+        return "torch2dcp", bad, out, ["tok_embeddings.weight is (192, 64) in each of the 2 shards",
+                                       "(384, 128) params.json implies"]
     if name == "params_mismatch":
         bad = write_meta(tmp_path / "pm", {**params, "n_layers": 3}, sd)
         return "torch2dcp", bad, out, ["layers.2.", "absent in the weights", "same model"]
@@ -269,8 +284,8 @@ def error_case(name, tmp_path):
     raise ValueError(name)
 
 
-ERROR_CASES = ["missing_input", "optimizer_only", "missing_params", "shard_shapes", "params_mismatch",
-               "no_safetensors", "output_not_empty"]
+ERROR_CASES = ["missing_input", "optimizer_only", "missing_params", "shard_shapes", "shard_vs_params",
+               "params_mismatch", "no_safetensors", "output_not_empty"]
 
 
 @pytest.fixture(scope="module")
