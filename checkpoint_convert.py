@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import sys
+import tomllib
 import warnings
 
 import torch
@@ -25,18 +26,18 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from data import LLAMA3_PAT, NUM_SPECIAL, DataError, Tokenizer
 from model import ModelArgs, Transformer
 
 MAX_SHARD_BYTES = 5 * 10**9  # per safetensors file, as Hugging Face does by default; tests lower it
-# Model-parallel split dim of each weight in Meta's consolidated.NN.pth: ColumnParallel 0, RowParallel 1,
-# ParallelEmbedding splits the embedding dim. Anything else (the norms) is replicated.
-META_SHARD_DIM = dict(wq=0, wk=0, wv=0, w1=0, w3=0, output=0, wo=1, w2=1, tok_embeddings=1)
 META_TO_HF = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
               "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
               "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
               "feed_forward.w3": "mlp.up_proj", "attention_norm": "input_layernorm",
               "ffn_norm": "post_attention_layernorm", "tok_embeddings": "embed_tokens", "norm": "norm"}
 LLAMA31_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+LLAMA31_CONTEXT = 131072  # max_position_embeddings of Llama 3.1/3.2 on the Hub
+DEFAULT_TOKENIZER = "assets/tokenizer/tokenizer.model"  # train.py's [model] tokenizer_path default
 
 
 class ConvertError(Exception):
@@ -91,11 +92,15 @@ def load_meta(dir: str):
     if len(shards) > 1:
         # Merge one layer at a time, reopening the mmaps in between: dropping them releases the pages
         # already copied, so peak memory is the merged model plus one layer, not twice the model.
-        merged = {}
+        want, merged = expected_shapes(args), {}
         for _, keys in itertools.groupby(shards[0], lambda k: re.match(r"layers\.\d+|[^.]+", k)[0]):
             shards = shards or open_shards()
             for k in keys:
-                merged[k] = merge_shards(k, [s[k] for s in shards], paths)
+                missing = [p for p, s in zip(paths, shards) if k not in s]
+                if missing:
+                    raise ConvertError(f"{missing[0]} has no {k} but {paths[0]} has; are all "
+                                       f"consolidated.*.pth from one checkpoint?")
+                merged[k] = merge_shards(k, [s[k] for s in shards], paths, want.get(k))
             shards = None
         shards = [merged]
     sd = shards[0]
@@ -104,14 +109,24 @@ def load_meta(dir: str):
     return args, sd
 
 
-def merge_shards(key: str, pieces: list, paths: list) -> torch.Tensor:
-    dim = META_SHARD_DIM.get(key.split(".")[-2])
-    for path, p in zip(paths, pieces):
-        if dim is not None and (p.dim() != 2 or p.shape[1 - dim] != pieces[0].shape[1 - dim]):
-            raise ConvertError(f"{path}: {key} has shape {tuple(p.shape)} but {paths[0]} has "
-                               f"{tuple(pieces[0].shape)}; model-parallel shards differ only in dim {dim}")
-    # Replicated tensors (norms) are copied too, so that nothing keeps a shard's mmap alive.
-    return pieces[0].clone() if dim is None else torch.cat(pieces, dim=dim)
+def merge_shards(key: str, pieces: list, paths: list, full) -> torch.Tensor:
+    """Concatenate model-parallel pieces on the one dim where their sizes add up to the shape params.json
+    implies: Meta's layouts differ by version (tok_embeddings: Llama 2 dim 1, Llama 3 the vocab, dim 0),
+    so the shapes decide, not the name. Pieces of the full shape (the norms) are replicated: take one."""
+    shapes = [tuple(p.shape) for p in pieces]
+    if full is None or all(s == tuple(full) for s in shapes):  # unknown keys: check_shapes names them
+        return pieces[0].clone()  # a copy, so that nothing keeps a shard's mmap alive
+    full = tuple(full)
+    for d in range(len(full)):
+        rest = full[:d] + full[d + 1:]
+        if all(len(s) == len(full) and s[:d] + s[d + 1:] == rest for s in shapes) and \
+                sum(s[d] for s in shapes) == full[d]:
+            return torch.cat(pieces, dim=d)
+    odd = next((i for i, s in enumerate(shapes) if s != shapes[0]), None)
+    got = (f"{shapes[0]} in each of the {len(shapes)} shards" if odd is None else
+           f"{shapes[0]} in {os.path.basename(paths[0])} but {shapes[odd]} in {os.path.basename(paths[odd])}")
+    raise ConvertError(f"{os.path.dirname(paths[0])}: {key} is {got}, which no concatenation dim turns into "
+                       f"the {full} params.json implies; are the shards and params.json from one model?")
 
 
 def save_meta(dcp_dir: str, out: str, dtype: str = None):
@@ -120,10 +135,9 @@ def save_meta(dcp_dir: str, out: str, dtype: str = None):
     for k in sd if dtype else []:  # one at a time: each original is freed as it is replaced
         sd[k] = sd[k].to(getattr(torch, dtype))
     torch.save(sd, os.path.join(out, "consolidated.00.pth"))
-    params = {k: v for k, v in dataclasses.asdict(args).items()  # Meta's keys: no max_seq_len, and
-              if k != "max_seq_len" and (k, v) != ("rope_scaling_factor", 8.0)}  # no factor if Meta's 8
-    with open(os.path.join(out, "params.json"), "w") as f:
-        json.dump(params, f, indent=2)
+    # Meta's keys: no max_seq_len, and no rope_scaling_factor where it is Meta's 8
+    write_json(out, "params.json", {k: v for k, v in dataclasses.asdict(args).items()
+                                    if k != "max_seq_len" and (k, v) != ("rope_scaling_factor", 8.0)})
 
 
 # --- DCP: our converted models and the trainer's step-N folders -------------------------------------------
@@ -152,8 +166,7 @@ def load_dcp(dir: str, model: dict) -> dict:
 
 def save_dcp(args: ModelArgs, sd: dict, dir: str):
     dcp.save({"model": sd}, checkpoint_id=dir, no_dist=True)  # keys "model.<Meta key>", as the trainer's
-    with open(os.path.join(dir, "params.json"), "w") as f:
-        json.dump(dataclasses.asdict(args), f, indent=2)
+    write_json(dir, "params.json", dataclasses.asdict(args))
 
 
 # --- Hugging Face: config.json + safetensors shards ------------------------------------------------------
@@ -180,13 +193,16 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
     # 4.x reads them, and 5.x folds them into its rope_parameters and dtype when loading.
     rope = {"factor": args.rope_scaling_factor, "rope_type": "llama3", **LLAMA31_ROPE}
     width = expected_shapes(args)["layers.0.feed_forward.w1.weight"][0]
+    # transformers warns unless max_position_embeddings exceeds the scaled rope's original 8192: that rope
+    # is Llama 3.1's, made for its 128k context, so the small flavors declare that context too.
+    context = max(args.max_seq_len, LLAMA31_CONTEXT) if args.use_scaled_rope else args.max_seq_len
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
             "intermediate_size": width, "num_attention_heads": args.n_heads,
             "num_key_value_heads": args.n_kv_heads, "num_hidden_layers": args.n_layers,
             "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "vocab_size": args.vocab_size,
-            "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": False, "hidden_act": "silu",
-            "bos_token_id": 128000 if args.vocab_size == 128256 else args.vocab_size - 256,  # Llama 3's
-            "eos_token_id": 128001 if args.vocab_size == 128256 else args.vocab_size - 255,  # or ours
+            "max_position_embeddings": context, "tie_word_embeddings": False, "hidden_act": "silu",
+            # The 256 special tokens follow the BPE ranks: <|begin_of_text|>, <|end_of_text|>, ...
+            "bos_token_id": args.vocab_size - NUM_SPECIAL, "eos_token_id": args.vocab_size - NUM_SPECIAL + 1,
             "torch_dtype": str(dtype).removeprefix("torch."),
             "rope_scaling": rope if args.use_scaled_rope else None}
 
@@ -231,9 +247,12 @@ def load_hf(dir: str):
     return args, {k: permute_rope(k, w, args, to_hf=False) for k, w in sd.items()}
 
 
-def save_hf(dcp_dir: str, out: str):
+def save_hf(dcp_dir: str, out: str, tokenizer_path: str):
     """Plan shards from DCP's metadata, then read, permute and write one shard at a time."""
     args, model = dcp_model(dcp_dir)
+    config = hf_config(args, model["tok_embeddings.weight"].properties.dtype)
+    if tokenizer_path:  # first: a wrong tokenizer stops before gigabytes are written
+        save_tokenizer(tokenizer_path, config, out)
     nbytes = {k: md.size.numel() * md.properties.dtype.itemsize for k, md in model.items()}
     shards = [[]]
     for k in model:
@@ -248,25 +267,132 @@ def save_hf(dcp_dir: str, out: str):
         save_file(sd, os.path.join(out, file), metadata={"format": "pt"})  # "pt": transformers checks it
         weight_map.update((name, file) for name in sd)
         del shard, sd  # free this shard before reading the next
-    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}, f, indent=2)
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(hf_config(args, model["tok_embeddings.weight"].properties.dtype), f, indent=2)
+    write_json(out, "model.safetensors.index.json",
+               {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map})
+    write_json(out, "config.json", config)
+
+
+def write_json(dir: str, name: str, content: dict):
+    with open(os.path.join(dir, name), "w") as f:
+        json.dump(content, f, indent=2)
+
+
+def find_tokenizer(dcp_dir: str, given) -> str:
+    """--tokenizer_path, else the run's: the trainer writes <dump_folder>/config.toml and its checkpoints to
+    <dump_folder>/<checkpoint.folder>/step-N; else train.py's default. A relative path is tried from here,
+    then from the repo (where train.py runs)."""
+    path, step = DEFAULT_TOKENIZER if given is None else given, os.path.realpath(dcp_dir)
+    dump = ckpt_folder = os.path.dirname(step)
+    trainer_step = given is None and re.fullmatch(r"step-\d+", os.path.basename(step))
+    while trainer_step and dump != os.path.dirname(dump):
+        try:
+            with open(os.path.join(dump, "config.toml"), "rb") as f:
+                run = tomllib.load(f)
+            if os.path.realpath(os.path.join(dump, run["checkpoint"]["folder"])) == ckpt_folder:
+                path = run["model"]["tokenizer_path"]
+                break
+        except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError):
+            pass  # none here, or not this run's
+        dump = os.path.dirname(dump)
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+    return here if path and not os.path.isfile(path) and os.path.isfile(here) else path
+
+
+def byte_chars() -> dict:
+    """Byte-level BPE spells each byte as a printable character (GPT-2's table, as Llama 3's files do)."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    shifted = sorted(set(range(256)) - set(keep))
+    return {b: chr(b) for b in keep} | {b: chr(256 + i) for i, b in enumerate(shifted)}
+
+
+def save_tokenizer(path: str, config: dict, out: str):
+    """The tokenizer files of a Llama 3 Hub repo from a tiktoken tokenizer.model. tiktoken merges the
+    adjacent pair whose concatenation has the lowest rank, so every split of a token into two tokens is a
+    Hugging Face BPE merge with that rank as its priority; with ignore_merges (a whole pre-token that is a
+    token is taken as is, as tiktoken does) both give the same ids."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as HFTokenizer
+
+    fix = "pass --tokenizer_path with the run's tokenizer.model, or --tokenizer_path '' for the weights only"
+    if not os.path.isfile(path):
+        raise ConvertError(f"tokenizer {path} not found; {fix}")
+    try:
+        tok = Tokenizer(path)
+    except DataError as e:
+        raise ConvertError(str(e))
+    if tok.n_words != config["vocab_size"]:
+        raise ConvertError(f"tokenizer {path} has {tok.n_words:,} tokens but the model "
+                           f"{config['vocab_size']:,}; {fix}")
+    ranks = {t: tok.model.encode_single_token(t) for t in tok.model.token_byte_values()}
+    char = byte_chars()
+    spell = lambda t: "".join(char[b] for b in t)  # noqa: E731
+    merges = sorted((r, t[:i], t[i:]) for t, r in ranks.items() for i in range(1, len(t))
+                    if t[:i] in ranks and t[i:] in ranks)
+    hf = HFTokenizer(models.BPE({spell(t): r for t, r in ranks.items()},
+                                [(spell(a), spell(b)) for _, a, b in merges], ignore_merges=True))
+    hf.pre_tokenizer = pre_tokenizers.Sequence([  # data.py's split regex, then bytes -> characters
+        pre_tokenizers.Split(Regex(LLAMA3_PAT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in tok.special])
+    bos, eos = (hf.id_to_token(config[k]) for k in ("bos_token_id", "eos_token_id"))
+    hf.post_processor = processors.TemplateProcessing(  # Llama 3's: BOS first, no EOS
+        single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, config["bos_token_id"])])
+    hf.save(os.path.join(out, "tokenizer.json"))
+    write_json(out, "tokenizer_config.json", dict(
+        tokenizer_class="PreTrainedTokenizerFast", bos_token=bos, eos_token=eos, model_input_names=[
+            "input_ids", "attention_mask"], model_max_length=config["max_position_embeddings"],
+        clean_up_tokenization_spaces=False))  # True would drop spaces before punctuation when decoding
+    write_json(out, "special_tokens_map.json", dict(bos_token=bos, eos_token=eos))
+    write_json(out, "generation_config.json", dict(  # Llama 3.1 base's sampling defaults
+        bos_token_id=config["bos_token_id"], eos_token_id=config["eos_token_id"], do_sample=True,
+        temperature=0.6, top_p=0.9))
 
 
 # --- command line ---------------------------------------------------------------------------------------
+HELP = {"torch2dcp": "Meta's params.json + consolidated.*.pth (model-parallel shards merged) -> DCP",
+        "dcp2torch": "DCP (a converted model or a trainer step-N folder) -> Meta's params.json + "
+                     "consolidated.00.pth",
+        "dcp2hf": "DCP -> Hugging Face: config.json, safetensors shards, tokenizer and generation files",
+        "hf2dcp": "Hugging Face config.json + safetensors -> DCP (tokenizer files are not read)"}
+INPUT = {"torch2dcp": "Meta folder: params.json and consolidated.00.pth (or .00 .. .NN)",
+         "dcp2torch": "DCP folder with params.json: a torch2dcp/hf2dcp output or a trainer step-N",
+         "hf2dcp": "Hugging Face model folder: config.json and model*.safetensors"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     epilog="Run `%(prog)s COMMAND --help` for a command's options.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, doc in HELP.items():
+        p = sub.add_parser(name, help=doc, description=doc)
+        p.add_argument("--input_dir", required=True, help=INPUT.get(name, INPUT["dcp2torch"]))
+        p.add_argument("--output_dir", required=True, help="folder to create (or an empty one); written "
+                       "to a temp folder beside it and renamed when complete")
+    sub.choices["dcp2torch"].add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                                          help="cast every tensor (default: keep each tensor's dtype)")
+    sub.choices["dcp2hf"].add_argument(
+        "--tokenizer_path", default=None, help="the run's tiktoken tokenizer.model, written as "
+        "tokenizer.json & co.; '' writes no tokenizer files (default: [model] tokenizer_path of the run's "
+        f"config.toml for a trainer step-N folder, else {DEFAULT_TOKENIZER})")
+    return parser
+
+
+def follow_umask(dir: str):
+    """safetensors writes its files mode 600; give every output file the mode open() would."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for root, _, files in os.walk(dir):
+        for file in files:
+            os.chmod(os.path.join(root, file), 0o666 & ~mask)
+
+
 def main(argv=None):
     commands = {"torch2dcp": lambda src, out, opts: save_dcp(*load_meta(src), out),
                 "dcp2torch": lambda src, out, opts: save_meta(src, out, opts.dtype),
-                "dcp2hf": lambda src, out, opts: save_hf(src, out),
+                "dcp2hf": lambda src, out, opts: save_hf(src, out, opts.tokenizer_path),
                 "hf2dcp": lambda src, out, opts: save_dcp(*load_hf(src), out)}
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name in commands:
-        sub.add_parser(name).add_argument("--input_dir", required=True)
-        sub.choices[name].add_argument("--output_dir", required=True)
-    sub.choices["dcp2torch"].add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                                          help="cast every tensor (default: keep each tensor's dtype)")
+    parser = build_parser()
     opts = parser.parse_args(argv)
     out = opts.output_dir
     warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # DCP: no process group, yes
@@ -282,7 +408,10 @@ def main(argv=None):
         shutil.rmtree(tmp, ignore_errors=True)  # left over from a killed run
         os.makedirs(tmp)
         try:
+            if opts.command == "dcp2hf":
+                opts.tokenizer_path = find_tokenizer(opts.input_dir, opts.tokenizer_path)
             commands[opts.command](opts.input_dir, tmp, opts)
+            follow_umask(tmp)
             os.rename(tmp, out)  # also replaces an empty output_dir (POSIX rename)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -290,7 +419,8 @@ def main(argv=None):
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    print(f"wrote {out}")
+    print(f"wrote {out}" + (f" (tokenizer from {opts.tokenizer_path})" if opts.command == "dcp2hf" and
+                            opts.tokenizer_path else ""))
 
 
 if __name__ == "__main__":

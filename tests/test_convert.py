@@ -1,5 +1,6 @@
 """Tests for checkpoint_convert.py: Meta <-> DCP <-> Hugging Face, bit-exact round trips, equal logits
-in transformers' LlamaForCausalLM, trainer step-N export, one-line errors, peak memory.
+in transformers' LlamaForCausalLM, Meta's model-parallel layouts, the exported tokenizer, trainer step-N
+export, the README's sampling snippet, file modes, --help, one-line errors, peak memory.
 
     python -m pytest tests/test_convert.py -q
 
@@ -9,10 +10,15 @@ Peak RSS of each direction for a ~800 MB fp32 model (not a test; prints a table)
 """
 
 import argparse
+import base64
+import contextlib
 import dataclasses
 import glob
+import gzip
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -26,7 +32,9 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import checkpoint_convert as C  # noqa: E402
+import data as D  # noqa: E402
 import model as M  # noqa: E402
+import train as T  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to")  # DCP without a process group
@@ -34,6 +42,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to")  #
 # Meta's params.json keys only: GQA, Llama 3.1 rope scaling, a vocab that is not Llama 3's.
 PARAMS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=384, multiple_of=32,
               ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0, use_scaled_rope=True)
+# Model-parallel split dim per weight in Meta's consolidated.NN.pth: ColumnParallel 0, RowParallel 1; the
+# embedding is VocabParallel (dim 0) in Llama 3's reference, ParallelEmbedding (dim 1) in Llama 2's.
+# Anything else (the norms) is replicated.
+LLAMA3_SPLIT = dict(wq=0, wk=0, wv=0, w1=0, w3=0, output=0, wo=1, w2=1, tok_embeddings=0)
+LLAMA2_SPLIT = {**LLAMA3_SPLIT, "tok_embeddings": 1}
 
 
 def convert(command, src, dst, *extra):
@@ -58,8 +71,8 @@ def random_state_dict(args: M.ModelArgs, seed=0, dtype=torch.bfloat16) -> dict:
     return sd
 
 
-def write_meta(dir, params: dict, sd: dict, n_shards=1):
-    """Meta's layout, split across model-parallel ranks as Meta's ColumnParallel/RowParallel do."""
+def write_meta(dir, params: dict, sd: dict, n_shards=1, split=LLAMA3_SPLIT):
+    """Meta's layout, split across model-parallel ranks as Meta's reference code does."""
     os.makedirs(dir)
     with open(os.path.join(dir, "params.json"), "w") as f:
         json.dump(params, f)
@@ -67,7 +80,7 @@ def write_meta(dir, params: dict, sd: dict, n_shards=1):
     for rank in range(n_shards):
         shard = {}
         for k, w in sd.items():
-            dim = C.META_SHARD_DIM.get(k.split(".")[-2])
+            dim = split.get(k.split(".")[-2])
             shard[k] = w.clone() if dim is None else w.chunk(n_shards, dim=dim)[rank].clone()
         torch.save(shard, os.path.join(dir, f"consolidated.{rank:02d}.pth"))
     return dir
@@ -85,9 +98,11 @@ def assert_bitwise_equal(a: dict, b: dict):
 
 
 def assert_same_model(a: dict, b: dict):
-    """HF keeps the FFN width, not Meta's rule (multiple_of, ffn_dim_multiplier) that produced it."""
-    rule = ("multiple_of", "ffn_dim_multiplier")
+    """HF keeps the FFN width, not Meta's rule (multiple_of, ffn_dim_multiplier) that produced it, and a
+    scaled rope declares Llama 3.1's context (max_seq_len is only the length of model.py's rope table)."""
+    rule = ("multiple_of", "ffn_dim_multiplier", "max_seq_len")
     assert {k: v for k, v in a.items() if k not in rule} == {k: v for k, v in b.items() if k not in rule}
+    assert a["max_seq_len"] == max(b["max_seq_len"], C.LLAMA31_CONTEXT if b["use_scaled_rope"] else 0)
     assert C.expected_shapes(M.ModelArgs(**a)) == C.expected_shapes(M.ModelArgs(**b))
 
 
@@ -104,12 +119,27 @@ def dcp_dir(meta, tmp_path_factory):
     return convert("torch2dcp", meta[2], tmp_path_factory.mktemp("dcp") / "dcp")
 
 
+def write_tiktoken(path, tokens: list):
+    """A tokenizer.model: base64(token) rank per line, ranks in list order."""
+    with open(path, "w") as f:
+        f.writelines(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens))
+    return path
+
+
 @pytest.fixture(scope="module")
-def hf_dir(dcp_dir, tmp_path_factory):
+def ascii_tokenizer(tmp_path_factory):
+    """128 single-byte tokens + 256 special: PARAMS' vocab of 384."""
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.model"
+    return write_tiktoken(path, [bytes([b]) for b in range(128)])
+
+
+@pytest.fixture(scope="module")
+def hf_dir(dcp_dir, ascii_tokenizer, tmp_path_factory):
     """Small shards, so the index and several files are exercised."""
     default, C.MAX_SHARD_BYTES = C.MAX_SHARD_BYTES, 60_000
     try:
-        return convert("dcp2hf", dcp_dir, tmp_path_factory.mktemp("hf") / "hf")
+        return convert("dcp2hf", dcp_dir, tmp_path_factory.mktemp("hf") / "hf",
+                       "--tokenizer_path", ascii_tokenizer)
     finally:
         C.MAX_SHARD_BYTES = default
 
@@ -128,10 +158,14 @@ def test_dcp2torch_dtype(meta, dcp_dir, tmp_path):
     assert all(w.dtype == torch.float32 and torch.equal(w, meta[1][k].float()) for k, w in back.items())
 
 
-def test_model_parallel_shards_merge(meta, tmp_path):
+@pytest.mark.parametrize("split,n_shards", [(LLAMA3_SPLIT, 8), (LLAMA2_SPLIT, 2)], ids=["llama3", "llama2"])
+def test_model_parallel_shards_merge(meta, tmp_path, split, n_shards):
+    """Llama 3 (70B, 405B) shards split the embedding on the vocab, Llama 2's on dim: both merge exactly."""
     params, sd, _ = meta
-    sharded = write_meta(tmp_path / "mp", params, sd, n_shards=2)
-    assert len(torch.load(sharded / "consolidated.01.pth", weights_only=True)["output.weight"]) == 192
+    sharded = write_meta(tmp_path / "mp", params, sd, n_shards, split)
+    shard = torch.load(sharded / f"consolidated.{n_shards - 1:02d}.pth", weights_only=True)
+    assert shard["output.weight"].shape == (384 // n_shards, 64)
+    assert shard["tok_embeddings.weight"].shape == ((384 // 8, 64) if split is LLAMA3_SPLIT else (384, 32))
     back = convert("dcp2torch", convert("torch2dcp", sharded, tmp_path / "dcp"), tmp_path / "back")
     assert_bitwise_equal(torch.load(back / "consolidated.00.pth", weights_only=True), sd)
 
@@ -175,15 +209,25 @@ def test_hf_files_and_config(meta, dcp_dir, hf_dir, tmp_path):
     assert index["metadata"]["total_size"] == sum(w.nbytes for w in sd.values())
     config = json.load(open(hf_dir / "config.json"))
     assert config["intermediate_size"] == sd["layers.0.feed_forward.w1.weight"].shape[0]
-    assert config["torch_dtype"] == "bfloat16" and config["max_position_embeddings"] == 2048
+    assert config["torch_dtype"] == "bfloat16" and config["max_position_embeddings"] == 131072  # Llama 3.1's
     assert (config["bos_token_id"], config["eos_token_id"]) == (128, 129)  # vocab - 256, vocab - 255
     assert config["rope_scaling"]["factor"] == params.get("rope_scaling_factor", 8.0)
-    single = convert("dcp2hf", dcp_dir, tmp_path / "one")  # default 5 GB shards: one file
+    tokenizer_files = ["generation_config.json", "special_tokens_map.json", "tokenizer.json",
+                       "tokenizer_config.json"]
+    assert sorted(f for f in os.listdir(hf_dir) if not f.startswith("model")) == ["config.json",
+                                                                                   *tokenizer_files]
+    generation = json.load(open(hf_dir / "generation_config.json"))
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (128, 129)
+    tokenizer_config = json.load(open(hf_dir / "tokenizer_config.json"))
+    assert tokenizer_config["bos_token"] == "<|begin_of_text|>"
+    assert tokenizer_config["eos_token"] == "<|end_of_text|>"
+    single = convert("dcp2hf", dcp_dir, tmp_path / "one", "--tokenizer_path", "")  # 5 GB shards: one file
     assert sorted(os.listdir(single)) == ["config.json", "model-00001-of-00001.safetensors",
                                           "model.safetensors.index.json"]
 
 
 def test_dcp2hf_hf2dcp_bitwise(dcp_dir, hf_dir, tmp_path):
+    assert os.path.isfile(hf_dir / "tokenizer.json")  # ignored by hf2dcp
     back = convert("hf2dcp", hf_dir, tmp_path / "back")
     assert_bitwise_equal(read_dcp_model(back), read_dcp_model(dcp_dir))
     assert_same_model(json.load(open(back / "params.json")), json.load(open(dcp_dir / "params.json")))
@@ -217,7 +261,8 @@ def test_hf2dcp_tied_embeddings(dcp_dir, hf_dir, tmp_path):
     assert torch.equal(back["output.weight"], read_dcp_model(dcp_dir)["output.weight"])
 
 
-def test_trainer_step_folder_exports_model_only(meta, tmp_path):
+def test_trainer_step_folder_exports_model_only(meta, ascii_tokenizer, tmp_path):
+    """Also: dcp2hf takes the tokenizer that the run's config.toml (in the dump folder) names."""
     params, sd, _ = meta
     args = M.ModelArgs(**params)
     fp32 = {k: w.float() for k, w in sd.items()}  # the trainer keeps fp32 weights
@@ -230,8 +275,179 @@ def test_trainer_step_folder_exports_model_only(meta, tmp_path):
     json.dump(dataclasses.asdict(args), open(step / "params.json", "w"))
     back = convert("dcp2torch", step, tmp_path / "meta") / "consolidated.00.pth"
     assert_bitwise_equal(torch.load(back, weights_only=True), fp32)
+    with pytest.raises(SystemExit):  # without config.toml: train.py's default tokenizer, 2048 tokens
+        convert("dcp2hf", step, tmp_path / "hf")
+    cfg = T.Config()
+    cfg.model.tokenizer_path = str(ascii_tokenizer)
+    (tmp_path / "config.toml").write_text(T.to_toml(cfg))
     hf = convert("dcp2hf", step, tmp_path / "hf")
+    assert len(json.load(open(hf / "tokenizer.json"))["model"]["vocab"]) == 128
     assert_bitwise_equal(read_dcp_model(convert("hf2dcp", hf, tmp_path / "dcp")), fp32)
+
+
+# --- the exported tokenizer, the README's snippet, file modes, rope config, --help --------------------
+
+def bundled_documents() -> list:
+    """Every document under assets/data (about 1,500, 4.6 MB of text)."""
+    import pyarrow.parquet as pq
+    texts = []
+    for path in sorted(glob.glob(os.path.join(REPO_ROOT, "assets", "data", "**", "*.*"), recursive=True)):
+        if path.endswith(".json.gz"):
+            with gzip.open(path, "rt") as f:
+                texts += [json.loads(line)["text"] for line in f]
+        elif path.endswith(".parquet"):
+            texts += pq.read_table(path, columns=["text"]).column("text").to_pylist()
+    assert len(texts) > 1000
+    return texts
+
+
+def stdlib_sources() -> list:
+    paths = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
+    return [open(p, encoding="utf-8").read() for p in paths]
+
+
+EDGE_TEXTS = ["", " ", "  x  \r\n\n\t", "naïve café — 日本語, Ελληνικά 🙂🙂", "I'M DON'T we'll 12345 3.14159",
+              "a\u00a0b\u2028c\x00\x7f\ufffd"]
+
+
+@contextlib.contextmanager
+def transformers_warnings():
+    """The warnings transformers logs inside the block (it logs them, it does not warnings.warn them)."""
+    records, handler = [], logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        yield records
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+
+
+@pytest.fixture(scope="module")
+def large_tokenizer(tmp_path_factory):
+    """8,000 byte-level BPE ranks trained (in Rust, ~1 s) with Llama 3's split regex on the bundled text
+    plus Python's standard library source: much larger than the bundled 1,792, with code and Unicode."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(D.LLAMA3_PAT), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.train_from_iterator(bundled_documents() + stdlib_sources() + EDGE_TEXTS, trainers.BpeTrainer(
+        vocab_size=8000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    byte = {c: b for b, c in C.byte_chars().items()}
+    vocab = sorted(hf.get_vocab().items(), key=lambda kv: kv[1])  # merges in creation order: valid ranks
+    return write_tiktoken(tmp_path_factory.mktemp("large") / "tokenizer.model",
+                          [bytes(byte[c] for c in token) for token, _ in vocab])
+
+
+def hf_tokenizer(path, out):
+    """The tokenizer files dcp2hf writes for a model of this tokenizer's vocab, loaded with AutoTokenizer."""
+    from transformers import AutoTokenizer
+    os.makedirs(out)
+    args = dataclasses.replace(M.flavors["debugmodel"], vocab_size=D.Tokenizer(str(path)).n_words)
+    C.save_tokenizer(str(path), C.hf_config(args, torch.bfloat16), str(out))
+    return AutoTokenizer.from_pretrained(out)
+
+
+@pytest.mark.parametrize("which", ["bundled", "large"])
+def test_tokenizer_ids_match(which, request, tmp_path):
+    """AutoTokenizer on the export gives data.Tokenizer's ids on every bundled document, with BOS first
+    (Llama 3's post-processor; the trainer's EOS marks a document end, not a prompt end)."""
+    path = (os.path.join(REPO_ROOT, C.DEFAULT_TOKENIZER) if which == "bundled"
+            else request.getfixturevalue("large_tokenizer"))
+    ours, hf = D.Tokenizer(str(path)), hf_tokenizer(path, tmp_path / "hf")
+    assert len(hf) == ours.n_words and (hf.bos_token_id, hf.eos_token_id) == (ours.bos_id, ours.eos_id)
+    # The large one is also trained on Python's sources: they reach its high ranks.
+    texts = bundled_documents() + EDGE_TEXTS + (stdlib_sources() if which == "large" else [])
+    ids = hf(texts)["input_ids"]
+    for text, got in zip(texts, ids):
+        assert got == ours.encode(text, bos=True, eos=False), text[:200]
+    assert len({i for doc in ids for i in doc}) > (0.9 if which == "large" else 0.6) * (ours.n_words - 256)
+    plain = hf(texts[:50], add_special_tokens=False)["input_ids"]
+    assert plain == [ours.encode(t, bos=False, eos=False) for t in texts[:50]]
+    assert [hf.decode(i) for i in plain] == texts[:50]
+    # Special tokens in the input are special (as in Llama 3's own HF tokenizer, while the trainer reads
+    # web text as plain text): each one id, as tiktoken with allowed_special; skipped when decoding.
+    for text in ["<|begin_of_text|> as text <|end_of_text|>", "".join(ours.special)]:
+        assert hf(text)["input_ids"] == [ours.bos_id] + ours.model.encode(text, allowed_special="all")
+    for name, id in ours.special.items():
+        assert hf.convert_tokens_to_ids(name) == id and hf.decode([id]) == name
+    assert hf.decode(hf("<|eot_id|>hi")["input_ids"], skip_special_tokens=True) == "hi"
+
+
+def readme_snippet(section: str) -> str:
+    readme = open(os.path.join(REPO_ROOT, "README.md")).read()
+    body = readme.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```python\n(.*?)```", body, re.S)[1]
+
+
+def test_readme_sampling_snippet_on_debug_export(tmp_path, monkeypatch, capsys):
+    """The README's dcp2hf of a trainer step-N (tokenizer from its config.toml, a path relative to the repo)
+    then its five-line generate snippet, run as is; transformers logs no warning on the way."""
+    args = M.flavors["debugmodel"]
+    model = M.Transformer(args)
+    model.init_weights()
+    step = tmp_path / "outputs" / "debug_model" / "checkpoint" / "step-50"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(step), no_dist=True)
+    json.dump(dataclasses.asdict(args), open(step / "params.json", "w"))
+    (step.parent.parent / "config.toml").write_text(T.to_toml(T.Config()))  # tokenizer_path assets/...
+    monkeypatch.chdir(tmp_path)  # the README's paths; assets/ is found in the repo
+    convert("dcp2hf", step.relative_to(tmp_path), "hf_out")
+    assert "tokenizer from " + os.path.join(REPO_ROOT, C.DEFAULT_TOKENIZER) in capsys.readouterr().out
+    code = readme_snippet("Evaluate and sample")
+    assert len(code.strip().splitlines()) == 5 and '"hf_out"' in code
+    with transformers_warnings() as records:
+        exec(code, {})
+    printed = capsys.readouterr().out
+    assert printed.startswith("<|begin_of_text|>The capital of France is") and len(printed) > 40, printed
+    assert not records, [r.getMessage() for r in records]
+
+
+@pytest.mark.parametrize("flavor", ["PARAMS", *M.flavors])
+def test_hf_config_loads_without_warnings(flavor):
+    """transformers warns about a llama3 rope whose original 8192 positions are not below
+    max_position_embeddings: the small flavors (2048) used to get that warning."""
+    from transformers import LlamaConfig
+    args = M.ModelArgs(**PARAMS) if flavor == "PARAMS" else M.flavors[flavor]
+    with transformers_warnings() as records:
+        config = LlamaConfig(**C.hf_config(args, torch.bfloat16))
+    assert not records, [r.getMessage() for r in records]
+    assert config.max_position_embeddings >= args.max_seq_len
+    if flavor in ("8B", "1B"):  # as on the Hub
+        assert config.max_position_embeddings == 131072
+        assert config.rope_parameters["factor"] == args.rope_scaling_factor
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o007], ids=["022", "007"])
+def test_output_files_follow_umask(umask, meta, dcp_dir, ascii_tokenizer, tmp_path):
+    """safetensors writes mode 600: on a shared filesystem nobody else could read the weights."""
+    old = os.umask(umask)
+    try:
+        outs = [convert("dcp2hf", dcp_dir, tmp_path / "hf", "--tokenizer_path", ascii_tokenizer),
+                convert("torch2dcp", meta[2], tmp_path / "dcp"),
+                convert("dcp2torch", dcp_dir, tmp_path / "meta")]
+        outs.append(convert("hf2dcp", outs[0], tmp_path / "back"))
+    finally:
+        os.umask(old)
+    modes = {str(p): oct(p.stat().st_mode & 0o777) for out in outs for p in out.rglob("*") if p.is_file()}
+    assert any(p.endswith(".safetensors") for p in modes) and len(modes) > 12
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+    assert {oct(out.stat().st_mode & 0o777) for out in outs} == {oct(0o777 & ~umask)}
+
+
+def test_help_documents_every_argument(capsys):
+    parser = C.build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert [c.dest for c in subparsers._choices_actions] == ["torch2dcp", "dcp2torch", "dcp2hf", "hf2dcp"]
+    assert all(len(c.help) > 20 for c in subparsers._choices_actions)
+    for name, sub in subparsers.choices.items():
+        options = [a for a in sub._actions if a.dest != "help"]
+        assert all(a.help and len(a.help) > 20 for a in options), name
+    dcp2hf = subparsers.choices["dcp2hf"]
+    assert {a.dest for a in dcp2hf._actions} >= {"input_dir", "output_dir", "tokenizer_path"}
+    with pytest.raises(SystemExit) as exit:
+        C.main(["dcp2hf", "--help"])
+    out = capsys.readouterr().out
+    assert exit.value.code == 0 and "--tokenizer_path" in out and "config.toml" in out
 
 
 def error_case(name, tmp_path):
@@ -253,7 +469,18 @@ def error_case(name, tmp_path):
         shard = torch.load(bad / "consolidated.01.pth", weights_only=True)
         shard["layers.1.attention.wo.weight"] = shard["layers.1.attention.wo.weight"][:-1]
         torch.save(shard, bad / "consolidated.01.pth")
-        return "torch2dcp", bad, out, ["consolidated.01.pth", "layers.1.attention.wo.weight", "dim 1"]
+        return "torch2dcp", bad, out, ["layers.1.attention.wo.weight is (64, 32) in consolidated.00.pth but "
+                                       "(63, 32) in consolidated.01.pth", "no concatenation dim", "(64, 64)"]
+    if name == "shard_vs_params":  # every shard alike, but from a model with another dim
+        bad = write_meta(tmp_path / "sp", params, sd, n_shards=2)
+        json.dump({**params, "dim": 128}, open(bad / "params.json", "w"))
+        return "torch2dcp", bad, out, ["tok_embeddings.weight is (192, 64) in each of the 2 shards",
+                                       "(384, 128) params.json implies"]
+    if name == "tokenizer_vocab":
+        dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "t"), no_dist=True)
+        json.dump(dataclasses.asdict(M.ModelArgs(**params)), open(tmp_path / "t" / "params.json", "w"))
+        return "dcp2hf", tmp_path / "t", out, ["tokenizer.model has 2,048 tokens but the model 384",
+                                               "--tokenizer_path"]
     if name == "params_mismatch":
         bad = write_meta(tmp_path / "pm", {**params, "n_layers": 3}, sd)
         return "torch2dcp", bad, out, ["layers.2.", "absent in the weights", "same model"]
@@ -270,7 +497,8 @@ def error_case(name, tmp_path):
 
 
 ERROR_CASES = ["missing_input", "optimizer_only", "missing_params", "shard_shapes", "params_mismatch",
-               "no_safetensors", "output_not_empty"]
+               "no_safetensors", "output_not_empty"]  # each a subprocess: the user's view, tracebacks included
+IN_PROCESS_ERROR_CASES = ["shard_vs_params", "tokenizer_vocab"]  # the same main(), cheaper
 
 
 @pytest.fixture(scope="module")
@@ -291,9 +519,7 @@ def error_runs(tmp_path_factory):
     return results
 
 
-@pytest.mark.parametrize("name", ERROR_CASES)
-def test_errors_are_one_line(name, error_runs):
-    returncode, stderr, tmp_path, out, words = error_runs[name]
+def check_error(name, returncode, stderr, tmp_path, out, words):
     assert returncode == 1, stderr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), stderr
@@ -303,6 +529,19 @@ def test_errors_are_one_line(name, error_runs):
     else:
         assert not out.exists()
     assert not [d for d in os.listdir(tmp_path) if d.startswith(".out.")]  # no temp folder left
+
+
+@pytest.mark.parametrize("name", ERROR_CASES)
+def test_errors_are_one_line(name, error_runs):
+    check_error(name, *error_runs[name])
+
+
+@pytest.mark.parametrize("name", IN_PROCESS_ERROR_CASES)
+def test_errors_are_one_line_in_process(name, tmp_path, capsys):
+    command, src, out, words = error_case(name, tmp_path)
+    with pytest.raises(SystemExit) as exit:
+        convert(command, src, out)
+    check_error(name, exit.value.code, capsys.readouterr().err, tmp_path, out, words)
 
 
 # --- peak memory ----------------------------------------------------------------------------------------
@@ -316,7 +555,8 @@ MEASURE = """if 1:
             peaks = []
             for name in ("tiny", "big"):
                 C.main([command, "--input_dir", os.path.join(workdir, name, src),
-                        "--output_dir", os.path.join(workdir, name, dst)])
+                        "--output_dir", os.path.join(workdir, name, dst),
+                        *(["--tokenizer_path", ""] if command == "dcp2hf" else [])])  # weights only
                 peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
             print("RSS", command, *peaks, flush=True)
             os._exit(0)
