@@ -2,6 +2,7 @@
 
     python data.py --config configs/debug_model.toml            # realised token shares, loader tokens/s
     python data.py --config configs/debug_model.toml --show 2   # decode 2 packed samples
+    python data.py --help                                       # every option
 
 The stream is cut into `num_streams` logical streams that do not depend on how many GPUs read them:
 stream s reads part s of every source, mixes the sources by tokens and packs them into windows of
@@ -10,15 +11,22 @@ global batch takes the same number of windows from every stream. So one process 
 the same global batch, and resuming with another DP degree that divides num_streams is exact.
 """
 
+import argparse
 import base64
 import binascii
+import dataclasses
+import difflib
+import functools
 import json
 import logging
 import os
 import queue
 import random
+import signal
 import sys
 import time
+import tomllib
+import typing
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,13 +43,19 @@ import torch
 LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 NUM_SPECIAL = 256
-# Pauses before re-opening a file after a transient read error (about 4 minutes in all, then stop).
+# Pauses before retrying after a transient error (connection, timeout, HTTP 408/429/5xx): about 4 minutes
+# in all, then stop. Anything else (a corrupt file, 401/403/404) stops at once.
 RETRY_DELAYS = (1, 2, 4, 8, 16, 32, 60, 60, 60)
+TRANSIENT = ("ConnectionError", "TimeoutError", "TransportError", "Timeout", "TimeoutException", "NetworkError",
+             "RemoteProtocolError", "ChunkedEncodingError", "IncompleteRead", "ClientConnectionError")
+# Loader workers ignore these: the trainer handles them (save, then exit) and then stops its workers.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGUSR1,) if hasattr(signal, "SIGUSR1") else ())
 logger = logging.getLogger("data")
 
 
 class DataError(ValueError):
-    """A problem with the user's tokenizer or data (not a bug): train.py reports it in one line."""
+    """A problem with the user's tokenizer, data or data config (not a bug): its text is one line, which
+    train.py and the CLI print as is (exit 2)."""
 
 
 class Tokenizer:
@@ -88,6 +102,7 @@ class Tokenizer:
         return self.model.decode(list(ids))
 
 
+
 # ---------------------------------------------------------------------------------------------------
 # Sources
 # ---------------------------------------------------------------------------------------------------
@@ -104,40 +119,99 @@ class DataSource:
     weight: float = 1.0  # share of tokens (normalised over all sources)
 
 
+def _transient(e: BaseException) -> bool:
+    """A network blip worth a retry: a connection or timeout error, or HTTP 408/429/5xx, anywhere in the
+    chain of causes (the libraries wrap them). Corrupt content (a bad gzip, "ZSTD decompression failed")
+    is an OSError too, but no retry can fix it."""
+    while e is not None:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if status is not None:
+            return status in (408, 429) or status >= 500
+        if any(c.__name__ in TRANSIENT for c in type(e).__mro__):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _explain(src: DataSource, what: str, e: Exception, failures: int) -> DataError:
+    """One line: what failed, why, and for a hub refusal what to do about it."""
+    reason = f"{type(e).__name__}: {str(e)[:300]}".replace("\n", " ")
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    if status in (401, 403, 404) or type(e).__name__ in ("RepositoryNotFoundError", "GatedRepoError",
+                                                         "DatasetNotFoundError", "RevisionNotFoundError"):
+        return DataError(f"data source {src.name!r}: the Hub refused {src.path!r}{f' (HTTP {status})' if status else ''}"
+                         f" while {what}: check the dataset id and revision; for a gated or private set log in "
+                         f"(`hf auth login` or `huggingface-cli login`, or set HF_TOKEN) and accept its terms on the "
+                         f"dataset's Hub page ({reason})")
+    if failures:
+        return DataError(f"data source {src.name!r}: {what} failed {failures + 1} times ({reason})")
+    return DataError(f"data source {src.name!r}: {what} failed, the content is corrupt or not what the source "
+                     f"says ({reason})")
+
+
+def _wait_or_raise(src: DataSource, what: str, e: Exception, failures: int):
+    """Sleep before retrying a transient error; anything else, or one too many, is a DataError."""
+    if isinstance(e, DataError):
+        raise e
+    if not _transient(e) or failures >= len(RETRY_DELAYS):
+        raise _explain(src, what, e, failures) from e
+    logger.warning(f"data source {src.name!r}: {type(e).__name__} {what}; retrying in {RETRY_DELAYS[failures]} s")
+    time.sleep(RETRY_DELAYS[failures])
+
+
+@functools.lru_cache(maxsize=None)  # one resolution per process, whatever the number of streams
+def resolve_files(path: str, config: Optional[str], data_files: Optional[str], split: str, revision: Optional[str],
+                  name: str = "") -> tuple:
+    """The source's files, sorted. `datasets` resolves them the same way for a hub id (hf:// URLs pinned to
+    the commit the revision points at) and a local folder (paths)."""
+    from datasets import load_dataset_builder
+    src = DataSource(name=name, path=path, config=config, data_files=data_files, split=split, revision=revision)
+    what = f"resolving the {split!r} files of path={path!r} config={config!r} data_files={data_files!r}"
+    for failures in range(len(RETRY_DELAYS) + 1):
+        try:
+            builder = load_dataset_builder(path, name=config, data_files=data_files, revision=revision)
+            return tuple(sorted(builder.config.data_files[split]))
+        except (FileNotFoundError, KeyError, ValueError) as e:  # DataFilesNotFoundError, EmptyDatasetError, no split
+            if _transient(e) or type(e).__name__ == "DatasetNotFoundError":
+                _wait_or_raise(src, what, e, failures)
+            else:
+                raise DataError(f"data source {name!r}: no {split!r} files for path={path!r} config={config!r} "
+                                f"data_files={data_files!r} ({type(e).__name__}: {e})".replace("\n", " "))
+        except Exception as e:
+            _wait_or_raise(src, what, e, failures)
+
+
 class SourceReader:
     """Documents of one source for one logical stream, epoch after epoch.
 
-    `datasets` resolves (path, config, data_files, split, revision) to a file list, the same way for a
-    hub id and a local folder; the files are then read here (parquet by row group, json lines), so the
+    The files come from `resolve_files`; they are read here (parquet by row group, json lines), so the
     position (epoch, file, row) is exact and a restart seeks straight to it. Each epoch shuffles the
-    files with (seed, source, epoch). Streams take every num_streams-th file when there are enough
-    files, otherwise every num_streams-th row of every file.
+    files with (seed, source, epoch), unless `ordered` (validation: sorted, one pass). Streams take every
+    num_streams-th file when there are enough files, otherwise every num_streams-th row of every file.
     """
 
-    def __init__(self, src: DataSource, stream: int, num_streams: int, seed: int):
-        self.src, self.stream, self.num_streams, self.seed = src, stream, num_streams, seed
+    def __init__(self, src: DataSource, stream: int, num_streams: int, seed: int, ordered: bool = False):
+        self.src, self.stream, self.num_streams, self.seed, self.ordered = src, stream, num_streams, seed, ordered
         self.epoch, self.file, self.row = 0, 0, 0  # the next document to read
-        self._all_files, self._it = None, None
+        self.at, self._it = 0, None  # the row being read, for error messages
 
     def _files(self) -> list:
-        if self._all_files is None:
-            from datasets import load_dataset_builder
-            s = self.src
-            try:
-                builder = load_dataset_builder(s.path, name=s.config, data_files=s.data_files, revision=s.revision)
-                self._all_files = sorted(builder.config.data_files[s.split])
-            except (FileNotFoundError, KeyError) as e:  # also DataFilesNotFoundError, EmptyDatasetError
-                raise DataError(f"data source {s.name!r}: no {s.split!r} files for path={s.path!r} "
-                                f"data_files={s.data_files!r} ({type(e).__name__}: {e})".replace("\n", " "))
-        files = list(self._all_files)
-        random.Random(f"{self.seed}/{self.src.name}/{self.epoch}").shuffle(files)
+        s = self.src
+        files = list(resolve_files(s.path, s.config, s.data_files, s.split, s.revision, s.name))
+        if not self.ordered:
+            random.Random(f"{self.seed}/{s.name}/{self.epoch}").shuffle(files)
         return files[self.stream::self.num_streams] if len(files) >= self.num_streams else files
 
     def _rows(self, path: str, start: int):
         """(row, text) of one file from row `start` on: parquet seeks by row group, json skips lines."""
-        col = self.src.text_column
-        with fsspec.open(path, "rb", compression="infer") as f:
-            if path.endswith(".parquet"):
+        col, self.at, parquet = self.src.text_column, start, path.endswith(".parquet")
+        if parquet:  # exact range reads, no read-ahead: the footer, then only the row groups asked for
+            fs, fs_path = fsspec.core.url_to_fs(path)
+            opened = fs.open(fs_path, "rb", cache_type="none")
+        else:  # a hub file streams in one GET (block_size=0 is HfFileSystem's streaming mode)
+            opened = fsspec.open(path, "rb", compression="infer", **({"block_size": 0} if path.startswith("hf://") else {}))
+        with opened as f:
+            if parquet:
                 pf = pq.ParquetFile(f)
                 if col not in pf.schema_arrow.names:
                     raise DataError(f"data source {self.src.name!r}: no column {col!r} in {path} (columns: "
@@ -146,6 +220,7 @@ class SourceReader:
                 for g in range(pf.num_row_groups):
                     n = pf.metadata.row_group(g).num_rows
                     if first + n > start:
+                        self.at = max(first, start)
                         texts = pf.read_row_group(g, columns=[col]).column(0).to_pylist()
                         yield from ((first + i, t) for i, t in enumerate(texts) if first + i >= start)
                     first += n
@@ -157,17 +232,18 @@ class SourceReader:
                             raise DataError(f"data source {self.src.name!r}: no key {col!r} in {path} row "
                                             f"{row} (keys: {sorted(doc)}); set text_column")
                         yield row, doc[col]
+                    self.at = row + 1
 
-    def _documents(self):
+    def texts(self, one_pass: bool = False):
         """Yield texts from the current position on, keeping (epoch, file, row) up to date.
 
-        A transient read error (connection reset, timeout, HTTP 429/5xx) re-opens the file at the
-        position after the last document handed out, after a growing pause, so the stream is the
-        same; after RETRY_DELAYS are used up without progress the run stops with one line."""
+        A transient error re-opens the file at the row after the last document handed out, after a
+        growing pause, so the stream is the same; anything else stops with one line naming the file and
+        the row. `one_pass` stops at the end of the epoch instead of starting the next."""
         failures = 0
         while True:
             files, whole_epoch, found = self._files(), self.file == 0 and self.row == 0, False
-            by_rows = len(self._all_files) < self.num_streams  # too few files: split rows instead
+            by_rows = len(files) < self.num_streams  # too few files: split rows instead
             while self.file < len(files):
                 try:
                     for row, text in self._rows(files[self.file], self.row):
@@ -175,28 +251,21 @@ class SourceReader:
                             continue
                         self.row, found, failures = row + 1, True, 0
                         yield text or ""
-                except (DataError, FileNotFoundError, PermissionError, IsADirectoryError):
-                    raise
                 except Exception as e:
-                    status = getattr(getattr(e, "response", None), "status_code", None)
-                    if not isinstance(e, OSError) or status in (401, 403, 404) or failures == len(RETRY_DELAYS):
-                        raise DataError(f"data source {self.src.name!r}: reading {files[self.file]} at row "
-                                        f"{self.row} failed{f' {failures + 1} times' if failures else ''} "
-                                        f"({type(e).__name__}: {str(e)[:200]})".replace("\n", " ")) from e
-                    logger.warning(f"data source {self.src.name!r}: {type(e).__name__} reading {files[self.file]};"
-                                   f" retrying from row {self.row} in {RETRY_DELAYS[failures]} s")
-                    time.sleep(RETRY_DELAYS[failures])
+                    _wait_or_raise(self.src, f"reading {files[self.file]} at row {self.at}", e, failures)
                     failures += 1
                     continue
                 self.file, self.row = self.file + 1, 0
             if whole_epoch and not found:
                 raise DataError(f"data source {self.src.name!r} ({self.src.path}) has no rows for stream "
                                 f"{self.stream} of {self.num_streams}")
+            if one_pass:
+                return
             self.epoch, self.file, self.row = self.epoch + 1, 0, 0
 
     def next_text(self) -> str:
         if self._it is None:
-            self._it = self._documents()
+            self._it = self.texts()
         return next(self._it)
 
     def state_dict(self):
@@ -204,6 +273,23 @@ class SourceReader:
 
     def load_state_dict(self, sd):
         self.epoch, self.file, self.row, self._it = sd["epoch"], sd["file"], sd["row"], None
+
+
+def heldout_windows(src: DataSource, tokenizer: Tokenizer, seq_len: int, limit: Optional[int] = None) -> list:
+    """The first `limit` (None: all) windows of seq_len + 1 tokens of one source, for validation: its files
+    in sorted order, read once from the start (no shuffle, no epochs), documents packed as in training.
+    The same call gives the same windows every time."""
+    reader, out, buf = SourceReader(src, 0, 1, 0, ordered=True), [], []
+    for text in reader.texts(one_pass=True):
+        buf += tokenizer.encode(text)
+        while len(buf) > seq_len and (limit is None or len(out) < limit):
+            out.append(buf[:seq_len + 1])
+            buf = buf[seq_len + 1:]
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:
+        raise DataError(f"validation source {src.name!r} has no complete sequence of seq_len+1 = {seq_len + 1} tokens")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -226,7 +312,6 @@ class PackedStream:
         self.counts = [0] * len(sources)  # tokens emitted per source
         self.positions = [r.state_dict() for r in self.readers]  # per source: where its next document is
         self.cur, self.cur_state, self.offset, self.doc = None, None, 0, []
-        self.feed = self.read_doc  # replaced by a worker queue when the loader has workers
 
     def read_doc(self, i: int):
         """(tokens, position before, position after) of source i's next document, in this process."""
@@ -234,18 +319,17 @@ class PackedStream:
         tokens = self.tok.encode(self.readers[i].next_text())
         return tokens, before, self.readers[i].state_dict()
 
-    def _next_doc(self):
-        total = sum(self.counts) + 1
-        # deficit = tokens a source should have by now minus tokens it has; ties go to the first source
-        self.cur = max(range(len(self.readers)), key=lambda i: self.shares[i] * total - self.counts[i])
-        self.doc, self.cur_state, self.positions[self.cur] = self.feed(self.cur)
-        self.offset = 0
-
-    def next_window(self) -> list:
-        out = []
+    def next_window(self, read=None) -> list:
+        """The next seq_len + 1 tokens; `read(i)` gives source i's next document (default: `read_doc`,
+        or a loader worker's queue)."""
+        read, out = read or self.read_doc, []
         while len(out) < self.seq_len + 1:
             if self.offset >= len(self.doc):
-                self._next_doc()
+                total = sum(self.counts) + 1
+                # deficit = tokens a source should have by now minus tokens it has; ties go to the first source
+                self.cur = max(range(len(self.readers)), key=lambda i: self.shares[i] * total - self.counts[i])
+                self.doc, self.cur_state, self.positions[self.cur] = read(self.cur)
+                self.offset = 0
             take = self.doc[self.offset:self.offset + self.seq_len + 1 - len(out)]
             out += take
             self.offset += len(take)
@@ -269,17 +353,20 @@ class PackedStream:
             assert reader.state_dict() == self.positions[self.cur], "re-reading the current document moved the reader"
 
 
-def _worker(tokenizer_path: str, jobs: list, queues: dict, stop):
+def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int):
     """Loader process: reads and tokenizes the documents of its (stream, source) pairs, in order, into
     one bounded queue per pair. Each document travels with its reader positions, so the training
-    process checkpoints exactly what it consumed, whatever the workers have read ahead."""
-    tok, parent = Tokenizer(tokenizer_path), os.getppid()
-    readers = {}
+    process checkpoints exactly what it consumed, whatever the workers have read ahead. It ignores
+    SIGTERM/SIGUSR1/SIGINT (the trainer saves, then stops it) and ends when told or when the trainer is gone."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked since the fork: none got through
+    tok, readers = Tokenizer(tokenizer_path), {}
     for key, src, stream, num_streams, seed, position in jobs:
         readers[key] = SourceReader(src, stream, num_streams, seed)
         readers[key].load_state_dict(position)
     try:
-        while not stop.is_set():
+        while not stop.is_set() and os.getppid() == parent:  # a new parent pid: the trainer died (even by SIGKILL)
             idle = True
             for key, r in readers.items():
                 if not queues[key].full():
@@ -288,12 +375,10 @@ def _worker(tokenizer_path: str, jobs: list, queues: dict, stop):
                     queues[key].put((tokens, before, r.state_dict()))
                     idle = False
             if idle:
-                if os.getppid() != parent:  # the trainer is gone (even by SIGKILL): stop too
-                    return
                 time.sleep(0.002)
     except DataError as e:  # hand the one-line error to every queue, behind what is already in it
         undelivered = list(queues.values())
-        while undelivered and not stop.is_set():
+        while undelivered and not stop.is_set() and os.getppid() == parent:
             for q in list(undelivered):
                 try:
                     q.put_nowait(("error", str(e)))
@@ -301,6 +386,8 @@ def _worker(tokenizer_path: str, jobs: list, queues: dict, stop):
                 except queue.Full:  # nobody is waiting on a full queue yet: try again later
                     pass
             time.sleep(0.01)
+    for q in queues.values():  # at exit, never wait to flush read-ahead that nobody will read
+        q.cancel_join_thread()
 
 
 class Workers:
@@ -313,21 +400,26 @@ class Workers:
         self.queues = {key: ctx.Queue(maxsize=prefetch) for key in pairs}
         self.stop = ctx.Event()
         self.procs = []
-        for w in range(min(num_workers, len(pairs))):
-            jobs = [(key, streams[key[0]].readers[key[1]].src, streams[key[0]].readers[key[1]].stream,
-                     streams[key[0]].readers[key[1]].num_streams, streams[key[0]].readers[key[1]].seed,
-                     streams[key[0]].positions[key[1]]) for key in pairs[w::num_workers]]
-            proc = ctx.Process(target=_worker, daemon=True,
-                               args=(streams[0].tok.path, jobs, {k: self.queues[k] for k, *_ in jobs}, self.stop))
-            proc.start()
-            self.procs.append(proc)
-        for s, st in enumerate(streams):
-            st.feed = lambda i, s=s: self.get((s, i))
+        # Children inherit the signal mask: blocked from the fork until the worker ignores them, so a signal
+        # sent to the whole job while a worker starts up cannot kill it. The trainer gets its own later.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            for w in range(min(num_workers, len(pairs))):
+                jobs = [(key, streams[key[0]].readers[key[1]].src, streams[key[0]].readers[key[1]].stream,
+                         streams[key[0]].readers[key[1]].num_streams, streams[key[0]].readers[key[1]].seed,
+                         streams[key[0]].positions[key[1]]) for key in pairs[w::num_workers]]
+                proc = ctx.Process(target=_worker, daemon=True, args=(
+                    streams[0].tok.path, jobs, {k: self.queues[k] for k, *_ in jobs}, self.stop, os.getpid()))
+                proc.start()
+                self.procs.append(proc)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
-    def get(self, key):
+    def get(self, s: int, i: int):
+        """Source i's next document for stream s, as `PackedStream.read_doc` gives it."""
         while True:
             try:
-                item = self.queues[key].get(timeout=5)
+                item = self.queues[(s, i)].get(timeout=5)
                 break
             except queue.Empty:
                 dead = [p for p in self.procs if not p.is_alive()]
@@ -364,8 +456,8 @@ class DataLoader:
         num_streams = num_streams or dp_degree
         if num_streams % dp_degree or local_batch_size % (num_streams // dp_degree):
             raise DataError(f"data.num_streams={num_streams} must be a multiple of the data-parallel "
-                             f"degree {dp_degree}, and local_batch_size={local_batch_size} a multiple "
-                             f"of the streams per rank ({num_streams // max(dp_degree, 1)})")
+                            f"degree {dp_degree}, and local_batch_size={local_batch_size} a multiple "
+                            f"of the streams per rank ({num_streams // max(dp_degree, 1)})")
         per_rank = num_streams // dp_degree
         self.names = [s.name for s in sources]
         self.streams = [PackedStream(sources, tokenizer, seq_len, s, num_streams, seed)
@@ -374,22 +466,32 @@ class DataLoader:
         self.stream_ids = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
         self.num_workers, self.workers = num_workers, None
 
+    def check(self):
+        """Resolve every source's files and read the next document of every (stream, source) here, before
+        the first step (after a resume: at its position), so a missing or unreadable source is a DataError
+        on every rank at start-up rather than inside a step on one rank. Leaves the stream untouched."""
+        for st in self.streams:
+            for r, position in zip(st.readers, st.positions):
+                probe = SourceReader(r.src, r.stream, r.num_streams, r.seed)
+                probe.load_state_dict(position)
+                probe.next_text()
+
     def __iter__(self):
         return self
 
     def __next__(self):
         if self.num_workers and self.workers is None:  # started late: after a resume set the positions
             self.workers = Workers(self.streams, self.num_workers)
-        rows = [st.next_window() for st in self.streams for _ in range(self.per_stream)]
+        reads = [functools.partial(self.workers.get, s) if self.workers else None for s in range(len(self.streams))]
+        rows = [st.next_window(read) for st, read in zip(self.streams, reads) for _ in range(self.per_stream)]
         batch = torch.tensor(rows, dtype=torch.long)  # (local_batch_size, seq_len + 1)
         return batch[:, :-1], batch[:, 1:]
 
     def close(self):
+        """Stop the workers; a later batch starts new ones at the positions consumed so far."""
         if self.workers is not None:
             self.workers.close()
             self.workers = None
-            for st in self.streams:
-                st.feed = None  # the stream cannot go on without its workers
 
     def source_tokens(self) -> dict:
         return {n: sum(st.counts[i] for st in self.streams) for i, n in enumerate(self.names)}
@@ -404,47 +506,112 @@ class DataLoader:
             st.load_state_dict(sd[s])
 
 
-def main():
-    import argparse
-    import train
+# ---------------------------------------------------------------------------------------------------
+# Config (the keys of train.py's TOML this module reads) and the command line
+# ---------------------------------------------------------------------------------------------------
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--show", type=int, default=0, help="decode this many packed samples")
-    p.add_argument("--tokens", type=int, default=1_000_000, help="tokens to read for the statistics")
-    args, rest = p.parse_known_args()
-    cfg = train.load_config(rest)
-    tok = Tokenizer(cfg.model.tokenizer_path)
-    loader = DataLoader(cfg.data.sources, tok, cfg.training.seq_len, 1, 0, 1, 1, cfg.data.seed,
-                        cfg.data.num_workers)
-    if args.show:
-        for i in range(args.show):
+# --section.key: (default, type, doc). Defaults and docs as in train.py, which owns the full config.
+OPTIONS = {"model.tokenizer_path": ("assets/tokenizer/tokenizer.model", str, "Llama 3 tokenizer.model (tiktoken)"),
+           "training.seq_len": (2048, int, "tokens per sequence"),
+           "training.local_batch_size": (8, int, "sequences per batch"),
+           "data.seed": (1234, int, "seeds the file order of every source"),
+           "data.num_streams": (0, int, "ignored here: the CLI reads one stream"),
+           "data.num_workers": (0, int, "loader processes that read and tokenize ahead; 0: in this process")}
+
+
+def sources_from_toml(tables, where: str) -> list:
+    """[[data.sources]] tables -> DataSources, checking keys, types and weights (one-line DataError)."""
+    if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
+        raise DataError(f"{where}: data.sources must be one or more [[data.sources]] tables")
+    types, out = typing.get_type_hints(DataSource), []
+    for n, table in enumerate(tables):
+        src = DataSource()
+        for k, v in table.items():
+            if k not in types:
+                close = difflib.get_close_matches(k, list(types), n=3)
+                raise DataError(f"{where}: unknown key {k!r} in [[data.sources]] {n}; "
+                                + (f"did you mean {', '.join(close)}?" if close else f"valid: {', '.join(types)}"))
+            typ = float if k == "weight" else str
+            if not isinstance(v, (int, float) if typ is float else str) or isinstance(v, bool):
+                raise DataError(f"{where}: data.sources[{n}].{k}: expected {typ.__name__}, got {v!r}")
+            setattr(src, k, typ(v))
+        if not src.name or not src.path or not src.weight >= 0:
+            raise DataError(f"{where}: data.sources[{n}] needs a name, a path and a weight >= 0 (got {table})")
+        out.append(src)
+    if sum(s.weight for s in out) <= 0:
+        raise DataError(f"{where}: the data.sources weights sum to 0; give one source a positive weight")
+    return out
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage and the error; the house rule is one line
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def load_config(argv) -> tuple:
+    """(options, settings by option, sources): defaults < TOML ([model], [training], [data]) < command line."""
+    p = _Parser(description=__doc__.split("\n")[0], epilog="Reads only these keys of train.py's config.")
+    p.add_argument("--config", action="append", help="the training TOML (train.py's), e.g. configs/debug_model.toml")
+    p.add_argument("--show", type=int, default=0, help="decode this many packed samples instead of timing")
+    p.add_argument("--tokens", type=int, default=1_000_000, help="tokens to read for the shares and tokens/s")
+    for key, (default, typ, doc) in OPTIONS.items():
+        p.add_argument(f"--{key}", type=typ, metavar=typ.__name__.upper(), help=f"{doc} (default: {default})")
+    args = p.parse_args(argv)
+    if not args.config or len(args.config) > 1:
+        raise DataError(f"give --config exactly once (got {args.config or 'none'})")
+    try:
+        with open(args.config[0], "rb") as f:
+            toml = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise DataError(f"config file {args.config[0]!r} cannot be read: {e}")
+    data = toml.get("data", {})
+    unknown = set(data) - {k.split(".")[1] for k in OPTIONS if k.startswith("data.")} - {"sources"}
+    if unknown:
+        raise DataError(f"{args.config[0]}: unknown key in [data] {sorted(unknown)[0]!r}")
+    settings = {}
+    for key, (default, typ, _) in OPTIONS.items():
+        section, name = key.split(".")
+        value = vars(args)[key]
+        value = toml.get(section, {}).get(name, default) if value is None else value
+        if not isinstance(value, typ) or isinstance(value, bool) or (typ is int and value < (0 if section == "data" else 1)):
+            raise DataError(f"{key} = {value!r}: expected {'a positive' if section != 'data' else 'a'} {typ.__name__}")
+        settings[key] = value
+    return args, settings, sources_from_toml(data.get("sources"), args.config[0])
+
+
+def main(argv=None):
+    args, cfg, sources = load_config(sys.argv[1:] if argv is None else argv)
+    tok = Tokenizer(cfg["model.tokenizer_path"])
+    batch, workers = cfg["training.local_batch_size"], cfg["data.num_workers"]
+    loader = DataLoader(sources, tok, cfg["training.seq_len"], batch, 0, 1, 1, cfg["data.seed"], workers)
+    try:
+        if args.show:
+            for i in range(args.show):
+                x, _ = next(loader)
+                print(f"--- sample {i} ({x.shape[1]} tokens) ---\n{tok.decode(x[0].tolist())}")
+            return
+        t0 = time.perf_counter()
+        next(loader)  # the first batch pays for starting workers and opening files: timed on its own
+        first, t0, n = time.perf_counter() - t0, time.perf_counter(), 0
+        while n < args.tokens:
             x, _ = next(loader)
-            print(f"--- sample {i} ({x.shape[1]} tokens) ---\n{tok.decode(x[0].tolist())}")
+            n += x.numel()
+        dt = time.perf_counter() - t0
+    finally:
         loader.close()
-        return
-    t0 = time.perf_counter()
-    next(loader)  # the first batch pays for starting workers and opening files: timed on its own
-    first, t0, n = time.perf_counter() - t0, time.perf_counter(), 0
-    while n < args.tokens:
-        x, _ = next(loader)
-        n += x.numel()
-    dt = time.perf_counter() - t0
     counts = loader.source_tokens()
     total = sum(counts.values())
-    weights = {s.name: s.weight / sum(x.weight for x in cfg.data.sources) for s in cfg.data.sources}
-    for name, c in counts.items():
-        print(f"{name:>16}: {c:>10,} tokens  share {c / total:6.2%}  (weight {weights[name]:6.2%})")
-    loader.close()
-    workers = f"{cfg.data.num_workers} worker(s)" if cfg.data.num_workers else "no workers"
+    for s in sources:
+        print(f"{s.name:>16}: {counts[s.name]:>10,} tokens  share {counts[s.name] / total:6.2%}  "
+              f"(weight {s.weight / sum(x.weight for x in sources):6.2%})")
     print(f"loader: {n:,} tokens in {dt:.2f}s = {n / dt:,.0f} tokens/s after a first batch in {first:.2f}s "
-          f"(one stream, {workers})")
+          f"(one stream, {f'{workers} worker(s)' if workers else 'no workers'})")
 
 
 if __name__ == "__main__":
-    from train import ConfigError  # train.py imports this module; importing it back is fine here
-
     try:
         main()
-    except (ConfigError, DataError) as e:  # the user's input, not a bug: one line
+    except DataError as e:  # the user's input, not a bug: one line
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -182,16 +182,15 @@ def test_transient_read_errors_are_retried_from_the_last_good_row(tok, sources, 
     monkeypatch.setattr(data, "RETRY_DELAYS", (0, 0, 0))
     FlakyFiles.register()
 
-    def loader(flaky):
-        lo = DataLoader(sources, tok, 256, 4, 0, 1, 1)
-        for r in lo.streams[0].readers:
-            r._files()  # resolve, then read through the flaky filesystem
-            r._all_files = [("flaky://" if flaky else "") + f for f in r._all_files]
-        return lo
+    resolve = data.resolve_files
+    files = [f for s in sources for f in resolve(s.path, s.config, s.data_files, s.split, s.revision)]
+
+    def loader(flaky):  # the files resolved as usual, then read through the flaky filesystem
+        monkeypatch.setattr(data, "resolve_files", lambda *a: tuple(("flaky://" if flaky else "") + f for f in resolve(*a)))
+        return DataLoader(sources, tok, 256, 4, 0, 1, 1)
 
     reference = loader(False)
     expected = [next(reference)[0] for _ in range(200)]
-    files = [f for r in reference.streams[0].readers for f in r._all_files]
     FlakyFiles.fail_at.clear()
     FlakyFiles.fail_at.update({f: [2, 4] for f in files})  # every file fails twice mid-way
     flaky = loader(True)
