@@ -32,7 +32,6 @@ from typing import Optional
 
 import fsspec
 import pyarrow.parquet as pq
-import torch
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -484,6 +483,7 @@ class DataLoader:
             self.workers = Workers(self.streams, self.num_workers)
         reads = [functools.partial(self.workers.get, s) if self.workers else None for s in range(len(self.streams))]
         rows = [st.next_window(read) for st, read in zip(self.streams, reads) for _ in range(self.per_stream)]
+        import torch  # here, not at the top: loader workers never need it and start a second sooner
         batch = torch.tensor(rows, dtype=torch.long)  # (local_batch_size, seq_len + 1)
         return batch[:, :-1], batch[:, 1:]
 
