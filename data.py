@@ -14,7 +14,6 @@ the same global batch, and resuming with another DP degree that divides num_stre
 import argparse
 import base64
 import binascii
-import dataclasses
 import difflib
 import functools
 import json
@@ -26,8 +25,7 @@ import signal
 import sys
 import time
 import tomllib
-import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import fsspec
@@ -101,7 +99,6 @@ class Tokenizer:
         return self.model.decode(list(ids))
 
 
-
 # ---------------------------------------------------------------------------------------------------
 # Sources
 # ---------------------------------------------------------------------------------------------------
@@ -121,7 +118,7 @@ class DataSource:
 def _transient(e: BaseException) -> bool:
     """A network blip worth a retry: a connection or timeout error, or HTTP 408/429/5xx, anywhere in the
     chain of causes (the libraries wrap them). Corrupt content (a bad gzip, "ZSTD decompression failed")
-    is an OSError too, but no retry can fix it."""
+    is an OSError too, but no retry mends it."""
     while e is not None:
         status = getattr(getattr(e, "response", None), "status_code", None)
         if status is not None:
@@ -132,67 +129,55 @@ def _transient(e: BaseException) -> bool:
     return False
 
 
-def _explain(src: DataSource, what: str, e: Exception, failures: int) -> DataError:
-    """One line: what failed, why, and for a hub refusal what to do about it."""
-    reason = f"{type(e).__name__}: {str(e)[:300]}".replace("\n", " ")
-    status = getattr(getattr(e, "response", None), "status_code", None)
-    if status in (401, 403, 404) or type(e).__name__ in ("RepositoryNotFoundError", "GatedRepoError",
-                                                         "DatasetNotFoundError", "RevisionNotFoundError"):
-        return DataError(f"data source {src.name!r}: the Hub refused {src.path!r}{f' (HTTP {status})' if status else ''}"
-                         f" while {what}: check the dataset id and revision; for a gated or private set log in "
-                         f"(`hf auth login` or `huggingface-cli login`, or set HF_TOKEN) and accept its terms on the "
-                         f"dataset's Hub page ({reason})")
-    if failures:
-        return DataError(f"data source {src.name!r}: {what} failed {failures + 1} times ({reason})")
-    return DataError(f"data source {src.name!r}: {what} failed, the content is corrupt or not what the source "
-                     f"says ({reason})")
-
-
-def _wait_or_raise(src: DataSource, what: str, e: Exception, failures: int):
-    """Sleep before retrying a transient error; anything else, or one too many, is a DataError."""
+def _retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int):
+    """Pause before retrying a transient error; anything else, or one failure too many, is one DataError line."""
     if isinstance(e, DataError):
         raise e
-    if not _transient(e) or failures >= len(RETRY_DELAYS):
-        raise _explain(src, what, e, failures) from e
-    logger.warning(f"data source {src.name!r}: {type(e).__name__} {what}; retrying in {RETRY_DELAYS[failures]} s")
-    time.sleep(RETRY_DELAYS[failures])
+    if _transient(e) and failures < len(RETRY_DELAYS):
+        logger.warning(f"data source {name!r}: {type(e).__name__} {what}; retrying in {RETRY_DELAYS[failures]} s")
+        return time.sleep(RETRY_DELAYS[failures])
+    reason, status = f"{type(e).__name__}: {str(e)[:300]}", getattr(getattr(e, "response", None), "status_code", None)
+    if status in (401, 403, 404) or type(e).__name__ in ("DatasetNotFoundError", "RepositoryNotFoundError"):
+        why = (f"the Hub refused {path!r}{f' (HTTP {status})' if status else ''} while {what}: check the dataset id "
+               "and revision; for a gated or private set log in (`hf auth login` or `huggingface-cli login`, or set "
+               "HF_TOKEN) and accept its terms on the dataset's Hub page")
+    else:
+        why = f"{what} failed {failures + 1} times" if failures else f"{what} failed, the content is corrupt"
+    raise DataError(f"data source {name!r}: {why} ({reason})".replace("\n", " ")) from e
 
 
 @functools.lru_cache(maxsize=None)  # one resolution per process, whatever the number of streams
 def resolve_files(path: str, config: Optional[str], data_files: Optional[str], split: str, revision: Optional[str],
                   name: str = "") -> tuple:
-    """The source's files, sorted. `datasets` resolves them the same way for a hub id (hf:// URLs pinned to
-    the commit the revision points at) and a local folder (paths)."""
+    """The source's files, sorted: `datasets` resolves a hub id (to hf:// URLs pinned to the commit the
+    revision points at; README configs and data_files globs as on the Hub) and a local folder alike."""
     from datasets import load_dataset_builder
-    src = DataSource(name=name, path=path, config=config, data_files=data_files, split=split, revision=revision)
     what = f"resolving the {split!r} files of path={path!r} config={config!r} data_files={data_files!r}"
     for failures in range(len(RETRY_DELAYS) + 1):
         try:
             builder = load_dataset_builder(path, name=config, data_files=data_files, revision=revision)
             return tuple(sorted(builder.config.data_files[split]))
-        except (FileNotFoundError, KeyError, ValueError) as e:  # DataFilesNotFoundError, EmptyDatasetError, no split
-            if _transient(e) or type(e).__name__ == "DatasetNotFoundError":
-                _wait_or_raise(src, what, e, failures)
-            else:
+        except Exception as e:  # no files, no such folder or split: the user's paths, not the network
+            if isinstance(e, (FileNotFoundError, KeyError, ValueError)) and not _transient(e) \
+                    and type(e).__name__ != "DatasetNotFoundError":
                 raise DataError(f"data source {name!r}: no {split!r} files for path={path!r} config={config!r} "
                                 f"data_files={data_files!r} ({type(e).__name__}: {e})".replace("\n", " "))
-        except Exception as e:
-            _wait_or_raise(src, what, e, failures)
+            _retry_or_raise(name, path, what, e, failures)
 
 
 class SourceReader:
     """Documents of one source for one logical stream, epoch after epoch.
 
-    The files come from `resolve_files`; they are read here (parquet by row group, json lines), so the
+    The files come from `resolve_files` and are read here (parquet by row group, json lines), so the
     position (epoch, file, row) is exact and a restart seeks straight to it. Each epoch shuffles the
-    files with (seed, source, epoch), unless `ordered` (validation: sorted, one pass). Streams take every
+    files with (seed, source, epoch), unless `ordered` (sorted: validation). Streams take every
     num_streams-th file when there are enough files, otherwise every num_streams-th row of every file.
     """
 
     def __init__(self, src: DataSource, stream: int, num_streams: int, seed: int, ordered: bool = False):
         self.src, self.stream, self.num_streams, self.seed, self.ordered = src, stream, num_streams, seed, ordered
         self.epoch, self.file, self.row = 0, 0, 0  # the next document to read
-        self.at, self._it = 0, None  # the row being read, for error messages
+        self.at, self._it = 0, None  # the row being read (for error messages), the document iterator
 
     def _files(self) -> list:
         s = self.src
@@ -203,19 +188,14 @@ class SourceReader:
 
     def _rows(self, path: str, start: int):
         """(row, text) of one file from row `start` on: parquet seeks by row group, json skips lines."""
-        col, self.at, parquet = self.src.text_column, start, path.endswith(".parquet")
-        if parquet:  # exact range reads, no read-ahead: the footer, then only the row groups asked for
+        col, self.at = self.src.text_column, start
+        if path.endswith(".parquet"):  # exact range reads, no read-ahead: the footer, then the row groups needed
             fs, fs_path = fsspec.core.url_to_fs(path)
-            opened = fs.open(fs_path, "rb", cache_type="none")
-        else:  # a hub file streams in one GET (block_size=0 is HfFileSystem's streaming mode)
-            opened = fsspec.open(path, "rb", compression="infer", **({"block_size": 0} if path.startswith("hf://") else {}))
-        with opened as f:
-            if parquet:
-                pf = pq.ParquetFile(f)
+            with fs.open(fs_path, "rb", cache_type="none") as f:
+                pf, first = pq.ParquetFile(f), 0
                 if col not in pf.schema_arrow.names:
                     raise DataError(f"data source {self.src.name!r}: no column {col!r} in {path} (columns: "
                                     f"{pf.schema_arrow.names}); set text_column")
-                first = 0
                 for g in range(pf.num_row_groups):
                     n = pf.metadata.row_group(g).num_rows
                     if first + n > start:
@@ -223,22 +203,24 @@ class SourceReader:
                         texts = pf.read_row_group(g, columns=[col]).column(0).to_pylist()
                         yield from ((first + i, t) for i, t in enumerate(texts) if first + i >= start)
                     first += n
-            else:  # json lines, plain or compressed (the extension tells fsspec which)
-                for row, line in enumerate(f):
-                    if row >= start and line.strip():
-                        doc = json.loads(line)
-                        if col not in doc:
-                            raise DataError(f"data source {self.src.name!r}: no key {col!r} in {path} row "
-                                            f"{row} (keys: {sorted(doc)}); set text_column")
-                        yield row, doc[col]
-                    self.at = row + 1
+            return
+        # json lines, plain or compressed (the extension says which); a hub file streams in one GET (block_size=0)
+        stream = {"block_size": 0} if path.startswith("hf://") else {}
+        with fsspec.open(path, "rb", compression="infer", **stream) as f:
+            for row, line in enumerate(f):
+                if row >= start and line.strip():
+                    doc = json.loads(line)
+                    if col not in doc:
+                        raise DataError(f"data source {self.src.name!r}: no key {col!r} in {path} row {row} "
+                                        f"(keys: {sorted(doc)}); set text_column")
+                    yield row, doc[col]
+                self.at = row + 1
 
     def texts(self, one_pass: bool = False):
-        """Yield texts from the current position on, keeping (epoch, file, row) up to date.
-
-        A transient error re-opens the file at the row after the last document handed out, after a
-        growing pause, so the stream is the same; anything else stops with one line naming the file and
-        the row. `one_pass` stops at the end of the epoch instead of starting the next."""
+        """Yield texts from the current position on, keeping (epoch, file, row) up to date; `one_pass`
+        stops at the end of the epoch. A transient error re-opens the file at the row after the last
+        document handed out, after a growing pause, so the stream is the same; anything else stops with
+        one line naming the file and the row."""
         failures = 0
         while True:
             files, whole_epoch, found = self._files(), self.file == 0 and self.row == 0, False
@@ -246,12 +228,12 @@ class SourceReader:
             while self.file < len(files):
                 try:
                     for row, text in self._rows(files[self.file], self.row):
-                        if by_rows and row % self.num_streams != self.stream:
-                            continue
-                        self.row, found, failures = row + 1, True, 0
-                        yield text or ""
+                        if not by_rows or row % self.num_streams == self.stream:
+                            self.row, found, failures = row + 1, True, 0
+                            yield text or ""
                 except Exception as e:
-                    _wait_or_raise(self.src, f"reading {files[self.file]} at row {self.at}", e, failures)
+                    _retry_or_raise(self.src.name, self.src.path, f"reading {files[self.file]} at row {self.at}", e,
+                                    failures)
                     failures += 1
                     continue
                 self.file, self.row = self.file + 1, 0
@@ -263,8 +245,7 @@ class SourceReader:
             self.epoch, self.file, self.row = self.epoch + 1, 0, 0
 
     def next_text(self) -> str:
-        if self._it is None:
-            self._it = self.texts()
+        self._it = self._it or self.texts()
         return next(self._it)
 
     def state_dict(self):
@@ -277,9 +258,9 @@ class SourceReader:
 def heldout_windows(src: DataSource, tokenizer: Tokenizer, seq_len: int, limit: Optional[int] = None) -> list:
     """The first `limit` (None: all) windows of seq_len + 1 tokens of one source, for validation: its files
     in sorted order, read once from the start (no shuffle, no epochs), documents packed as in training.
-    The same call gives the same windows every time."""
-    reader, out, buf = SourceReader(src, 0, 1, 0, ordered=True), [], []
-    for text in reader.texts(one_pass=True):
+    The same arguments give the same windows, every time."""
+    out, buf = [], []
+    for text in SourceReader(src, 0, 1, 0, ordered=True).texts(one_pass=True):
         buf += tokenizer.encode(text)
         while len(buf) > seq_len and (limit is None or len(out) < limit):
             out.append(buf[:seq_len + 1])
@@ -292,7 +273,7 @@ def heldout_windows(src: DataSource, tokenizer: Tokenizer, seq_len: int, limit: 
 
 
 # ---------------------------------------------------------------------------------------------------
-# Mixture and packing
+# Mixture, packing, loader workers
 # ---------------------------------------------------------------------------------------------------
 
 class PackedStream:
@@ -313,14 +294,14 @@ class PackedStream:
         self.cur, self.cur_state, self.offset, self.doc = None, None, 0, []
 
     def read_doc(self, i: int):
-        """(tokens, position before, position after) of source i's next document, in this process."""
+        """(tokens, position before, position after) of source i's next document, read in this process."""
         before = self.readers[i].state_dict()
         tokens = self.tok.encode(self.readers[i].next_text())
         return tokens, before, self.readers[i].state_dict()
 
     def next_window(self, read=None) -> list:
-        """The next seq_len + 1 tokens; `read(i)` gives source i's next document (default: `read_doc`,
-        or a loader worker's queue)."""
+        """The next seq_len + 1 tokens. `read(i)` gives source i's next document as `read_doc` does (the
+        default); the loader passes its workers' queues instead."""
         read, out = read or self.read_doc, []
         while len(out) < self.seq_len + 1:
             if self.offset >= len(self.doc):
@@ -353,25 +334,24 @@ class PackedStream:
 
 
 def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int):
-    """Loader process: reads and tokenizes the documents of its (stream, source) pairs, in order, into
-    one bounded queue per pair. Each document travels with its reader positions, so the training
-    process checkpoints exactly what it consumed, whatever the workers have read ahead. It ignores
-    SIGTERM/SIGUSR1/SIGINT (the trainer saves, then stops it) and ends when told or when the trainer is gone."""
+    """Loader process: reads and tokenizes the documents of its (stream, source) pairs, in order, into one
+    bounded queue per pair. Each document travels with its reader positions, so the trainer checkpoints
+    exactly what it consumed, whatever was read ahead. SIGTERM/SIGUSR1/SIGINT are ignored (the trainer
+    saves, then stops the workers); it ends when told, or when the trainer is gone (even by SIGKILL)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked since the fork: none got through
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked from the fork to here: none got through
     tok, readers = Tokenizer(tokenizer_path), {}
     for key, src, stream, num_streams, seed, position in jobs:
         readers[key] = SourceReader(src, stream, num_streams, seed)
         readers[key].load_state_dict(position)
     try:
-        while not stop.is_set() and os.getppid() == parent:  # a new parent pid: the trainer died (even by SIGKILL)
+        while not stop.is_set() and os.getppid() == parent:  # another parent pid: the trainer died
             idle = True
             for key, r in readers.items():
                 if not queues[key].full():
                     before = r.state_dict()
-                    tokens = tok.encode(r.next_text())
-                    queues[key].put((tokens, before, r.state_dict()))
+                    queues[key].put((tok.encode(r.next_text()), before, r.state_dict()))
                     idle = False
             if idle:
                 time.sleep(0.002)
@@ -385,7 +365,7 @@ def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int):
                 except queue.Full:  # nobody is waiting on a full queue yet: try again later
                     pass
             time.sleep(0.01)
-    for q in queues.values():  # at exit, never wait to flush read-ahead that nobody will read
+    for q in queues.values():  # exit without waiting to flush read-ahead nobody will read
         q.cancel_join_thread()
 
 
@@ -397,20 +377,17 @@ class Workers:
         ctx = mp.get_context("spawn")  # not fork: the trainer process has threads (gloo, OMP, arrow)
         pairs = [(s, i) for s in range(len(streams)) for i in range(len(streams[s].readers))]
         self.queues = {key: ctx.Queue(maxsize=prefetch) for key in pairs}
-        self.stop = ctx.Event()
-        self.procs = []
-        # Children inherit the signal mask: blocked from the fork until the worker ignores them, so a signal
-        # sent to the whole job while a worker starts up cannot kill it. The trainer gets its own later.
+        self.stop, self.procs = ctx.Event(), []
+        # A child inherits the signal mask: these stay blocked until the worker ignores them, so a signal sent
+        # to every process of the job while a worker starts up cannot kill it. The trainer's own come after.
         old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             for w in range(min(num_workers, len(pairs))):
-                jobs = [(key, streams[key[0]].readers[key[1]].src, streams[key[0]].readers[key[1]].stream,
-                         streams[key[0]].readers[key[1]].num_streams, streams[key[0]].readers[key[1]].seed,
-                         streams[key[0]].positions[key[1]]) for key in pairs[w::num_workers]]
-                proc = ctx.Process(target=_worker, daemon=True, args=(
-                    streams[0].tok.path, jobs, {k: self.queues[k] for k, *_ in jobs}, self.stop, os.getpid()))
-                proc.start()
-                self.procs.append(proc)
+                jobs = [((s, i), r.src, r.stream, r.num_streams, r.seed, streams[s].positions[i])
+                        for s, i in pairs[w::num_workers] for r in [streams[s].readers[i]]]
+                self.procs.append(ctx.Process(target=_worker, daemon=True, args=(
+                    streams[0].tok.path, jobs, {k: self.queues[k] for k, *_ in jobs}, self.stop, os.getpid())))
+                self.procs[-1].start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
@@ -431,11 +408,11 @@ class Workers:
     def close(self):
         self.stop.set()
         for q in self.queues.values():  # unblock a worker waiting to put
-            try:
-                while True:
+            while not q.empty():
+                try:
                     q.get_nowait()
-            except queue.Empty:
-                pass
+                except queue.Empty:
+                    break
         for p in self.procs:
             p.join(timeout=5)
             if p.is_alive():
@@ -459,16 +436,15 @@ class DataLoader:
                             f"of the streams per rank ({num_streams // max(dp_degree, 1)})")
         per_rank = num_streams // dp_degree
         self.names = [s.name for s in sources]
-        self.streams = [PackedStream(sources, tokenizer, seq_len, s, num_streams, seed)
-                        for s in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
-        self.per_stream = local_batch_size // per_rank
         self.stream_ids = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+        self.streams = [PackedStream(sources, tokenizer, seq_len, s, num_streams, seed) for s in self.stream_ids]
+        self.per_stream = local_batch_size // per_rank
         self.num_workers, self.workers = num_workers, None
 
     def check(self):
-        """Resolve every source's files and read the next document of every (stream, source) here, before
-        the first step (after a resume: at its position), so a missing or unreadable source is a DataError
-        on every rank at start-up rather than inside a step on one rank. Leaves the stream untouched."""
+        """Resolve every source's files and read the next document of every (stream, source), in this
+        process and in a copy (the stream is untouched): call it before the first step (after a resume)
+        on every rank, so a missing or unreadable source is a DataError there, not inside a step."""
         for st in self.streams:
             for r, position in zip(st.readers, st.positions):
                 probe = SourceReader(r.src, r.stream, r.num_streams, r.seed)
@@ -507,103 +483,97 @@ class DataLoader:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Config (the keys of train.py's TOML this module reads) and the command line
+# Config (the keys of train.py's TOML this module reads; train.py owns the rest) and command line
 # ---------------------------------------------------------------------------------------------------
 
-# --section.key: (default, type, doc). Defaults and docs as in train.py, which owns the full config.
-OPTIONS = {"model.tokenizer_path": ("assets/tokenizer/tokenizer.model", str, "Llama 3 tokenizer.model (tiktoken)"),
-           "training.seq_len": (2048, int, "tokens per sequence"),
-           "training.local_batch_size": (8, int, "sequences per batch"),
-           "data.seed": (1234, int, "seeds the file order of every source"),
-           "data.num_streams": (0, int, "ignored here: the CLI reads one stream"),
-           "data.num_workers": (0, int, "loader processes that read and tokenize ahead; 0: in this process")}
+OPTIONS = {  # --section.key: (type, default, doc), defaults as in train.py
+    "model.tokenizer_path": (str, "assets/tokenizer/tokenizer.model", "Llama 3 tokenizer.model (tiktoken)"),
+    "training.seq_len": (int, 2048, "tokens per sequence"),
+    "training.local_batch_size": (int, 8, "sequences per batch"),
+    "data.seed": (int, 1234, "seeds the file order of every source"),
+    "data.num_streams": (int, 0, "accepted, unused: the CLI reads one stream"),
+    "data.num_workers": (int, 0, "loader processes that read and tokenize ahead; 0: in this process")}
 
 
 def sources_from_toml(tables, where: str) -> list:
-    """[[data.sources]] tables -> DataSources, checking keys, types and weights (one-line DataError)."""
+    """[[data.sources]] tables -> DataSources; an unknown key, a wrong type or a bad weight is one DataError line."""
     if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
         raise DataError(f"{where}: data.sources must be one or more [[data.sources]] tables")
-    types, out = typing.get_type_hints(DataSource), []
+    keys, out = [f.name for f in fields(DataSource)], []
     for n, table in enumerate(tables):
-        src = DataSource()
         for k, v in table.items():
-            if k not in types:
-                close = difflib.get_close_matches(k, list(types), n=3)
+            if k not in keys:
+                close = difflib.get_close_matches(k, keys, n=3)
                 raise DataError(f"{where}: unknown key {k!r} in [[data.sources]] {n}; "
-                                + (f"did you mean {', '.join(close)}?" if close else f"valid: {', '.join(types)}"))
-            typ = float if k == "weight" else str
-            if not isinstance(v, (int, float) if typ is float else str) or isinstance(v, bool):
-                raise DataError(f"{where}: data.sources[{n}].{k}: expected {typ.__name__}, got {v!r}")
-            setattr(src, k, typ(v))
-        if not src.name or not src.path or not src.weight >= 0:
+                                + (f"did you mean {', '.join(close)}?" if close else f"valid: {', '.join(keys)}"))
+            if isinstance(v, bool) or not isinstance(v, (int, float) if k == "weight" else str):
+                raise DataError(f"{where}: data.sources[{n}].{k}: expected a "
+                                f"{'number' if k == 'weight' else 'string'}, got {v!r}")
+        out.append(DataSource(**{**table, "weight": float(table.get("weight", 1.0))}))
+        if not out[-1].name or not out[-1].path or not out[-1].weight >= 0:
             raise DataError(f"{where}: data.sources[{n}] needs a name, a path and a weight >= 0 (got {table})")
-        out.append(src)
     if sum(s.weight for s in out) <= 0:
         raise DataError(f"{where}: the data.sources weights sum to 0; give one source a positive weight")
     return out
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse prints usage and the error; the house rule is one line
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
+    def error(self, message):  # argparse's own prints the usage too; the house rule is one line
+        raise DataError(f"{message} (see --help)")
 
 
 def load_config(argv) -> tuple:
-    """(options, settings by option, sources): defaults < TOML ([model], [training], [data]) < command line."""
-    p = _Parser(description=__doc__.split("\n")[0], epilog="Reads only these keys of train.py's config.")
-    p.add_argument("--config", action="append", help="the training TOML (train.py's), e.g. configs/debug_model.toml")
+    """(args, {option: value}, sources): defaults < the TOML's [model]/[training]/[data] < --section.key."""
+    p = _Parser(description=__doc__.split("\n")[0], epilog="Other keys of the training config are ignored.")
+    p.add_argument("--config", action="append", help="the training config, e.g. configs/debug_model.toml")
     p.add_argument("--show", type=int, default=0, help="decode this many packed samples instead of timing")
     p.add_argument("--tokens", type=int, default=1_000_000, help="tokens to read for the shares and tokens/s")
-    for key, (default, typ, doc) in OPTIONS.items():
+    for key, (typ, default, doc) in OPTIONS.items():
         p.add_argument(f"--{key}", type=typ, metavar=typ.__name__.upper(), help=f"{doc} (default: {default})")
     args = p.parse_args(argv)
-    if not args.config or len(args.config) > 1:
+    if len(args.config or []) != 1:
         raise DataError(f"give --config exactly once (got {args.config or 'none'})")
     try:
         with open(args.config[0], "rb") as f:
             toml = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as e:
-        raise DataError(f"config file {args.config[0]!r} cannot be read: {e}")
-    data = toml.get("data", {})
-    unknown = set(data) - {k.split(".")[1] for k in OPTIONS if k.startswith("data.")} - {"sources"}
+        raise DataError(f"config file {args.config[0]!r} cannot be read: {e}".replace("\n", " "))
+    unknown = set(toml.get("data", {})) - {"seed", "num_streams", "num_workers", "sources"}
     if unknown:
         raise DataError(f"{args.config[0]}: unknown key in [data] {sorted(unknown)[0]!r}")
-    settings = {}
-    for key, (default, typ, _) in OPTIONS.items():
+    cfg = {}
+    for key, (typ, default, _) in OPTIONS.items():
         section, name = key.split(".")
-        value = vars(args)[key]
-        value = toml.get(section, {}).get(name, default) if value is None else value
-        if not isinstance(value, typ) or isinstance(value, bool) or (typ is int and value < (0 if section == "data" else 1)):
-            raise DataError(f"{key} = {value!r}: expected {'a positive' if section != 'data' else 'a'} {typ.__name__}")
-        settings[key] = value
-    return args, settings, sources_from_toml(data.get("sources"), args.config[0])
+        value = vars(args)[key] if vars(args)[key] is not None else toml.get(section, {}).get(name, default)
+        if isinstance(value, bool) or not isinstance(value, typ) or (typ is int and value < (section != "data")):
+            raise DataError(f"{key} = {value!r}: expected a {typ.__name__}{' >= 0' if typ is int else ''}"
+                            f"{' (>= 1)' if typ is int and section != 'data' else ''}")
+        cfg[key] = value
+    return args, cfg, sources_from_toml(toml.get("data", {}).get("sources"), args.config[0])
 
 
 def main(argv=None):
     args, cfg, sources = load_config(sys.argv[1:] if argv is None else argv)
-    tok = Tokenizer(cfg["model.tokenizer_path"])
-    batch, workers = cfg["training.local_batch_size"], cfg["data.num_workers"]
-    loader = DataLoader(sources, tok, cfg["training.seq_len"], batch, 0, 1, 1, cfg["data.seed"], workers)
+    tok, workers = Tokenizer(cfg["model.tokenizer_path"]), cfg["data.num_workers"]
+    loader = DataLoader(sources, tok, cfg["training.seq_len"], cfg["training.local_batch_size"], 0, 1, 1,
+                        cfg["data.seed"], workers)
     try:
+        for i in range(args.show):
+            x, _ = next(loader)
+            print(f"--- sample {i} ({x.shape[1]} tokens) ---\n{tok.decode(x[0].tolist())}")
         if args.show:
-            for i in range(args.show):
-                x, _ = next(loader)
-                print(f"--- sample {i} ({x.shape[1]} tokens) ---\n{tok.decode(x[0].tolist())}")
             return
         t0 = time.perf_counter()
         next(loader)  # the first batch pays for starting workers and opening files: timed on its own
         first, t0, n = time.perf_counter() - t0, time.perf_counter(), 0
         while n < args.tokens:
-            x, _ = next(loader)
-            n += x.numel()
+            n += next(loader)[0].numel()
         dt = time.perf_counter() - t0
     finally:
         loader.close()
     counts = loader.source_tokens()
-    total = sum(counts.values())
     for s in sources:
-        print(f"{s.name:>16}: {counts[s.name]:>10,} tokens  share {counts[s.name] / total:6.2%}  "
+        print(f"{s.name:>16}: {counts[s.name]:>10,} tokens  share {counts[s.name] / sum(counts.values()):6.2%}  "
               f"(weight {s.weight / sum(x.weight for x in sources):6.2%})")
     print(f"loader: {n:,} tokens in {dt:.2f}s = {n / dt:,.0f} tokens/s after a first batch in {first:.2f}s "
           f"(one stream, {f'{workers} worker(s)' if workers else 'no workers'})")
