@@ -544,10 +544,10 @@ def load_config(argv) -> tuple:
     cfg = {}
     for key, (typ, default, _) in OPTIONS.items():
         section, name = key.split(".")
+        low = int(section != "data")  # sizes are >= 1, the data.* counts >= 0
         value = vars(args)[key] if vars(args)[key] is not None else toml.get(section, {}).get(name, default)
-        if isinstance(value, bool) or not isinstance(value, typ) or (typ is int and value < (section != "data")):
-            raise DataError(f"{key} = {value!r}: expected a {typ.__name__}{' >= 0' if typ is int else ''}"
-                            f"{' (>= 1)' if typ is int and section != 'data' else ''}")
+        if isinstance(value, bool) or not isinstance(value, typ) or (typ is int and value < low):
+            raise DataError(f"{key} = {value!r}: expected {typ.__name__}{f' >= {low}' if typ is int else ''}")
         cfg[key] = value
     return args, cfg, sources_from_toml(toml.get("data", {}).get("sources"), args.config[0])
 
@@ -557,6 +557,7 @@ def main(argv=None):
     tok, workers = Tokenizer(cfg["model.tokenizer_path"]), cfg["data.num_workers"]
     loader = DataLoader(sources, tok, cfg["training.seq_len"], cfg["training.local_batch_size"], 0, 1, 1,
                         cfg["data.seed"], workers)
+    import torch  # noqa: F401  (imported by the first batch otherwise, and timed with it)
     try:
         for i in range(args.show):
             x, _ = next(loader)
