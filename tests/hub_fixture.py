@@ -4,10 +4,10 @@ It serves dataset repos laid out like `allenai/c4`, `Zyphra/Zyda-2` and `Hugging
 YAML configs, the real folder and file names, schemas that differ per component), with small files
 made from the bundled sample text, and answers the endpoints huggingface_hub and datasets call:
 
-    GET  /api/datasets/{repo}[/revision/{rev}]          repo info: the commit sha a revision points at
-    GET  /api/datasets/{repo}/tree/{rev}[/{path}]        folder listing (?recursive, paginated by a Link header)
-    POST /api/datasets/{repo}/paths-info/{rev}           info on given paths
-    HEAD/GET /datasets/{repo}/resolve/{rev}/{path}       file content, honouring Range
+    GET /api/datasets/{repo}[/revision/{rev}]     repo info: the commit sha a revision points at
+    GET /api/datasets/{repo}/tree/{rev}[/{path}]   folder listing (?recursive&expand; paginated: Link header)
+    HEAD, GET /datasets/{repo}/resolve/{rev}/{path}  file content, honouring Range
+    GET /api/agent-harnesses                       huggingface_hub's user-agent registry (answered: empty)
 
 Anything else is answered 404 and logged as unhandled, so a test sees when a library starts asking for
 something new. Every request is logged with its status and the body bytes sent; `faults` injects
@@ -157,7 +157,7 @@ class Hub(http.server.ThreadingHTTPServer):
         for r in self.log:
             p = re.sub(r"^/api/datasets/[^/]+/[^/]+", "/api/datasets/{repo}", r["path"].split("?")[0])
             p = re.sub(r"^/datasets/[^/]+/[^/]+/resolve/[^/]+/.*", "/datasets/{repo}/resolve/{rev}/{path}", p)
-            p = re.sub(r"/(revision|tree|paths-info)/[^/]+(/.*)?$", lambda m: f"/{m[1]}/{{rev}}" + ("/{path}" if m[2] else ""), p)
+            p = re.sub(r"/(revision|tree)/[^/]+(/.*)?$", lambda m: f"/{m[1]}/{{rev}}" + ("/{path}" if m[2] else ""), p)
             query = sorted(urllib.parse.parse_qs(r["path"].partition("?")[2]))
             shapes.add(f"{r['method']} {p}" + (f"?{'&'.join(query)}" if query else "") + (" Range" if r["range"] else ""))
         return sorted(shapes)
@@ -174,13 +174,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
         pass
 
     def do_HEAD(self):
-        self._handle(body=False)
+        self._handle()
 
     def do_GET(self):
-        self._handle(body=True)
-
-    def do_POST(self):
-        self._handle(body=True)
+        self._handle()
 
     def _send(self, status: int, body: bytes = b"", headers: dict = None):
         self.send_response(status)
@@ -201,11 +198,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             headers["X-Repo-Commit"] = commit
         self._send(status, json.dumps({"error": message}).encode(), headers)
 
-    def _handle(self, body: bool):
+    def _handle(self):
         hub: Hub = self.server
         url = urllib.parse.urlsplit(self.path)
-        length = int(self.headers.get("Content-Length") or 0)
-        payload = self.rfile.read(length) if length else b""
         self.entry = {"method": self.command, "path": self.path, "range": self.headers.get("Range"),
                       "auth": self.headers.get("Authorization"), "status": None, "bytes": 0}
         with hub.lock:
@@ -217,7 +212,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self._send(429, b"rate limited", {"Retry-After": "0"})
         if url.path == "/api/agent-harnesses":  # huggingface_hub's user-agent registry: nothing to report
             return self._json({"standardEnvVars": [], "harnesses": {}})
-        m = re.match(r"^/api/datasets/([^/]+/[^/]+)(?:/(revision|tree|paths-info)/([^/]+)(?:/(.*))?)?$", url.path) or \
+        m = re.match(r"^/api/datasets/([^/]+/[^/]+)(?:/(revision|tree)/([^/]+)(?:/(.*))?)?$", url.path) or \
             re.match(r"^/datasets/([^/]+/[^/]+)/(resolve)/([^/]+)/(.*)$", url.path)
         if not m:
             self.entry["unhandled"] = True
@@ -227,7 +222,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         repo, auth = hub.repos.get(repo_id), self.headers.get("Authorization")
         need = hub.tokens.get(repo_id)
         if repo is None or (need and auth != f"Bearer {need}"):
-            # As the real Hub: an unknown, private or gated repo looks the same to a caller without access.
+            # As the real Hub: an unknown or private repo looks the same (401 without a token, 404 with a wrong
+            # one); a gated one says so.
             if need and auth is None:
                 return self._error(401, "GatedRepo", f"Access to dataset {repo_id} is restricted. You must have "
                                    "access to it and be authenticated to access it. Please log in.")
@@ -243,10 +239,6 @@ class Handler(http.server.BaseHTTPRequestHandler):
                                "siblings": [{"rfilename": p} for p in sorted(files)]})
         if kind == "tree":
             return self._tree(files, path, url, sha)
-        if kind == "paths-info":
-            form = urllib.parse.parse_qs(payload.decode()) if payload[:1] != b"{" else json.loads(payload)
-            paths = form.get("paths", [])
-            return self._json([e for e in self._entries(files, "", True) if e["path"] in paths])
         if path not in files:
             return self._error(404, "EntryNotFound", f"{path} does not exist on {rev}", sha)
         return self._file(files[path], sha)
@@ -309,6 +301,7 @@ def point_libraries_at(endpoint: str, monkeypatch, cache_dir: str):
     monkeypatch.setattr(hc, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(hc, "HF_HUB_CACHE", os.path.join(cache_dir, "hub"))
+    monkeypatch.setattr(hc, "AGENT_HARNESSES_PATH", os.path.join(cache_dir, "agent_harnesses.json"))
     monkeypatch.setattr(datasets.config, "HF_ENDPOINT", endpoint)
     monkeypatch.setattr(datasets.config, "HUB_DATASETS_URL", endpoint + "/datasets/{repo_id}/resolve/{revision}/{path}")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)

@@ -46,6 +46,9 @@ def hub(repos, monkeypatch, tmp_path):
     yield server
     data.resolve_files.cache_clear()
     server.close()
+    if os.environ.get("HUB_ENDPOINTS_LOG"):  # to list what the libraries asked for across the tests
+        with open(os.environ["HUB_ENDPOINTS_LOG"], "a") as f:
+            f.writelines(e + "\n" for e in server.endpoints())
     unhandled = [r["path"] for r in server.log if r.get("unhandled")]
     assert not unhandled, f"the libraries asked for endpoints the test hub does not serve: {unhandled}"
 
@@ -102,6 +105,14 @@ def test_a_pinned_revision_is_read(hub, repos, tok):
     assert reads and all(f"/resolve/{old}/" in p for p in reads)
     main = DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz")
     assert "old revision" not in tok.decode(next(DataLoader([main], tok, 64, 1, 0, 1, 1))[0][0].tolist())
+
+
+def test_heldout_windows_from_c4s_validation_split(hub, tok):
+    """What a [[validation.sources]] table for the real configs reads: C4's `en` config, split `validation`."""
+    src = DataSource(name="c4", path="allenai/c4", config="en", split="validation")
+    windows = data.heldout_windows(src, tok, 256)
+    assert len(windows) >= 20 and all(len(w) == 257 for w in windows) and windows[0][0] == tok.bos_id
+    assert [r for r in hub.log if "c4-validation" in r["path"]] and not [r for r in hub.log if "c4-train" in r["path"]]
 
 
 def test_resume_seeks_by_range_into_a_parquet_file(hub, tok):
