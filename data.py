@@ -142,7 +142,7 @@ def _retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int
                "and revision; for a gated or private set log in (`hf auth login` or `huggingface-cli login`, or set "
                "HF_TOKEN) and accept its terms on the dataset's Hub page")
     else:
-        why = f"{what} failed {failures + 1} times" if failures else f"{what} failed, the content is corrupt"
+        why = f"{what} failed " + (f"{failures + 1} times" if failures else "at once: the file is damaged or unreadable")
     raise DataError(f"data source {name!r}: {why} ({reason})".replace("\n", " ")) from e
 
 

@@ -287,7 +287,7 @@ def test_corrupt_content_is_one_line_at_once_not_retried(tok, damaged, monkeypat
     monkeypatch.setattr(time, "sleep", no_retry)
     loader = DataLoader([DataSource(name="bad", path=str(damaged / folder))], tok, 32, 1, 0, 1, 1)
     loader.check()  # the first rows are fine
-    with pytest.raises(DataError, match=f"data source 'bad': reading .*{where}failed, the content is corrupt") as e:
+    with pytest.raises(DataError, match=f"data source 'bad': reading .*{where}failed at once: the file is damaged") as e:
         for _ in range(2000):
             next(loader)
     assert "\n" not in str(e.value)
