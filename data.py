@@ -2,6 +2,7 @@
 
     python data.py --config configs/debug_model.toml            # realised token shares, loader tokens/s
     python data.py --config configs/debug_model.toml --show 2   # decode 2 packed samples
+    python data.py --help                                       # every option
 
 The stream is cut into `num_streams` logical streams that do not depend on how many GPUs read them:
 stream s reads part s of every source, mixes the sources by tokens and packs them into windows of
@@ -10,21 +11,25 @@ global batch takes the same number of windows from every stream. So one process 
 the same global batch, and resuming with another DP degree that divides num_streams is exact.
 """
 
+import argparse
 import base64
 import binascii
+import difflib
+import functools
 import json
 import logging
 import os
 import queue
 import random
+import signal
 import sys
 import time
-from dataclasses import dataclass
+import tomllib
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import fsspec
 import pyarrow.parquet as pq
-import torch
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -35,13 +40,19 @@ import torch
 LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 NUM_SPECIAL = 256
-# Pauses before re-opening a file after a transient read error (about 4 minutes in all, then stop).
+# Pauses before retrying after a transient error (connection, timeout, HTTP 408/429/5xx): about 4 minutes
+# in all, then stop. Anything else (a corrupt file, 401/403/404) stops at once.
 RETRY_DELAYS = (1, 2, 4, 8, 16, 32, 60, 60, 60)
+TRANSIENT = ("ConnectionError", "TimeoutError", "TransportError", "Timeout", "TimeoutException", "NetworkError",
+             "RemoteProtocolError", "ChunkedEncodingError", "IncompleteRead", "ClientConnectionError")
+# Loader workers ignore these: the trainer handles them (save, then exit) and then stops its workers.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGUSR1,) if hasattr(signal, "SIGUSR1") else ())
 logger = logging.getLogger("data")
 
 
 class DataError(ValueError):
-    """A problem with the user's tokenizer or data (not a bug): train.py reports it in one line."""
+    """A problem with the user's tokenizer, data or data config (not a bug): its text is one line, which
+    train.py and the CLI print as is (exit 2)."""
 
 
 class Tokenizer:
@@ -104,99 +115,137 @@ class DataSource:
     weight: float = 1.0  # share of tokens (normalised over all sources)
 
 
+def _transient(e: BaseException) -> bool:
+    """A network blip worth a retry: a connection or timeout error, or HTTP 408/429/5xx, anywhere in the
+    chain of causes (the libraries wrap them). Corrupt content (a bad gzip, "ZSTD decompression failed")
+    is an OSError too, but no retry mends it."""
+    while e is not None:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if status is not None:
+            return status in (408, 429) or status >= 500
+        if any(c.__name__ in TRANSIENT for c in type(e).__mro__):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int):
+    """Pause before retrying a transient error; anything else, or one failure too many, is one DataError line."""
+    if isinstance(e, DataError):
+        raise e
+    if _transient(e) and failures < len(RETRY_DELAYS):
+        logger.warning(f"data source {name!r}: {type(e).__name__} {what}; retrying in {RETRY_DELAYS[failures]} s")
+        return time.sleep(RETRY_DELAYS[failures])
+    reason, status = f"{type(e).__name__}: {str(e)[:300]}", getattr(getattr(e, "response", None), "status_code", None)
+    if status in (401, 403, 404) or type(e).__name__ in ("DatasetNotFoundError", "RepositoryNotFoundError"):
+        why = (f"the Hub refused {path!r}{f' (HTTP {status})' if status else ''} while {what}: check the dataset id "
+               "and revision; for a gated or private set log in (`hf auth login` or `huggingface-cli login`, or set "
+               "HF_TOKEN) and accept its terms on the dataset's Hub page")
+    else:
+        why = f"{what} failed " + (f"{failures + 1} times" if failures else "at once: the file is damaged or unreadable")
+    raise DataError(f"data source {name!r}: {why} ({reason})".replace("\n", " ")) from e
+
+
+@functools.lru_cache(maxsize=None)  # one resolution per process, whatever the number of streams
+def resolve_files(path: str, config: Optional[str], data_files: Optional[str], split: str, revision: Optional[str],
+                  name: str = "") -> tuple:
+    """The source's files, sorted: `datasets` resolves a hub id (to hf:// URLs pinned to the commit the
+    revision points at; README configs and data_files globs as on the Hub) and a local folder alike."""
+    from datasets import load_dataset_builder
+    what = f"resolving the {split!r} files of path={path!r} config={config!r} data_files={data_files!r}"
+    for failures in range(len(RETRY_DELAYS) + 1):
+        try:
+            builder = load_dataset_builder(path, name=config, data_files=data_files, revision=revision)
+            return tuple(sorted(builder.config.data_files[split]))
+        except Exception as e:  # no files, no such folder or split: the user's paths, not the network
+            if isinstance(e, (FileNotFoundError, KeyError, ValueError)) and not _transient(e) \
+                    and type(e).__name__ != "DatasetNotFoundError":
+                raise DataError(f"data source {name!r}: no {split!r} files for path={path!r} config={config!r} "
+                                f"data_files={data_files!r} ({type(e).__name__}: {e})".replace("\n", " "))
+            _retry_or_raise(name, path, what, e, failures)
+
+
 class SourceReader:
     """Documents of one source for one logical stream, epoch after epoch.
 
-    `datasets` resolves (path, config, data_files, split, revision) to a file list, the same way for a
-    hub id and a local folder; the files are then read here (parquet by row group, json lines), so the
+    The files come from `resolve_files` and are read here (parquet by row group, json lines), so the
     position (epoch, file, row) is exact and a restart seeks straight to it. Each epoch shuffles the
-    files with (seed, source, epoch). Streams take every num_streams-th file when there are enough
-    files, otherwise every num_streams-th row of every file.
+    files with (seed, source, epoch), unless `ordered` (sorted: validation). Streams take every
+    num_streams-th file when there are enough files, otherwise every num_streams-th row of every file.
     """
 
-    def __init__(self, src: DataSource, stream: int, num_streams: int, seed: int):
-        self.src, self.stream, self.num_streams, self.seed = src, stream, num_streams, seed
+    def __init__(self, src: DataSource, stream: int, num_streams: int, seed: int, ordered: bool = False):
+        self.src, self.stream, self.num_streams, self.seed, self.ordered = src, stream, num_streams, seed, ordered
         self.epoch, self.file, self.row = 0, 0, 0  # the next document to read
-        self._all_files, self._it = None, None
+        self.at, self._it = 0, None  # the row being read (for error messages), the document iterator
 
     def _files(self) -> list:
-        if self._all_files is None:
-            from datasets import load_dataset_builder
-            s = self.src
-            try:
-                builder = load_dataset_builder(s.path, name=s.config, data_files=s.data_files, revision=s.revision)
-                self._all_files = sorted(builder.config.data_files[s.split])
-            except (FileNotFoundError, KeyError) as e:  # also DataFilesNotFoundError, EmptyDatasetError
-                raise DataError(f"data source {s.name!r}: no {s.split!r} files for path={s.path!r} "
-                                f"data_files={s.data_files!r} ({type(e).__name__}: {e})".replace("\n", " "))
-        files = list(self._all_files)
-        random.Random(f"{self.seed}/{self.src.name}/{self.epoch}").shuffle(files)
+        s = self.src
+        files = list(resolve_files(s.path, s.config, s.data_files, s.split, s.revision, s.name))
+        if not self.ordered:
+            random.Random(f"{self.seed}/{s.name}/{self.epoch}").shuffle(files)
         return files[self.stream::self.num_streams] if len(files) >= self.num_streams else files
 
     def _rows(self, path: str, start: int):
         """(row, text) of one file from row `start` on: parquet seeks by row group, json skips lines."""
-        col = self.src.text_column
-        with fsspec.open(path, "rb", compression="infer") as f:
-            if path.endswith(".parquet"):
-                pf = pq.ParquetFile(f)
+        col, self.at = self.src.text_column, start
+        if path.endswith(".parquet"):  # exact range reads, no read-ahead: the footer, then the row groups needed
+            fs, fs_path = fsspec.core.url_to_fs(path)
+            with fs.open(fs_path, "rb", cache_type="none") as f:
+                pf, first = pq.ParquetFile(f), 0
                 if col not in pf.schema_arrow.names:
                     raise DataError(f"data source {self.src.name!r}: no column {col!r} in {path} (columns: "
                                     f"{pf.schema_arrow.names}); set text_column")
-                first = 0
                 for g in range(pf.num_row_groups):
                     n = pf.metadata.row_group(g).num_rows
                     if first + n > start:
+                        self.at = max(first, start)
                         texts = pf.read_row_group(g, columns=[col]).column(0).to_pylist()
                         yield from ((first + i, t) for i, t in enumerate(texts) if first + i >= start)
                     first += n
-            else:  # json lines, plain or compressed (the extension tells fsspec which)
-                for row, line in enumerate(f):
-                    if row >= start and line.strip():
-                        doc = json.loads(line)
-                        if col not in doc:
-                            raise DataError(f"data source {self.src.name!r}: no key {col!r} in {path} row "
-                                            f"{row} (keys: {sorted(doc)}); set text_column")
-                        yield row, doc[col]
+            return
+        # json lines, plain or compressed (the extension says which); a hub file streams in one GET (block_size=0)
+        stream = {"block_size": 0} if path.startswith("hf://") else {}
+        with fsspec.open(path, "rb", compression="infer", **stream) as f:
+            for row, line in enumerate(f):
+                if row >= start and line.strip():
+                    doc = json.loads(line)
+                    if col not in doc:
+                        raise DataError(f"data source {self.src.name!r}: no key {col!r} in {path} row {row} "
+                                        f"(keys: {sorted(doc)}); set text_column")
+                    yield row, doc[col]
+                self.at = row + 1
 
-    def _documents(self):
-        """Yield texts from the current position on, keeping (epoch, file, row) up to date.
-
-        A transient read error (connection reset, timeout, HTTP 429/5xx) re-opens the file at the
-        position after the last document handed out, after a growing pause, so the stream is the
-        same; after RETRY_DELAYS are used up without progress the run stops with one line."""
+    def texts(self, one_pass: bool = False):
+        """Yield texts from the current position on, keeping (epoch, file, row) up to date; `one_pass`
+        stops at the end of the epoch. A transient error re-opens the file at the row after the last
+        document handed out, after a growing pause, so the stream is the same; anything else stops with
+        one line naming the file and the row."""
         failures = 0
         while True:
             files, whole_epoch, found = self._files(), self.file == 0 and self.row == 0, False
-            by_rows = len(self._all_files) < self.num_streams  # too few files: split rows instead
+            by_rows = len(files) < self.num_streams  # too few files: split rows instead
             while self.file < len(files):
                 try:
                     for row, text in self._rows(files[self.file], self.row):
-                        if by_rows and row % self.num_streams != self.stream:
-                            continue
-                        self.row, found, failures = row + 1, True, 0
-                        yield text or ""
-                except (DataError, FileNotFoundError, PermissionError, IsADirectoryError):
-                    raise
+                        if not by_rows or row % self.num_streams == self.stream:
+                            self.row, found, failures = row + 1, True, 0
+                            yield text or ""
                 except Exception as e:
-                    status = getattr(getattr(e, "response", None), "status_code", None)
-                    if not isinstance(e, OSError) or status in (401, 403, 404) or failures == len(RETRY_DELAYS):
-                        raise DataError(f"data source {self.src.name!r}: reading {files[self.file]} at row "
-                                        f"{self.row} failed{f' {failures + 1} times' if failures else ''} "
-                                        f"({type(e).__name__}: {str(e)[:200]})".replace("\n", " ")) from e
-                    logger.warning(f"data source {self.src.name!r}: {type(e).__name__} reading {files[self.file]};"
-                                   f" retrying from row {self.row} in {RETRY_DELAYS[failures]} s")
-                    time.sleep(RETRY_DELAYS[failures])
+                    _retry_or_raise(self.src.name, self.src.path, f"reading {files[self.file]} at row {self.at}", e,
+                                    failures)
                     failures += 1
                     continue
                 self.file, self.row = self.file + 1, 0
             if whole_epoch and not found:
                 raise DataError(f"data source {self.src.name!r} ({self.src.path}) has no rows for stream "
                                 f"{self.stream} of {self.num_streams}")
+            if one_pass:
+                return
             self.epoch, self.file, self.row = self.epoch + 1, 0, 0
 
     def next_text(self) -> str:
-        if self._it is None:
-            self._it = self._documents()
+        self._it = self._it or self.texts()
         return next(self._it)
 
     def state_dict(self):
@@ -206,8 +255,25 @@ class SourceReader:
         self.epoch, self.file, self.row, self._it = sd["epoch"], sd["file"], sd["row"], None
 
 
+def heldout_windows(src: DataSource, tokenizer: Tokenizer, seq_len: int, limit: Optional[int] = None) -> list:
+    """The first `limit` (None: all) windows of seq_len + 1 tokens of one source, for validation: its files
+    in sorted order, read once from the start (no shuffle, no epochs), documents packed as in training.
+    The same arguments give the same windows, every time."""
+    out, buf = [], []
+    for text in SourceReader(src, 0, 1, 0, ordered=True).texts(one_pass=True):
+        buf += tokenizer.encode(text)
+        while len(buf) > seq_len and (limit is None or len(out) < limit):
+            out.append(buf[:seq_len + 1])
+            buf = buf[seq_len + 1:]
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:
+        raise DataError(f"validation source {src.name!r} has no complete sequence of seq_len+1 = {seq_len + 1} tokens")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------
-# Mixture and packing
+# Mixture, packing, loader workers
 # ---------------------------------------------------------------------------------------------------
 
 class PackedStream:
@@ -226,26 +292,24 @@ class PackedStream:
         self.counts = [0] * len(sources)  # tokens emitted per source
         self.positions = [r.state_dict() for r in self.readers]  # per source: where its next document is
         self.cur, self.cur_state, self.offset, self.doc = None, None, 0, []
-        self.feed = self.read_doc  # replaced by a worker queue when the loader has workers
 
     def read_doc(self, i: int):
-        """(tokens, position before, position after) of source i's next document, in this process."""
+        """(tokens, position before, position after) of source i's next document, read in this process."""
         before = self.readers[i].state_dict()
         tokens = self.tok.encode(self.readers[i].next_text())
         return tokens, before, self.readers[i].state_dict()
 
-    def _next_doc(self):
-        total = sum(self.counts) + 1
-        # deficit = tokens a source should have by now minus tokens it has; ties go to the first source
-        self.cur = max(range(len(self.readers)), key=lambda i: self.shares[i] * total - self.counts[i])
-        self.doc, self.cur_state, self.positions[self.cur] = self.feed(self.cur)
-        self.offset = 0
-
-    def next_window(self) -> list:
-        out = []
+    def next_window(self, read=None) -> list:
+        """The next seq_len + 1 tokens. `read(i)` gives source i's next document as `read_doc` does (the
+        default); the loader passes its workers' queues instead."""
+        read, out = read or self.read_doc, []
         while len(out) < self.seq_len + 1:
             if self.offset >= len(self.doc):
-                self._next_doc()
+                total = sum(self.counts) + 1
+                # deficit = tokens a source should have by now minus tokens it has; ties go to the first source
+                self.cur = max(range(len(self.readers)), key=lambda i: self.shares[i] * total - self.counts[i])
+                self.doc, self.cur_state, self.positions[self.cur] = read(self.cur)
+                self.offset = 0
             take = self.doc[self.offset:self.offset + self.seq_len + 1 - len(out)]
             out += take
             self.offset += len(take)
@@ -269,31 +333,31 @@ class PackedStream:
             assert reader.state_dict() == self.positions[self.cur], "re-reading the current document moved the reader"
 
 
-def _worker(tokenizer_path: str, jobs: list, queues: dict, stop):
-    """Loader process: reads and tokenizes the documents of its (stream, source) pairs, in order, into
-    one bounded queue per pair. Each document travels with its reader positions, so the training
-    process checkpoints exactly what it consumed, whatever the workers have read ahead."""
-    tok, parent = Tokenizer(tokenizer_path), os.getppid()
-    readers = {}
+def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int):
+    """Loader process: reads and tokenizes the documents of its (stream, source) pairs, in order, into one
+    bounded queue per pair. Each document travels with its reader positions, so the trainer checkpoints
+    exactly what it consumed, whatever was read ahead. SIGTERM/SIGUSR1/SIGINT are ignored (the trainer
+    saves, then stops the workers); it ends when told, or when the trainer is gone (even by SIGKILL)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked from the fork to here: none got through
+    tok, readers = Tokenizer(tokenizer_path), {}
     for key, src, stream, num_streams, seed, position in jobs:
         readers[key] = SourceReader(src, stream, num_streams, seed)
         readers[key].load_state_dict(position)
     try:
-        while not stop.is_set():
+        while not stop.is_set() and os.getppid() == parent:  # another parent pid: the trainer died
             idle = True
             for key, r in readers.items():
                 if not queues[key].full():
                     before = r.state_dict()
-                    tokens = tok.encode(r.next_text())
-                    queues[key].put((tokens, before, r.state_dict()))
+                    queues[key].put((tok.encode(r.next_text()), before, r.state_dict()))
                     idle = False
             if idle:
-                if os.getppid() != parent:  # the trainer is gone (even by SIGKILL): stop too
-                    return
                 time.sleep(0.002)
     except DataError as e:  # hand the one-line error to every queue, behind what is already in it
         undelivered = list(queues.values())
-        while undelivered and not stop.is_set():
+        while undelivered and not stop.is_set() and os.getppid() == parent:
             for q in list(undelivered):
                 try:
                     q.put_nowait(("error", str(e)))
@@ -301,6 +365,8 @@ def _worker(tokenizer_path: str, jobs: list, queues: dict, stop):
                 except queue.Full:  # nobody is waiting on a full queue yet: try again later
                     pass
             time.sleep(0.01)
+    for q in queues.values():  # exit without waiting to flush read-ahead nobody will read
+        q.cancel_join_thread()
 
 
 class Workers:
@@ -311,23 +377,25 @@ class Workers:
         ctx = mp.get_context("spawn")  # not fork: the trainer process has threads (gloo, OMP, arrow)
         pairs = [(s, i) for s in range(len(streams)) for i in range(len(streams[s].readers))]
         self.queues = {key: ctx.Queue(maxsize=prefetch) for key in pairs}
-        self.stop = ctx.Event()
-        self.procs = []
-        for w in range(min(num_workers, len(pairs))):
-            jobs = [(key, streams[key[0]].readers[key[1]].src, streams[key[0]].readers[key[1]].stream,
-                     streams[key[0]].readers[key[1]].num_streams, streams[key[0]].readers[key[1]].seed,
-                     streams[key[0]].positions[key[1]]) for key in pairs[w::num_workers]]
-            proc = ctx.Process(target=_worker, daemon=True,
-                               args=(streams[0].tok.path, jobs, {k: self.queues[k] for k, *_ in jobs}, self.stop))
-            proc.start()
-            self.procs.append(proc)
-        for s, st in enumerate(streams):
-            st.feed = lambda i, s=s: self.get((s, i))
+        self.stop, self.procs = ctx.Event(), []
+        # A child inherits the signal mask: these stay blocked until the worker ignores them, so a signal sent
+        # to every process of the job while a worker starts up cannot kill it. The trainer's own come after.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            for w in range(min(num_workers, len(pairs))):
+                jobs = [((s, i), r.src, r.stream, r.num_streams, r.seed, streams[s].positions[i])
+                        for s, i in pairs[w::num_workers] for r in [streams[s].readers[i]]]
+                self.procs.append(ctx.Process(target=_worker, daemon=True, args=(
+                    streams[0].tok.path, jobs, {k: self.queues[k] for k, *_ in jobs}, self.stop, os.getpid())))
+                self.procs[-1].start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
-    def get(self, key):
+    def get(self, s: int, i: int):
+        """Source i's next document for stream s, as `PackedStream.read_doc` gives it."""
         while True:
             try:
-                item = self.queues[key].get(timeout=5)
+                item = self.queues[(s, i)].get(timeout=5)
                 break
             except queue.Empty:
                 dead = [p for p in self.procs if not p.is_alive()]
@@ -340,11 +408,11 @@ class Workers:
     def close(self):
         self.stop.set()
         for q in self.queues.values():  # unblock a worker waiting to put
-            try:
-                while True:
+            while not q.empty():
+                try:
                     q.get_nowait()
-            except queue.Empty:
-                pass
+                except queue.Empty:
+                    break
         for p in self.procs:
             p.join(timeout=5)
             if p.is_alive():
@@ -364,15 +432,24 @@ class DataLoader:
         num_streams = num_streams or dp_degree
         if num_streams % dp_degree or local_batch_size % (num_streams // dp_degree):
             raise DataError(f"data.num_streams={num_streams} must be a multiple of the data-parallel "
-                             f"degree {dp_degree}, and local_batch_size={local_batch_size} a multiple "
-                             f"of the streams per rank ({num_streams // max(dp_degree, 1)})")
+                            f"degree {dp_degree}, and local_batch_size={local_batch_size} a multiple "
+                            f"of the streams per rank ({num_streams // max(dp_degree, 1)})")
         per_rank = num_streams // dp_degree
         self.names = [s.name for s in sources]
-        self.streams = [PackedStream(sources, tokenizer, seq_len, s, num_streams, seed)
-                        for s in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
-        self.per_stream = local_batch_size // per_rank
         self.stream_ids = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+        self.streams = [PackedStream(sources, tokenizer, seq_len, s, num_streams, seed) for s in self.stream_ids]
+        self.per_stream = local_batch_size // per_rank
         self.num_workers, self.workers = num_workers, None
+
+    def check(self):
+        """Resolve every source's files and read the next document of every (stream, source), in this
+        process and in a copy (the stream is untouched): call it before the first step (after a resume)
+        on every rank, so a missing or unreadable source is a DataError there, not inside a step."""
+        for st in self.streams:
+            for r, position in zip(st.readers, st.positions):
+                probe = SourceReader(r.src, r.stream, r.num_streams, r.seed)
+                probe.load_state_dict(position)
+                probe.next_text()
 
     def __iter__(self):
         return self
@@ -380,23 +457,17 @@ class DataLoader:
     def __next__(self):
         if self.num_workers and self.workers is None:  # started late: after a resume set the positions
             self.workers = Workers(self.streams, self.num_workers)
-        rows = [st.next_window() for st in self.streams for _ in range(self.per_stream)]
+        reads = [functools.partial(self.workers.get, s) if self.workers else None for s in range(len(self.streams))]
+        rows = [st.next_window(read) for st, read in zip(self.streams, reads) for _ in range(self.per_stream)]
+        import torch  # here, not at the top: loader workers never need it and start a second sooner
         batch = torch.tensor(rows, dtype=torch.long)  # (local_batch_size, seq_len + 1)
         return batch[:, :-1], batch[:, 1:]
 
-    def check(self):  # TEMP stub until the data branch lands
-        for st in self.streams:
-            for r in st.readers:
-                files = r._files()
-                if files:
-                    next(r._rows(files[0], 0), None)
-
     def close(self):
+        """Stop the workers; a later batch starts new ones at the positions consumed so far."""
         if self.workers is not None:
             self.workers.close()
             self.workers = None
-            for st in self.streams:
-                st.feed = None  # the stream cannot go on without its workers
 
     def source_tokens(self) -> dict:
         return {n: sum(st.counts[i] for st in self.streams) for i, n in enumerate(self.names)}
@@ -411,64 +482,107 @@ class DataLoader:
             st.load_state_dict(sd[s])
 
 
-def heldout_windows(src, tokenizer, seq_len, limit=None):  # TEMP stub until the data branch lands
-    reader = SourceReader(src, 0, 1, 0)
-    reader._files()
-    out, buf = [], []
-    for path in reader._all_files:
-        for _, text in reader._rows(path, 0):
-            buf += tokenizer.encode(text or "")
-            while len(buf) >= seq_len + 1:
-                out.append(buf[:seq_len + 1])
-                buf = buf[seq_len + 1:]
-                if limit is not None and len(out) >= limit:
-                    return out
-    if not out:
-        raise DataError(f"validation source {src.name!r} has no complete sequence")
+# ---------------------------------------------------------------------------------------------------
+# Config (the keys of train.py's TOML this module reads; train.py owns the rest) and command line
+# ---------------------------------------------------------------------------------------------------
+
+OPTIONS = {  # --section.key: (type, default, doc), defaults as in train.py
+    "model.tokenizer_path": (str, "assets/tokenizer/tokenizer.model", "Llama 3 tokenizer.model (tiktoken)"),
+    "training.seq_len": (int, 2048, "tokens per sequence"),
+    "training.local_batch_size": (int, 8, "sequences per batch"),
+    "data.seed": (int, 1234, "seeds the file order of every source"),
+    "data.num_streams": (int, 0, "accepted, unused: the CLI reads one stream"),
+    "data.num_workers": (int, 0, "loader processes that read and tokenize ahead; 0: in this process")}
+
+
+def sources_from_toml(tables, where: str) -> list:
+    """[[data.sources]] tables -> DataSources; an unknown key, a wrong type or a bad weight is one DataError line."""
+    if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
+        raise DataError(f"{where}: data.sources must be one or more [[data.sources]] tables")
+    keys, out = [f.name for f in fields(DataSource)], []
+    for n, table in enumerate(tables):
+        for k, v in table.items():
+            if k not in keys:
+                close = difflib.get_close_matches(k, keys, n=3)
+                raise DataError(f"{where}: unknown key {k!r} in [[data.sources]] {n}; "
+                                + (f"did you mean {', '.join(close)}?" if close else f"valid: {', '.join(keys)}"))
+            if isinstance(v, bool) or not isinstance(v, (int, float) if k == "weight" else str):
+                raise DataError(f"{where}: data.sources[{n}].{k}: expected a "
+                                f"{'number' if k == 'weight' else 'string'}, got {v!r}")
+        out.append(DataSource(**{**table, "weight": float(table.get("weight", 1.0))}))
+        if not out[-1].name or not out[-1].path or not out[-1].weight >= 0:
+            raise DataError(f"{where}: data.sources[{n}] needs a name, a path and a weight >= 0 (got {table})")
+    if sum(s.weight for s in out) <= 0:
+        raise DataError(f"{where}: the data.sources weights sum to 0; give one source a positive weight")
     return out
 
 
-def main():
-    import argparse
-    import train
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own prints the usage too; the house rule is one line
+        raise DataError(f"{message} (see --help)")
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--show", type=int, default=0, help="decode this many packed samples")
-    p.add_argument("--tokens", type=int, default=1_000_000, help="tokens to read for the statistics")
-    args, rest = p.parse_known_args()
-    cfg = train.load_config(rest)
-    tok = Tokenizer(cfg.model.tokenizer_path)
-    loader = DataLoader(cfg.data.sources, tok, cfg.training.seq_len, 1, 0, 1, 1, cfg.data.seed,
-                        cfg.data.num_workers)
-    if args.show:
+
+def load_config(argv) -> tuple:
+    """(args, {option: value}, sources): defaults < the TOML's [model]/[training]/[data] < --section.key."""
+    p = _Parser(description=__doc__.split("\n")[0], epilog="Other keys of the training config are ignored.")
+    p.add_argument("--config", action="append", help="the training config, e.g. configs/debug_model.toml")
+    p.add_argument("--show", type=int, default=0, help="decode this many packed samples instead of timing")
+    p.add_argument("--tokens", type=int, default=1_000_000, help="tokens to read for the shares and tokens/s")
+    for key, (typ, default, doc) in OPTIONS.items():
+        p.add_argument(f"--{key}", type=typ, metavar=typ.__name__.upper(), help=f"{doc} (default: {default})")
+    args = p.parse_args(argv)
+    if len(args.config or []) != 1:
+        raise DataError(f"give --config exactly once (got {args.config or 'none'})")
+    try:
+        with open(args.config[0], "rb") as f:
+            toml = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise DataError(f"config file {args.config[0]!r} cannot be read: {e}".replace("\n", " "))
+    unknown = set(toml.get("data", {})) - {"seed", "num_streams", "num_workers", "sources"}
+    if unknown:
+        raise DataError(f"{args.config[0]}: unknown key in [data] {sorted(unknown)[0]!r}")
+    cfg = {}
+    for key, (typ, default, _) in OPTIONS.items():
+        section, name = key.split(".")
+        low = int(section != "data")  # sizes are >= 1, the data.* counts >= 0
+        value = vars(args)[key] if vars(args)[key] is not None else toml.get(section, {}).get(name, default)
+        if isinstance(value, bool) or not isinstance(value, typ) or (typ is int and value < low):
+            raise DataError(f"{key} = {value!r}: expected {typ.__name__}{f' >= {low}' if typ is int else ''}")
+        cfg[key] = value
+    return args, cfg, sources_from_toml(toml.get("data", {}).get("sources"), args.config[0])
+
+
+def main(argv=None):
+    args, cfg, sources = load_config(sys.argv[1:] if argv is None else argv)
+    tok, workers = Tokenizer(cfg["model.tokenizer_path"]), cfg["data.num_workers"]
+    loader = DataLoader(sources, tok, cfg["training.seq_len"], cfg["training.local_batch_size"], 0, 1, 1,
+                        cfg["data.seed"], workers)
+    import torch  # noqa: F401  (imported by the first batch otherwise, and timed with it)
+    try:
         for i in range(args.show):
             x, _ = next(loader)
             print(f"--- sample {i} ({x.shape[1]} tokens) ---\n{tok.decode(x[0].tolist())}")
+        if args.show:
+            return
+        t0 = time.perf_counter()
+        next(loader)  # the first batch pays for starting workers and opening files: timed on its own
+        first, t0, n = time.perf_counter() - t0, time.perf_counter(), 0
+        while n < args.tokens:
+            n += next(loader)[0].numel()
+        dt = time.perf_counter() - t0
+    finally:
         loader.close()
-        return
-    t0 = time.perf_counter()
-    next(loader)  # the first batch pays for starting workers and opening files: timed on its own
-    first, t0, n = time.perf_counter() - t0, time.perf_counter(), 0
-    while n < args.tokens:
-        x, _ = next(loader)
-        n += x.numel()
-    dt = time.perf_counter() - t0
     counts = loader.source_tokens()
-    total = sum(counts.values())
-    weights = {s.name: s.weight / sum(x.weight for x in cfg.data.sources) for s in cfg.data.sources}
-    for name, c in counts.items():
-        print(f"{name:>16}: {c:>10,} tokens  share {c / total:6.2%}  (weight {weights[name]:6.2%})")
-    loader.close()
-    workers = f"{cfg.data.num_workers} worker(s)" if cfg.data.num_workers else "no workers"
+    for s in sources:
+        print(f"{s.name:>16}: {counts[s.name]:>10,} tokens  share {counts[s.name] / sum(counts.values()):6.2%}  "
+              f"(weight {s.weight / sum(x.weight for x in sources):6.2%})")
     print(f"loader: {n:,} tokens in {dt:.2f}s = {n / dt:,.0f} tokens/s after a first batch in {first:.2f}s "
-          f"(one stream, {workers})")
+          f"(one stream, {f'{workers} worker(s)' if workers else 'no workers'})")
 
 
 if __name__ == "__main__":
-    from train import ConfigError  # train.py imports this module; importing it back is fine here
-
     try:
         main()
-    except (ConfigError, DataError) as e:  # the user's input, not a bug: one line
+    except DataError as e:  # the user's input, not a bug: one line
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

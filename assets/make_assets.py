@@ -341,6 +341,13 @@ SOURCES = {
     "zyda2/fwe3": (3, fwe_doc, 750_000, fwe_row, ["zyda2/data/fwe3/" + TWO.format(k) for k in (0, 1)]),
     "finemath": (4, math_doc, 1_000_000, math_row, ["finemath/finemath-3plus/" + TWO.format(k) for k in (0, 1)]),
 }
+# Held-out slices for validation (c4 has its own split above): new documents from their own seeds, made
+# after everything else so the training files and the tokenizer (trained on training text only) are
+# unchanged, and kept outside the training globs. name: (seed, chars of text, output file)
+HELDOUT = {name: (100 + SOURCES[name][0], 40_000, f"{name.split('/')[0]}/validation/{name.split('/')[-1]}/"
+                  "validation-00000-of-00001.parquet")
+           for name in ("zyda2/dclm_crossdeduped", "zyda2/fwe3")}
+HELDOUT["finemath"] = (104, 40_000, "finemath/validation/finemath-3plus/validation-00000-of-00001.parquet")
 
 # ---------------------------------------------------------------- tokenizer
 def train_bpe(texts, n_tokens):
@@ -424,6 +431,16 @@ def main():
         table.append(f"| {name} | {len(ds)} | {words:,} | {nbytes:,} | {ntok:,} | {nbytes / ntok:.2f} |")
         print(table[-1])
 
+    for name, (seed, chars, rel) in HELDOUT.items():
+        _, gen, _, row_fn, _ = SOURCES[name]
+        ds = make_docs(seed, gen, chars)
+        for d in ds:
+            d["tokens"] = len(enc.encode_ordinary(d["text"]))
+        path = os.path.join(ROOT, "data", rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        pq.write_table(pa.Table.from_pylist([row_fn(d, i) for i, d in enumerate(ds)]), path, compression="zstd")
+        print(f"held out: {rel}: {len(ds)} docs, {sum(d['tokens'] for d in ds):,} tokens")
+
     with open(os.path.join(ROOT, "README.md"), "w") as f:
         f.write(README.replace("{n}", str(N_BPE)).replace("{v}", str(N_BPE + 256)).replace("{table}", "\n".join(table)))
     print(f"done in {time.time() - t0:.1f}s")
@@ -443,6 +460,12 @@ that a small model learns it within a few dozen steps.
   language, language_score, token_count, score, int_score`).
 - `data/finemath/finemath-3plus/train-0000{0,1}-of-00002.parquet`: layout and 16 columns of
   `HuggingFaceTB/finemath` `finemath-3plus`; worked math problems with exactly computed answers.
+- Held-out slices for validation, same schemas, about 40,000 characters each, made from their own seeds
+  after the training files (which they leave unchanged) and outside the training globs:
+  `data/zyda2/validation/{dclm_crossdeduped,fwe3}/validation-00000-of-00001.parquet`,
+  `data/finemath/validation/finemath-3plus/validation-00000-of-00001.parquet`; C4's is
+  `data/c4/en/c4-validation.00000-of-00001.json.gz` (5% of its documents; unlike the other slices,
+  the tokenizer was trained on it too).
 - `tokenizer/tokenizer.model`: {n}-token byte-level BPE in Llama 3's tiktoken format (`base64(token) rank`
   per line, ranks 0-255 = single bytes), trained on this text with Llama 3's pre-tokenizer regex.
   With Llama 3's 256 special tokens appended (`<|begin_of_text|>` = {n}, ...) the vocab is {v}.

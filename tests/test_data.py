@@ -3,8 +3,11 @@
 import gzip
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import tomllib
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,10 +17,14 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import train  # noqa: E402
-from data import DataError, DataLoader, DataSource, Tokenizer  # noqa: E402
+import data  # noqa: E402
+from data import DataError, DataLoader, DataSource, Tokenizer, heldout_windows  # noqa: E402
 
 TOKENIZER = os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model")
+HELDOUT = [("c4", "assets/data/c4", "en/c4-validation.*.json.gz"),  # (name, path, data_files) as in a config
+           ("zyda2_dclm", "assets/data/zyda2", "validation/dclm_crossdeduped/*.parquet"),
+           ("zyda2_fwe3", "assets/data/zyda2", "validation/fwe3/*.parquet"),
+           ("finemath", "assets/data/finemath", "validation/finemath-3plus/*.parquet")]
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +34,11 @@ def tok():
 
 @pytest.fixture(scope="module")
 def sources():
-    cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml")])
-    for s in cfg.data.sources:
+    with open(os.path.join(ROOT, "configs", "debug_model.toml"), "rb") as f:
+        srcs = data.sources_from_toml(tomllib.load(f)["data"]["sources"], "debug_model.toml")
+    for s in srcs:
         s.path = os.path.join(ROOT, s.path)
-    return cfg.data.sources
+    return srcs
 
 
 def test_tokenizer_roundtrip_and_llama3_specials(tok):
@@ -143,9 +151,13 @@ def test_data_cli_prints_shares_and_throughput():
                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr
     assert "share" in out.stdout and "tokens/s" in out.stdout and "finemath" in out.stdout
-    show = subprocess.run([sys.executable, "data.py", "--config", "configs/debug_model.toml", "--show", "1"],
+    # `python data.py` reads the TOML itself, takes --section.key overrides, and never imports train.py
+    show = subprocess.run([sys.executable, "-c", "import runpy, sys; sys.argv = sys.argv[1:]; "
+                           "runpy.run_path('data.py', run_name='__main__'); print('train' in sys.modules)",
+                           "data.py", "--config", "configs/debug_model.toml", "--show", "1", "--training.seq_len=64"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert show.stdout.startswith("--- sample 0 (256 tokens) ---\n<|begin_of_text|>")
+    assert show.stdout.startswith("--- sample 0 (64 tokens) ---\n<|begin_of_text|>"), show.stderr
+    assert show.stdout.endswith("\nFalse\n")
 
 
 class FlakyFiles:
@@ -182,16 +194,15 @@ def test_transient_read_errors_are_retried_from_the_last_good_row(tok, sources, 
     monkeypatch.setattr(data, "RETRY_DELAYS", (0, 0, 0))
     FlakyFiles.register()
 
-    def loader(flaky):
-        lo = DataLoader(sources, tok, 256, 4, 0, 1, 1)
-        for r in lo.streams[0].readers:
-            r._files()  # resolve, then read through the flaky filesystem
-            r._all_files = [("flaky://" if flaky else "") + f for f in r._all_files]
-        return lo
+    resolve = data.resolve_files
+    files = [f for s in sources for f in resolve(s.path, s.config, s.data_files, s.split, s.revision)]
+
+    def loader(flaky):  # the files resolved as usual, then read through the flaky filesystem
+        monkeypatch.setattr(data, "resolve_files", lambda *a: tuple(("flaky://" if flaky else "") + f for f in resolve(*a)))
+        return DataLoader(sources, tok, 256, 4, 0, 1, 1)
 
     reference = loader(False)
     expected = [next(reference)[0] for _ in range(200)]
-    files = [f for r in reference.streams[0].readers for f in r._all_files]
     FlakyFiles.fail_at.clear()
     FlakyFiles.fail_at.update({f: [2, 4] for f in files})  # every file fails twice mid-way
     flaky = loader(True)
@@ -222,9 +233,136 @@ def test_loader_workers_give_the_same_stream_and_resume_exactly(tok, sources, wo
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
-def test_data_cli_bad_input_is_one_line():
-    out = subprocess.run([sys.executable, "data.py", "--config", "configs/debug_model.toml", "--model.tokenizer_path",
-                          "missing.model"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def test_data_cli_bad_input_is_one_line(tmp_path):
+    def cli(*args):
+        return subprocess.run([sys.executable, "data.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    out = cli("--config", "configs/debug_model.toml", "--model.tokenizer_path", "missing.model")
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "error: tokenizer file 'missing.model' not found; download it with download_tokenizer.py or set "
         "--model.tokenizer_path"]
+    bad = tmp_path / "bad.toml"
+    bad.write_text(open(os.path.join(ROOT, "configs", "debug_model.toml")).read().replace("weight = 0.2", "wieght = 0.2"))
+    out = cli("--config", str(bad))
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"error: {bad}: unknown key 'wieght' in [[data.sources]] 3; did you mean weight?"]
+    for args, message in [(["--config", "configs/debug_model.toml", "--training.seq_len", "x"], "invalid int value"),
+                          (["--config", "a.toml", "--config", "b.toml"], "give --config exactly once"),
+                          (["--config", "configs/debug_model.toml", "--data.num_workers", "-1"], "data.num_workers = -1")]:
+        out = cli(*args)
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
+    # --help documents the options the README and bench.py use
+    out = cli("--help")
+    for option in ("--config", "--show", "--tokens", "--model.tokenizer_path", "--training.seq_len",
+                   "--training.local_batch_size", "--data.num_workers", "--data.num_streams", "--data.seed"):
+        assert option in out.stdout
+
+
+def corrupt(path, at: int, n: int = 64):
+    """Overwrite n bytes at offset `at` with garbage: content damage no retry can mend."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(bytes(range(7, 7 + n)))
+
+
+@pytest.fixture
+def damaged(tmp_path):
+    """A parquet file whose third row group (rows 8-11) is damaged, and a gzip json file damaged mid-way."""
+    (tmp_path / "p").mkdir()
+    pq.write_table(pa.table({"text": [f"parquet document {i} " + os.urandom(200).hex() for i in range(16)]}),
+                   tmp_path / "p" / "x.parquet", row_group_size=4, compression="zstd", use_dictionary=False)
+    chunk = pq.ParquetFile(tmp_path / "p" / "x.parquet").metadata.row_group(2).column(0)
+    corrupt(tmp_path / "p" / "x.parquet", chunk.data_page_offset + chunk.total_compressed_size // 2)
+    (tmp_path / "j").mkdir()
+    lines = "".join(json.dumps({"text": f"json document {i} " + os.urandom(300).hex()}) + "\n" for i in range(200))
+    (tmp_path / "j" / "a.json.gz").write_bytes(gzip.compress(lines.encode()))
+    corrupt(tmp_path / "j" / "a.json.gz", (tmp_path / "j" / "a.json.gz").stat().st_size // 2)
+    return tmp_path
+
+
+@pytest.mark.parametrize("folder, where", [("p", r"x.parquet at row 8 "), ("j", r"a.json.gz at row \d+ ")])
+def test_corrupt_content_is_one_line_at_once_not_retried(tok, damaged, monkeypatch, folder, where):
+    def no_retry(seconds):
+        raise AssertionError(f"corrupt content was retried (a {seconds} s pause)")
+    monkeypatch.setattr(time, "sleep", no_retry)
+    loader = DataLoader([DataSource(name="bad", path=str(damaged / folder))], tok, 32, 1, 0, 1, 1)
+    loader.check()  # the first rows are fine
+    with pytest.raises(DataError, match=f"data source 'bad': reading .*{where}failed at once: the file is damaged") as e:
+        for _ in range(2000):
+            next(loader)
+    assert "\n" not in str(e.value)
+
+
+def test_check_resolves_and_opens_every_source_before_the_first_batch(tok, sources, tmp_path, damaged):
+    checked, plain = DataLoader(sources, tok, 64, 2, 0, 1, 2), DataLoader(sources, tok, 64, 2, 0, 1, 2)
+    checked.check()  # reads ahead in a copy: the stream is unchanged
+    assert all(torch.equal(next(checked)[0], next(plain)[0]) for _ in range(5))
+    missing = DataSource(name="gone", path=str(tmp_path / "missing"))
+    with pytest.raises(DataError, match=r"^data source 'gone': no 'train' files for path="):
+        DataLoader(sources + [missing], tok, 64, 2, 0, 1, 2).check()
+    pq.write_table(pa.table({"text": ["a b c"] * 4}), damaged / "q.parquet")
+    corrupt(damaged / "q.parquet", 4, 200)  # the first row group: unreadable from the start
+    with pytest.raises(DataError, match=r"^data source 'q': reading .*q.parquet at row 0 failed"):
+        DataLoader([DataSource(name="q", path=str(damaged), data_files="q.parquet")], tok, 64, 2, 0, 1, 2).check()
+
+
+def test_heldout_windows_read_one_source_once_in_file_order(tok, tmp_path):
+    (tmp_path / "v").mkdir()
+    docs = {name: [f"{name} held-out document {i} " * (3 + i) for i in range(6)] for name in ("b", "a")}
+    for name, texts in docs.items():
+        with open(tmp_path / "v" / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    src = DataSource(name="v", path=str(tmp_path / "v"))
+    tokens = [t for name in ("a", "b") for text in docs[name] for t in tok.encode(text)]  # sorted files, BOS/EOS
+    windows = heldout_windows(src, tok, 15)
+    assert windows == [tokens[i:i + 16] for i in range(0, len(tokens) - 15, 16)]  # every complete window, once
+    assert heldout_windows(src, tok, 15, limit=3) == windows[:3] and heldout_windows(src, tok, 15) == windows
+    with pytest.raises(DataError, match=r"validation source 'v' has no complete sequence of seq_len\+1"):
+        heldout_windows(src, tok, len(tokens), None)
+    with pytest.raises(DataError, match="data source 'w'"):
+        heldout_windows(DataSource(name="w", path=str(tmp_path / "missing")), tok, 15)
+    # the bundled held-out slices, one per source of the debug config, outside its training globs
+    for name, path, files in HELDOUT:
+        assert len(heldout_windows(DataSource(name=name, path=os.path.join(ROOT, path), data_files=files), tok, 256)) >= 20
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_loader_workers_ignore_stop_signals_and_die_with_their_parent(tok, sources):
+    reference = DataLoader(sources, tok, 1024, 2, 0, 1, 1)
+    loader = DataLoader(sources, tok, 1024, 2, 0, 1, 1, num_workers=2)
+    loader.workers = data.Workers(loader.streams, 2)  # started here: the first signals reach them mid start-up
+    for step in range(120):  # well past the 64 documents each queue reads ahead
+        if step < 40:
+            for p in loader.workers.procs:
+                for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+                    os.kill(p.pid, sig)
+        assert torch.equal(next(loader)[0], next(reference)[0])
+    procs = loader.workers.procs
+    loader.close()
+    assert [p.exitcode for p in procs] == [0, 0]  # they ended when told, not by a signal
+    # a parent killed with SIGKILL cannot tell its workers: they notice and exit by themselves
+    parent = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time, tomllib
+sys.path.insert(0, {ROOT!r})
+import data
+srcs = data.sources_from_toml(tomllib.load(open("configs/debug_model.toml", "rb"))["data"]["sources"], "x")
+loader = data.DataLoader(srcs, data.Tokenizer({TOKENIZER!r}), 64, 2, 0, 1, 1, num_workers=1)
+next(loader)
+print(*[p.pid for p in loader.workers.procs], flush=True)
+time.sleep(120)
+"""], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # (its semaphore-leak warning)
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 1 and all(alive(p) for p in pids)
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 10
+    while any(alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids), "loader workers outlived their killed parent"

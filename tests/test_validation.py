@@ -38,10 +38,11 @@ def test_validation_rounds_are_reported_and_leave_training_untouched(one_process
     assert [r["step"] for r in rounds] == [2, 4]  # every freq steps, and at the last step
     for r in rounds:
         assert set(r) == {"step", "validation_loss", "validation_source_loss", "validation_tokens", "validation_seconds"}
-        assert r["validation_tokens"] == 2 * 8 * 256 and set(r["validation_source_loss"]) == {"c4"}
+        assert r["validation_tokens"] == 4 * 8 * 256  # 4 sources x 1 batch of 8 x 256 tokens
+        assert list(r["validation_source_loss"]) == ["c4", "zyda2_dclm", "zyda2_fwe3", "finemath"]
     assert rounds[1]["validation_loss"] < rounds[0]["validation_loss"]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("validate: step 4  loss ")]
-    assert len(lines) == 1 and " ppl " in lines[0] and "(c4 " in lines[0], proc.stdout
+    assert len(lines) == 1 and " ppl " in lines[0] and "(c4 " in lines[0] and ", finemath " in lines[0], proc.stdout
     _, without, none = train(tmp_path, "--validation.enable", "false", env=ONE_THREAD)
     assert none == [] and [r["loss"] for r in without] == [r["loss"] for r in steps]  # bitwise
 
@@ -64,11 +65,11 @@ def test_validation_loss_is_the_same_on_fsdp_and_tp_and_on_resume(one_process, t
 
 def test_a_missing_validation_source_stops_before_training(tmp_path):
     toml = open(os.path.join(ROOT, "configs", "debug_model.toml")).read()
-    (tmp_path / "c.toml").write_text(toml.replace("en/c4-validation.*.json.gz", "en/no-such-file.*.json.gz"))
+    (tmp_path / "c.toml").write_text(toml.replace("validation/fwe3/*.parquet", "validation/no-such-file/*.parquet"))
     proc = subprocess.run([sys.executable, "train.py", "--config", str(tmp_path / "c.toml"), "--job.dump_folder",
                            str(tmp_path / "d")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip().startswith("error: ") and len(proc.stderr.splitlines()) == 1
-    assert "'c4'" in proc.stderr and "step: " not in proc.stdout
+    assert "'zyda2_fwe3'" in proc.stderr and "step: " not in proc.stdout
 
 
 def wandb_records(path):
@@ -110,4 +111,4 @@ def test_wandb_offline_gets_the_same_scalars_and_a_resume_continues_the_run(tmp_
     records = [json.loads(ln) for ln in open(tmp_path / "metrics.jsonl")]
     step4 = [r for r in records if r["step"] == 4]
     assert logged[4]["loss"] == step4[0]["loss"] and logged[4]["validation_loss"] == step4[1]["validation_loss"]
-    assert logged[4]["validation_source_loss/c4"] == step4[1]["validation_source_loss"]["c4"]
+    assert logged[4]["validation_source_loss/finemath"] == step4[1]["validation_source_loss"]["finemath"]

@@ -1,0 +1,214 @@
+"""data.py's hub path, offline: the shipped configs' hub ids streamed from a small Hub on 127.0.0.1.
+
+huggingface_hub and datasets talk to tests/hub_fixture.py's server through HF_ENDPOINT; nothing leaves the
+loopback interface. The repos are laid out like allenai/c4, Zyphra/Zyda-2 and HuggingFaceTB/finemath, so
+the `config` / `data_files` values of configs/llama3_8b.toml resolve as they do on the real Hub.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import tomllib
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import data  # noqa: E402
+from data import DataError, DataLoader, DataSource, Tokenizer  # noqa: E402
+from hub_fixture import Hub, make_repos, point_libraries_at, write_mirror  # noqa: E402
+
+TOKEN = "hf_testTokenThatMustNeverBePrinted123"
+# What huggingface_hub 2.4 and datasets 5.2 asked for while these tests ran (the fixture serves these only).
+ENDPOINTS = {"GET /api/agent-harnesses", "GET /api/datasets/{repo}", "GET /api/datasets/{repo}/revision/{rev}",
+             "GET /api/datasets/{repo}/tree/{rev}?expand&recursive",
+             "GET /api/datasets/{repo}/tree/{rev}/{path}?expand&recursive",
+             "GET /api/datasets/{repo}/tree/{rev}/{path}?cursor&expand&recursive",
+             "HEAD /datasets/{repo}/resolve/{rev}/{path}", "GET /datasets/{repo}/resolve/{rev}/{path}",
+             "GET /datasets/{repo}/resolve/{rev}/{path} Range"}
+
+
+@pytest.fixture(scope="module")
+def repos():
+    return make_repos()
+
+
+@pytest.fixture
+def hub(repos, monkeypatch, tmp_path):
+    server = Hub(repos)
+    point_libraries_at(server.endpoint, monkeypatch, str(tmp_path / "cache"))
+    data.resolve_files.cache_clear()
+    yield server
+    data.resolve_files.cache_clear()
+    server.close()
+    if os.environ.get("HUB_ENDPOINTS_LOG"):  # to list what the libraries asked for across the tests
+        with open(os.environ["HUB_ENDPOINTS_LOG"], "a") as f:
+            f.writelines(e + "\n" for e in server.endpoints())
+    unhandled = [r["path"] for r in server.log if r.get("unhandled")]
+    assert not unhandled, f"the libraries asked for endpoints the test hub does not serve: {unhandled}"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer(os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model"))
+
+
+def shipped_sources() -> list:
+    with open(os.path.join(ROOT, "configs", "llama3_8b.toml"), "rb") as f:
+        return data.sources_from_toml(tomllib.load(f)["data"]["sources"], "llama3_8b.toml")
+
+
+def batches(loader, n: int) -> list:
+    return [next(loader)[0] for _ in range(n)]
+
+
+def test_shipped_hub_sources_stream_like_their_local_mirror_and_resume_exactly(hub, repos, tok, tmp_path):
+    """The 8B config's six sources from the hub give the same tokens (so the same shares) as the same
+    files in local folders, and a loader resumed from a state dict continues the stream exactly."""
+    hub_sources = shipped_sources()
+    mirrors = {r: write_mirror(repos, str(tmp_path / r.replace("/", "__")), r) for r in {s.path for s in hub_sources}}
+    local_sources = [DataSource(**{**s.__dict__, "path": mirrors[s.path]}) for s in hub_sources]
+
+    def make(sources):
+        return DataLoader(sources, tok, 128, 4, 0, 1, 2, seed=7)
+
+    local = make(local_sources)
+    expected = batches(local, 60)
+    from_hub = make(hub_sources)
+    from_hub.check()
+    got = batches(from_hub, 25)
+    state = json.loads(json.dumps(from_hub.state_dict()))
+    resumed = make(hub_sources)
+    resumed.load_state_dict({int(k): v for k, v in state.items()})
+    got += batches(resumed, 35)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert resumed.source_tokens() == local.source_tokens()
+    assert all(n > 0 for n in local.source_tokens().values())
+    print("endpoints used:\n  " + "\n  ".join(hub.endpoints()))
+    assert set(hub.endpoints()) <= ENDPOINTS
+    assert any("cursor" in r["path"] for r in hub.log), "the tree listing was not paginated"
+
+
+def test_a_pinned_revision_is_read(hub, repos, tok):
+    old = repos["allenai/c4"]["refs"]["v0.1"]
+    for revision in ("v0.1", old):  # a tag or a commit sha
+        data.resolve_files.cache_clear()
+        src = DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz", revision=revision)
+        text = tok.decode(next(DataLoader([src], tok, 64, 1, 0, 1, 1))[0][0].tolist())
+        assert "old revision document 0" in text
+    reads = [r["path"] for r in hub.log if r["path"].endswith(".json.gz")]
+    assert reads and all(f"/resolve/{old}/" in p for p in reads)
+    main = DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz")
+    assert "old revision" not in tok.decode(next(DataLoader([main], tok, 64, 1, 0, 1, 1))[0][0].tolist())
+
+
+def test_heldout_windows_from_c4s_validation_split(hub, tok):
+    """What a [[validation.sources]] table for the real configs reads: C4's `en` config, split `validation`."""
+    src = DataSource(name="c4", path="allenai/c4", config="en", split="validation")
+    windows = data.heldout_windows(src, tok, 256)
+    assert len(windows) >= 20 and all(len(w) == 257 for w in windows) and windows[0][0] == tok.bos_id
+    assert [r for r in hub.log if "c4-validation" in r["path"]] and not [r for r in hub.log if "c4-train" in r["path"]]
+
+
+def test_resume_seeks_by_range_into_a_parquet_file(hub, tok):
+    """A resume deep inside a parquet file reads its footer and one row group, not the file."""
+    src = DataSource(name="dclm", path="Zyphra/Zyda-2", config="dclm_crossdeduped")
+
+    def make():
+        return DataLoader([src], tok, 512, 1, 0, 1, 1, seed=3)
+
+    loader = make()
+    while loader.streams[0].positions[0]["row"] < 400:
+        next(loader)
+    state = loader.state_dict()
+    expected = batches(loader, 3)
+    name = loader.streams[0].readers[0]._files()[state[0]["readers"][0]["file"]].rsplit("/", 1)[1]
+    start = len(hub.log)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(batches(resumed, 3), expected))
+    reads = [r for r in hub.log[start:] if r["path"].endswith(name) and r["method"] == "GET"]
+    served = sum(r["bytes"] for r in reads)
+    size = reads[0]["size"]
+    print(f"resumed at row {state[0]['readers'][0]['row']}: {served:,} of {size:,} bytes served "
+          f"({served / size:.1%}) in {len(reads)} range requests")
+    assert all(r["range"] for r in reads) and served < 0.1 * size
+
+
+def test_transient_answers_are_retried_with_backoff(hub, tok, monkeypatch):
+    sleeps = []
+    monkeypatch.setattr(time, "sleep", sleeps.append)  # the libraries' and data.py's pauses, recorded, not slept
+    sources = [DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz"),
+               DataSource(name="fm", path="HuggingFaceTB/finemath", config="finemath-3plus")]
+    # more consecutive failures than huggingface_hub's own 5 retries: data.py's retry must take over
+    hub.faults = {"/api/datasets/allenai/c4/revision": [503, 502], "/tree/": [429],
+                  "c4-train.": [503] * 7, "finemath-3plus/train-": [500, 429, 504, 503, 503, 503, 500]}
+    got = batches(DataLoader(sources, tok, 128, 1, 0, 1, 1), 30)
+    assert not any(hub.faults.values()), f"faults not reached: {hub.faults}"
+    data.resolve_files.cache_clear()
+    expected = batches(DataLoader(sources, tok, 128, 1, 0, 1, 1), 30)  # the faults are used up
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert len(sleeps) >= 10 and max(sleeps) > min(sleeps)  # growing pauses
+
+
+def test_hub_refusals_end_with_one_line_naming_the_repo_and_what_to_do(hub, tok, monkeypatch):
+    sleeps = []
+    monkeypatch.setattr(time, "sleep", sleeps.append)
+
+    def error(src) -> str:
+        data.resolve_files.cache_clear()
+        with pytest.raises(DataError) as e:
+            DataLoader([src], tok, 64, 1, 0, 1, 1).check()
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    for src in [DataSource(name="c5", path="allenai/c5"),  # no such repo (401 without a token, as the Hub does)
+                DataSource(name="gated", path="org/gated-set")]:  # gated, no token
+        hub.tokens["org/gated-set"] = TOKEN
+        msg = error(src)
+        assert f"the Hub refused {src.path!r}" in msg and "hf auth login" in msg and "accept its terms" in msg
+    assert "revision" in error(DataSource(name="c4", path="allenai/c4", revision="no-such-tag"))
+    assert not sleeps  # refusals are not retried
+    # a file that disappears (404) while reading: at once, one line
+    hub.faults = {"finemath-3plus/train-": [404]}
+    msg = error(DataSource(name="fm", path="HuggingFaceTB/finemath", config="finemath-3plus"))
+    assert "the Hub refused 'HuggingFaceTB/finemath' (HTTP 404) while reading hf://" in msg and not sleeps
+    # a server that stays down: the retries run out, then one line
+    monkeypatch.setattr(data, "RETRY_DELAYS", (1, 2))
+    hub.faults = {"finemath-3plus/train-": [503] * 100}
+    msg = error(DataSource(name="fm", path="HuggingFaceTB/finemath", config="finemath-3plus"))
+    assert "failed 3 times (HfHubHTTPError" in msg and "503" in msg
+
+
+def test_hf_token_is_sent_as_a_header_and_never_printed(hub, tok, monkeypatch, capsys, caplog):
+    hub.tokens["org/gated-set"] = TOKEN
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    src = DataSource(name="gated", path="org/gated-set")
+    assert "gated" in tok.decode(next(DataLoader([src], tok, 32, 1, 0, 1, 1))[0][0].tolist())
+    gated = [r for r in hub.log if "org/gated-set" in r["path"]]
+    assert gated and all(r["auth"] == f"Bearer {TOKEN}" for r in gated)
+    monkeypatch.setenv("HF_TOKEN", TOKEN[:-1])  # a wrong token: refused, and the line does not echo it
+    data.resolve_files.cache_clear()
+    with pytest.raises(DataError) as e:
+        DataLoader([src], tok, 32, 1, 0, 1, 1).check()
+    out = capsys.readouterr()
+    assert TOKEN[:-1] not in str(e.value) + out.out + out.err + caplog.text
+
+
+def test_data_cli_streams_the_8b_config_from_the_hub(hub, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf"), HF_TOKEN=TOKEN)
+    out = subprocess.run([sys.executable, "data.py", "--config", "configs/llama3_8b.toml", "--tokens", "40000",
+                          "--model.tokenizer_path", "assets/tokenizer/tokenizer.model"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    for name in ("zyda2_dclm", "zyda2_fineweb_edu", "zyda2_dolma_cc", "zyda2_zyda", "c4", "finemath"):
+        assert f"{name}: " in out.stdout
+    assert "share" in out.stdout and "tokens/s" in out.stdout and "2 worker(s)" in out.stdout
+    assert TOKEN not in out.stdout + out.stderr
+    assert all(r["auth"] == f"Bearer {TOKEN}" for r in hub.log if r["path"].startswith("/datasets/"))
