@@ -305,8 +305,10 @@ def test_preemption_signal_saves_and_ends_the_job_however_it_is_delivered(delive
         time.sleep(0.2)
     assert not [p for p in job if alive(p)] and time.time() - start < 30, out[-3000:]
     stopped = int(re.search(r"stopping at step (\d+) on signal", out).group(1))
-    assert steps_saved(tmp_path) == [stopped] and "Traceback" not in out, out[-3000:]
-    assert "exitcode" not in out  # torchrun reports no rank that failed
+    assert steps_saved(tmp_path) == [stopped] and 'train.py", line' not in out, out[-3000:]  # no rank's traceback
+    # No rank failed (torchrun lists failed ranks' exit codes) and none had to be killed by torchrun after
+    # its 30 s grace period: each exited by itself. (torchrun, signalled itself, re-raises the signal.)
+    assert "exitcode" not in out and "forcefully exiting" not in out, out[-3000:]
     if delivery == "every process":  # and the resumed run continues exactly
         run(tmp_path, *FSDP, "--data.num_workers", 2, "--checkpoint.interval", 100)
         assert logged(tmp_path) == reference["fsdp"]
