@@ -495,25 +495,26 @@ OPTIONS = {  # --section.key: (type, default, doc), defaults as in train.py
     "data.num_workers": (int, 0, "loader processes that read and tokenize ahead; 0: in this process")}
 
 
-def sources_from_toml(tables, where: str) -> list:
-    """[[data.sources]] tables -> DataSources; an unknown key, a wrong type or a bad weight is one DataError line."""
+def sources_from_toml(tables, where: str, section: str = "data") -> list:
+    """[[data.sources]] (or [[validation.sources]]) tables -> DataSources; an unknown key, a wrong type or a
+    bad weight is one DataError line. train.py's config and this module's CLI both read sources here."""
     if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
-        raise DataError(f"{where}: data.sources must be one or more [[data.sources]] tables")
+        raise DataError(f"{where}: {section}.sources must be one or more [[{section}.sources]] tables")
     keys, out = [f.name for f in fields(DataSource)], []
     for n, table in enumerate(tables):
         for k, v in table.items():
             if k not in keys:
                 close = difflib.get_close_matches(k, keys, n=3)
-                raise DataError(f"{where}: unknown key {k!r} in [[data.sources]] {n}; "
+                raise DataError(f"{where}: unknown key {k!r} in [[{section}.sources]] {n}; "
                                 + (f"did you mean {', '.join(close)}?" if close else f"valid: {', '.join(keys)}"))
             if isinstance(v, bool) or not isinstance(v, (int, float) if k == "weight" else str):
-                raise DataError(f"{where}: data.sources[{n}].{k}: expected a "
+                raise DataError(f"{where}: {section}.sources[{n}].{k}: expected a "
                                 f"{'number' if k == 'weight' else 'string'}, got {v!r}")
         out.append(DataSource(**{**table, "weight": float(table.get("weight", 1.0))}))
         if not out[-1].name or not out[-1].path or not out[-1].weight >= 0:
-            raise DataError(f"{where}: data.sources[{n}] needs a name, a path and a weight >= 0 (got {table})")
+            raise DataError(f"{where}: {section}.sources[{n}] needs a name, a path and a weight >= 0 (got {table})")
     if sum(s.weight for s in out) <= 0:
-        raise DataError(f"{where}: the data.sources weights sum to 0; give one source a positive weight")
+        raise DataError(f"{where}: the {section}.sources weights sum to 0; give one source a positive weight")
     return out
 
 

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
-from data import DataError, DataLoader, DataSource, Tokenizer, heldout_windows
+from data import DataError, DataLoader, Tokenizer, heldout_windows, sources_from_toml
 from model import Transformer, flavors, keyed_normal_
 
 logger = logging.getLogger("train")
@@ -210,23 +210,14 @@ def _set(cfg: Config, section: str, key: str, value, where: str):
     keys = {f.name: f for f in dataclasses.fields(obj)}
     if key not in keys:
         raise _unknown(f"key in [{section}]", key, keys)
-    if key == "sources":
-        if not isinstance(value, list) or not all(isinstance(s, dict) for s in value):
-            raise ConfigError(f"{where}: {section}.sources must be [[{section}.sources]] tables in the TOML")
-        value = [_source(s, f"{where} {section}.sources[{i}]") for i, s in enumerate(value)]
+    if key == "sources":  # [[data.sources]] tables: data.py checks them (its CLI reads them too)
+        try:
+            value = sources_from_toml(value, where, section)
+        except DataError as e:
+            raise ConfigError(str(e))
     else:
         value = _convert(value, typing.get_type_hints(type(obj))[key], f"{where} {section}.{key}")
     setattr(obj, key, value)
-
-
-def _source(d: dict, where: str) -> DataSource:
-    src, types = DataSource(), typing.get_type_hints(DataSource)
-    for k, v in d.items():
-        if k not in types:
-            raise _unknown(f"key in {where}", k, types)
-        typ = typing.get_args(types[k])[0] if typing.get_origin(types[k]) is typing.Union else types[k]
-        setattr(src, k, _convert(v, typ, f"{where}.{k}"))
-    return src
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -349,14 +340,8 @@ def validate(cfg: Config, world_size: int) -> dict:
     if gbs % (t.local_batch_size * dp):
         raise ConfigError(f"training.global_batch_size = {gbs} must be a multiple of local_batch_size "
                           f"{t.local_batch_size} x data-parallel degree {dp}")
-    for section, sources in (("data", cfg.data.sources), ("validation", v.sources if v.enable else [])):
-        for s in sources:
-            if not s.name or not s.path:
-                raise ConfigError(f"{section}.sources: every source needs a name and a path (got {s})")
-            if not (s.weight >= 0 and math.isfinite(s.weight)):
-                raise ConfigError(f"{section}.sources {s.name!r}: weight = {s.weight} must be >= 0")
-    if not cfg.data.sources or sum(s.weight for s in cfg.data.sources) <= 0:
-        raise ConfigError("data.sources: add [[data.sources]] tables to the TOML, at least one with weight > 0")
+    if not cfg.data.sources:
+        raise ConfigError("data.sources is empty; add [[data.sources]] tables to the TOML")
     if v.enable and not v.sources:
         raise ConfigError("validation.enable is set but validation.sources is empty; add [[validation.sources]] tables")
     streams = cfg.data.num_streams or dp
