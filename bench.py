@@ -24,6 +24,7 @@ import itertools
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -38,6 +39,91 @@ def fail(msg: str):
     print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
 
+
+# --- the memory estimate: byte counts tied to model.py's ops and train.py's layout (re-check after editing either)
+
+def resident_bytes() -> int:
+    """The process's resident memory now (Linux), or its peak so far elsewhere (close to it at start-up)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # no /proc (macOS): ru_maxrss is in bytes there, KiB on Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
+    """Bytes per device at the peak of a training step, by part, for eager mode (compile keeps less).
+
+    Weights, gradients and AdamW's two moments are fp32, sharded over dp_shard x tp. At the peak FSDP
+    holds the root's weights (embedding, norm, output) and the last block gathered in the param dtype. Per
+    block and token, backward keeps (counted from model.py's ops; b: bytes of the param dtype, d: dim,
+    kv: kv heads x head_dim, f: FFN hidden; the fp32 copies in RMSNorm and rope are 4 bytes each):
+      AC none 7bd + 12d + 4kv + 4bf + 4 n_heads; selective op b(5d + 2kv + 2f) (the matmul and attention
+      outputs); full bd (the block input). With AC one block's full set comes back during its backward.
+    The loss keeps fp32 log-probs (tokens x vocab) and its backward holds two more such tensors.
+    CPU adds the process's resident memory before the model exists (Python, torch, tokenizer).
+    """
+    a, t, p = model.args, cfg.training, cfg.parallelism
+    tp, shards = p.tensor_parallel_degree, sizes["dp_shard"] * p.tensor_parallel_degree
+    b = 2 if t.mixed_precision_param == "bfloat16" else 4
+    n_total, n_block = model.num_params(), sum(q.numel() for q in model.layers[0].parameters())
+    d, kv, f = a.dim, model.layers[0].attention.wk.out_features, model.layers[0].feed_forward.w1.out_features
+    tokens = t.local_batch_size * t.seq_len
+    # With sequence parallelism the norms see tokens / tp; attention and FFN see a tp-th of the heads and
+    # hidden units over all tokens; the inputs gathered for wq/wk/wv and w1/w3 and the partial sums out of
+    # wo and w2 are full size.
+    norm = 2 * (b * d + 4 * d) / tp
+    full_block = norm + (5 * b * d + 4 * d + 4 * kv + 4 * b * f + 4 * a.n_heads) / tp + (2 * b * d if tp > 1 else 0)
+    saved = {"none": full_block, "full": b * d / tp,  # op: wq, attention, wk, wv, w1, w3 | input | wo, w2
+             "op": b * (2 * d + 2 * kv + 2 * f) / tp + b * d / tp + 2 * b * d}
+    ac = cfg.activation_checkpoint
+    mode = "op" if ac.mode == "selective" and ac.selective_ac_option == "op" else ac.mode
+    if mode == "selective":  # full AC on every Nth block, none on the others
+        n_ac = len(range(0, a.n_layers, int(ac.selective_ac_option)))
+        all_blocks = n_ac * saved["full"] + (a.n_layers - n_ac) * full_block
+    else:
+        all_blocks = a.n_layers * saved[mode]
+    parts = {"weights": 4 * n_total / shards, "optimizer": 8 * n_total / shards, "gradients": 4 * n_total / shards,
+             "gathered": b * (n_total - (a.n_layers - 1) * n_block) / tp,  # the root and the last block
+             "activations": tokens * (all_blocks + (4 * d + b * d) / tp),  # + the final norm
+             "loss": tokens * 12 * a.vocab_size / tp,  # vocab-sharded under TP (loss parallel)
+             "runtime": 0 if cuda else resident_bytes()}
+    # Two candidate peaks. (1) The loss's backward: every block's activations and the loss tensors (and
+    # the gradients under accumulation; otherwise zero_grad(set_to_none) freed them). (2) A block's
+    # backward: gradients of the blocks above, activations of the blocks below, and the block's own
+    # working set (what AC recomputes, plus about two FFN-sized gradients). It peaks at the top or the
+    # bottom block: linear in between.
+    at_loss = parts["activations"] + parts["loss"] + (parts["gradients"] if sizes["grad_accum"] > 1 else 0)
+    working = tokens * (full_block - (saved[mode] if mode in saved else all_blocks / a.n_layers) + 2 * b * f / tp)
+    grad_out, grad_block = 4 * (model.output.weight.numel() + d) / shards, 4 * n_block / shards
+    if sizes["grad_accum"] > 1:
+        in_blocks = parts["gradients"] + parts["activations"] + working
+    else:
+        in_blocks = working + grad_out + max(grad_block + parts["activations"],
+                                             a.n_layers * grad_block + parts["activations"] / a.n_layers)
+    parts["total"] = (parts["weights"] + parts["optimizer"] + parts["gathered"] + parts["runtime"]
+                      + max(at_loss, in_blocks, parts["gradients"]))
+    return parts
+
+
+def format_estimate(parts: dict) -> str:
+    items = "  ".join(f"{k} {v / 2**30:.2f}" for k, v in parts.items() if k != "total" and v)
+    return f"memory estimate per device: {parts['total'] / 2**30:.2f} GiB ({items} GiB)"
+
+
+def model_and_sizes(extra: list, world_size: int):
+    """The config, a meta-device model (shapes only: any flavor on any machine) and train.validate's sizes."""
+    import torch
+    import train
+    from model import Transformer
+    cfg = train.load_config(extra)
+    sizes = train.validate(cfg, world_size)
+    with torch.device("meta"):
+        return cfg, Transformer(train.flavor_args(cfg)), sizes
+
+
+
+# --- timings
 
 def run_trainer(extra: list, steps: int, log_freq: int, nproc: int = 1):
     """train.py for `steps` steps (under torchrun when nproc > 1): (its metrics.jsonl records, its output),
@@ -135,27 +221,26 @@ def startup(args, extra):
 
 
 def memory(args, extra):
-    import train
-    cfg = train.load_config(extra)
-    import torch
-    from model import Transformer
-    sizes = train.validate(cfg, args.world_size)
-    with torch.device("meta"):  # shapes only: any flavor on any machine
-        model = Transformer(train.flavor_args(cfg))
-    print(train.format_estimate(train.estimate_memory(model, cfg, sizes, cuda=args.device == "cuda")))
+    cfg, model, sizes = model_and_sizes(extra, args.world_size)
+    print(format_estimate(estimate_memory(model, cfg, sizes, cuda=args.device == "cuda")))
 
 
 def matrix(args, extra):
     """One trainer run per combination of the --vary values: a markdown table of what its log says."""
+    import torch
+    import train
     names = [v.partition("=")[0] for v in args.vary]
     choices = [v.partition("=")[2].split(",") for v in args.vary]
     print(f"| {' | '.join(names)} | tps | tflops | mfu | peak memory GiB | allocated GiB | estimate GiB |")
     print("|" + "---|" * (len(names) + 6))
     for combo in itertools.product(*choices):
         overrides = [x for name, value in zip(names, combo) for x in (f"--{name}", value)]
+        try:  # what `bench.py memory` says for this run
+            cfg, model, sizes = model_and_sizes([*extra, *overrides], args.nproc)
+            estimate = f"{estimate_memory(model, cfg, sizes, cuda=torch.cuda.is_available())['total'] / 2**30:.2f}"
+        except train.ConfigError:  # train.py says why in the row
+            estimate = "-"
         records, out = run_trainer([*extra, *overrides], args.steps, args.warmup, args.nproc)
-        estimate = re.search(r"memory estimate per device: ([\d.]+) GiB", out)
-        estimate = estimate.group(1) if estimate else "-"
         if records is None:  # an OOM or a bad combination: say so and go on with the next
             last = next((ln for ln in reversed(out.splitlines()) if ln.strip()), "")
             print(f"| {' | '.join(combo)} | failed: {last[:120]} | | | | | {estimate} |", flush=True)

@@ -27,7 +27,7 @@ def test_matrix_runs_every_combination_and_reports_failures():
         else:
             assert re.fullmatch(r"[\d,]+", cells[2]) and cells[4] == "n/a" and float(cells[5]) > 0, row
     est = {tuple(c.strip() for c in r.strip("|").split("|")[:2]): r.strip("|").split("|")[-1] for r in rows}
-    assert float(est[("full", "4")]) < float(est[("none", "4")])  # the start-up estimate, per run
+    assert float(est[("full", "4")]) < float(est[("none", "4")])  # bench.py's estimate, per run
 
 
 def test_memory_prints_the_estimate_for_a_big_flavor_with_fewer_layers():
