@@ -1,23 +1,16 @@
-"""Benchmarks for the trainer's own costs: numbers for the README come from here and from the training log.
+"""Measurements, not training: numbers for the README come from here and from the training log.
 
     python bench.py overhead --config configs/debug_model.toml   # trainer tokens/s vs a bare fwd/bwd/AdamW loop
     python bench.py startup --config configs/debug_model.toml    # seconds to the first step beyond `import torch`
-    python bench.py memory --config configs/llama3_8b.toml --world_size 8   # the start-up memory estimate only
-    python bench.py matrix --config configs/debug_model.toml \
-        --vary activation_checkpoint.mode=none,full --vary training.local_batch_size=4,8   # one run per combination
+    python bench.py memory --config configs/llama3_8b.toml --world_size 8   # memory per GPU; fits an H100/H200?
+    python bench.py matrix --config configs/debug_model.toml --vary activation_checkpoint.mode=none,full \
+        --vary training.local_batch_size=4,8   # one trainer run per combination (--nproc 8: under torchrun)
     python data.py --config configs/debug_model.toml               # the data loader alone, tokens/s
 
-On one GPU, an 8B-wide model on the bundled data (no network needed), every AC mode with and without compile:
-
-    python bench.py matrix --config configs/debug_model.toml --model.flavor 8B --model.n_layers 8 \
-        --training.seq_len 8192 --training.local_batch_size 1 --data.num_streams 1 \
-        --training.mixed_precision_param bfloat16 --optimizer.lr 3e-4 \
-        --vary activation_checkpoint.mode=none,selective,full --vary compile.enable=false,true
-
-`--nproc 8` runs each combination under `torchrun --standalone --nproc_per_node 8` (e.g. the 8B config).
-Extra `--section.key value` arguments go to train.py. Timings on a shared machine are noisy: `overhead`
-alternates trainer and bare runs `--repeats` times and compares medians; `matrix` and `overhead` time
-only the steps after `--warmup`."""
+`python bench.py WHAT --help` lists each one's options; other `--section.key value` arguments go to
+train.py's config. Timings on a shared machine are noisy: `overhead` alternates its two sides
+`--repeats` times and reports medians and the load average; only the steps after `--warmup` count.
+README's Performance section has the one-GPU matrix (8B width, every AC mode, compile on and off)."""
 
 import argparse
 import itertools
@@ -122,6 +115,20 @@ def model_and_sizes(extra: list, world_size: int):
         return cfg, Transformer(train.flavor_args(cfg)), sizes
 
 
+GPUS = [("H100 80 GB", 81559 * 2**20), ("H200 141 GB", 143771 * 2**20)]  # what the devices report (nvidia-smi MiB)
+
+
+def memory(args, extra):
+    import train
+    if args.world_size is None and train.load_config(extra).model.flavor != "debugmodel":
+        fail("--world_size is missing: the number of GPUs in the job (e.g. --world_size 8); it sets the sharding")
+    cfg, model, sizes = model_and_sizes(extra, args.world_size or 1)
+    parts = estimate_memory(model, cfg, sizes, cuda=args.device == "cuda")
+    print(format_estimate(parts))
+    for name, capacity in GPUS if args.device == "cuda" else []:  # "fits": 15% left for allocator fragmentation
+        verdict = "fits" if 1.15 * parts["total"] <= capacity else "tight" if parts["total"] <= capacity else "too big"
+        print(f"{name}: {verdict} ({100 * parts['total'] / capacity:.0f}% of its memory)")
+
 
 # --- timings
 
@@ -144,12 +151,30 @@ def steady_tps(records: list, warmup: int) -> float:
     return statistics.harmonic_mean(r["tps"] for r in records if r["step"] > warmup)
 
 
-def trainer_tps(extra: list, steps: int, warmup: int) -> float:
-    """Steady-state tokens/s per process of `python train.py`, from its metrics.jsonl (steps after warmup)."""
-    records, out = run_trainer(extra, steps, warmup)
-    if records is None:
-        sys.exit(f"error: train.py failed:\n{out[-2000:]}")
-    return steady_tps(records, warmup)
+def trainer_tps(extra: list, args, nproc: int = 1) -> float:
+    """Steady-state tokens/s per process of train.py, from its metrics.jsonl (the steps after the warmup)."""
+    records, out = run_trainer(extra, args.steps, args.warmup, nproc)
+    return steady_tps(records, args.warmup) if records else sys.exit(f"error: train.py failed:\n{out[-2000:]}")
+
+
+def side_by_side(runs: dict, repeats: int, load=os.getloadavg) -> dict:
+    """Runs the two sides in turn (A B A B ...), so a change in the machine's load hits both; prints each
+    pair, then the median of the pair ratios (first side / second), the medians and the load it saw."""
+    (a, _), (b, _) = runs.items()
+    tps, ratios, loads = {a: [], b: []}, [], []
+    for i in range(repeats):
+        for name, run in runs.items():
+            loads.append(load()[0])
+            tps[name].append(run())
+        loads.append(load()[0])
+        ratios.append(tps[a][-1] / tps[b][-1])
+        print(f"pair {i + 1}: {a} {tps[a][-1]:,.0f}, {b} {tps[b][-1]:,.0f} tokens/s per process, ratio "
+              f"{ratios[-1]:.3f}, load {' '.join(f'{x:.1f}' for x in loads[-3:])}", flush=True)
+    med = {name: statistics.median(v) for name, v in tps.items()}
+    print(f"{a} / {b}: {statistics.median(ratios):.3f} (median of {repeats} pair ratios "
+          f"{', '.join(f'{r:.3f}' for r in ratios)}; medians {med[a]:,.0f} / {med[b]:,.0f} = {med[a] / med[b]:.3f} "
+          f"tokens/s); 1-minute load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores")
+    return {"ratio": statistics.median(ratios), "ratios": ratios, "medians": med, "load": (min(loads), max(loads))}
 
 
 def bare_tps(cfg, steps: int, warmup: int) -> float:
@@ -190,14 +215,8 @@ def bare_tps(cfg, steps: int, warmup: int) -> float:
 def overhead(args, extra):
     import train
     cfg = train.load_config(extra)
-    ours, bare = [], []
-    for i in range(args.repeats):
-        ours.append(trainer_tps(extra, args.steps, args.warmup))
-        bare.append(bare_tps(cfg, args.steps, args.warmup))
-        print(f"run {i + 1}: trainer {ours[-1]:,.0f} tokens/s, bare loop {bare[-1]:,.0f} tokens/s", flush=True)
-    ratio = statistics.median(ours) / statistics.median(bare)
-    print(f"overhead: trainer {statistics.median(ours):,.0f} / bare {statistics.median(bare):,.0f} tokens/s "
-          f"= {ratio:.3f} (medians of {args.repeats}, {args.steps - args.warmup} timed steps each)")
+    side_by_side({"trainer": lambda: trainer_tps(extra, args),
+                  "bare loop": lambda: bare_tps(cfg, args.steps, args.warmup)}, args.repeats)
 
 
 def startup(args, extra):
@@ -218,11 +237,6 @@ def startup(args, extra):
     imp, run = statistics.median(imports), statistics.median(runs)
     print(f"startup: `import torch` {imp:.2f}s, train.py through step 1 and exit {run:.2f}s: "
           f"{run - imp:.2f}s beyond importing torch (medians of {args.repeats})")
-
-
-def memory(args, extra):
-    cfg, model, sizes = model_and_sizes(extra, args.world_size)
-    print(format_estimate(estimate_memory(model, cfg, sizes, cuda=args.device == "cuda")))
 
 
 def matrix(args, extra):
@@ -254,29 +268,46 @@ def matrix(args, extra):
               f"{estimate} |", flush=True)
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["overhead", "startup", "memory", "matrix"])
-    p.add_argument("--steps", type=int, default=60, help="overhead: steps per run")
-    p.add_argument("--warmup", type=int, default=10, help="overhead: untimed steps at the start of each run")
-    p.add_argument("--repeats", type=int, default=3, help="runs of each kind")
-    p.add_argument("--world_size", type=int, default=1, help="memory: GPUs in the job")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="memory: estimate for this device")
-    p.add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=A,B",
-                   help="matrix: a config key and its values; several --vary give every combination")
-    p.add_argument("--nproc", type=int, default=1, help="matrix: processes per run (torchrun --standalone)")
-    a, rest = p.parse_known_args()
+def main(argv: list):
+    p = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0],
+                                epilog="python bench.py WHAT --help lists its options")
+    sub = p.add_subparsers(dest="what", required=True, metavar="WHAT")
+    for what, doc in [("overhead", "trainer tokens/s vs a bare forward/backward/AdamW loop on the same model"),
+                      ("startup", "seconds from launch to the first step, beyond `import torch`"),
+                      ("memory", "the memory estimate per device for any flavor and layout; does it fit a GPU"),
+                      ("matrix", "one trainer run per combination of --vary values: a markdown table of its log")]:
+        job = sub.add_parser(what, help=doc, description=doc, epilog="Other --section.key value arguments set "
+                             "train.py's config (python train.py --help lists them).")
+        job.add_argument("--config", help="train.py's TOML config (e.g. configs/debug_model.toml)")
+        if what in ("overhead", "matrix"):
+            job.add_argument("--steps", type=int, default=60, help="steps per run")
+            job.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run "
+                             "(--steps must be a multiple of it)")
+        if what in ("overhead", "startup"):
+            job.add_argument("--repeats", type=int, default=3, help="runs of each kind, alternated; medians reported")
+        if what == "matrix":
+            job.add_argument("--nproc", type=int, default=1,
+                             help="processes per run (torchrun --standalone --nproc_per_node)")
+    jobs = sub.choices
+    jobs["memory"].add_argument("--world_size", type=int, help="GPUs in the job (needed for all but debugmodel)")
+    jobs["memory"].add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                                help="estimate for this device (cpu adds the process's resident memory)")
+    jobs["matrix"].add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=A,B",
+                                help="a config key and its values; several --vary give every combination")
+    a, rest = p.parse_known_args(argv)
+    rest = (["--config", a.config] if a.config else []) + rest
     for name in ("warmup", "repeats", "world_size", "nproc"):
-        if getattr(a, name) < 1:
+        if getattr(a, name, None) is not None and getattr(a, name) < 1:
             fail(f"--{name} {getattr(a, name)}: must be >= 1")
-    if a.what in ("overhead", "matrix") and (a.steps <= a.warmup or a.steps % a.warmup):
+    if "steps" in a and (a.steps <= a.warmup or a.steps % a.warmup):
         fail("--steps must be a multiple of --warmup and larger than it")
-    bad = [v for v in a.vary if not re.fullmatch(r"\w+\.\w+=[^,]+(,[^,]+)*", v)]
-    if bad or (a.what == "matrix" and not a.vary):
+    vary = getattr(a, "vary", [])
+    bad = [v for v in vary if not re.fullmatch(r"\w+\.\w+=[^,]+(,[^,]+)*", v)]
+    if bad or (a.what == "matrix" and not vary):
         fail(f"--vary {bad[0] if bad else '(none given)'}: expected section.key=value1,value2")
     # bench.py sets these itself on every trainer run; a user's value would be silently overridden
     ours = {"training.steps", "metrics.log_freq", "job.dump_folder", "checkpoint.enable"}
-    taken = [k for k in [v.partition("=")[0] for v in a.vary] + [x[2:].partition("=")[0] for x in rest] if k in ours]
+    taken = [k for k in [v.partition("=")[0] for v in vary] + [x[2:].partition("=")[0] for x in rest] if k in ours]
     if taken:
         fail(f"{taken[0]} is set by bench.py (use --steps and --warmup); leave it out")
     import train
@@ -284,3 +315,7 @@ if __name__ == "__main__":
         {"overhead": overhead, "startup": startup, "memory": memory, "matrix": matrix}[a.what](a, rest)
     except train.ConfigError as e:  # a bad key or value: one line
         fail(str(e))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -30,17 +32,63 @@ def test_matrix_runs_every_combination_and_reports_failures():
     assert float(est[("full", "4")]) < float(est[("none", "4")])  # bench.py's estimate, per run
 
 
-def test_memory_prints_the_estimate_for_a_big_flavor_with_fewer_layers():
-    full = bench("memory", "--config", "configs/llama3_8b.toml", "--world_size", "8")
-    short = bench("memory", "--config", "configs/llama3_8b.toml", "--world_size", "1", "--model.n_layers", "8")
+def test_memory_prints_the_estimate_for_a_big_flavor_with_fewer_layers(capsys):
+    import bench as b
+
+    def memory(*args):
+        b.main(["memory", "--config", os.path.join(ROOT, "configs/llama3_8b.toml"), *args])
+        return capsys.readouterr().out
+
+    full, short = memory("--world_size", "8"), memory("--world_size", "1", "--model.n_layers", "8")
     gib = [float(re.search(r"estimate per device: ([\d.]+) GiB", o).group(1)) for o in (full, short)]
     assert 20 < gib[0] < 80 and gib[1] > gib[0]  # one GPU holds all states of the 8-layer model
+    # Whether it fits the two GPUs the configs are written for: "fits" leaves 15% to the allocator.
+    assert re.search(r"^H100 80 GB: fits \(\d+% of its memory\)\nH200 141 GB: fits \(\d+% of its memory\)$", full, re.M)
+    whole = memory("--world_size", "1")  # 129 GiB
+    assert "H100 80 GB: too big (162%" in whole and "H200 141 GB: tight (92%" in whole, whole
+    assert "H100" not in memory("--world_size", "1", "--device", "cpu")
+
+
+def test_memory_refuses_a_missing_world_size_for_real_flavors(capsys):
+    import bench as b
+
+    with pytest.raises(SystemExit) as e:
+        b.main(["memory", "--config", os.path.join(ROOT, "configs/llama3_8b.toml")])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and err.startswith("error: --world_size is missing"), out + err
+    assert len(err.strip().splitlines()) == 1
+    b.main(["memory", "--config", os.path.join(ROOT, "configs/debug_model.toml")])  # 1 process is the default
+    assert "estimate per device" in capsys.readouterr().out
+
+
+def test_help_documents_every_option_the_readme_uses(capsys):
+    """`bench.py WHAT --help` lists every option the README and the docstring use with that WHAT."""
+    import bench as b
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        docs = f.read() + b.__doc__
+    uses = {}
+    for what, command in re.findall(r"bench\.py ([a-z]+)((?:[^`|#\\\n]|\\\n)*)", docs):  # to its end or a comment
+        options = {t.partition("=")[0] for t in command.split() if t[:2] == "--" and "." not in t}  # not config keys
+        uses[what] = uses.get(what, set()) | options
+    assert {"memory", "overhead"} <= set(uses), uses
+    for what, options in uses.items():
+        with pytest.raises(SystemExit) as e:
+            b.main([what, "--help"])
+        out = capsys.readouterr().out
+        assert e.value.code == 0 and out.startswith(f"usage: bench.py {what}"), out
+        assert all(o in out for o in options | {"--config"}), (what, options, out)
+    with pytest.raises(SystemExit):
+        b.main(["--help"])
+    out = capsys.readouterr().out
+    assert all(w in out for w in ("overhead", "startup", "memory", "matrix")), out
 
 
 def test_overhead_and_startup_run():
     out = bench("overhead", "--config", "configs/debug_model.toml", "--training.seq_len", "64", "--steps", "4",
                 "--warmup", "2", "--repeats", "1")
-    assert re.search(r"overhead: trainer [\d,]+ / bare [\d,]+ tokens/s = [\d.]+", out)
+    assert re.search(r"trainer / bare loop: [\d.]+ \(median of 1 pair ratios [\d.]+; medians [\d,]+ / [\d,]+ = "
+                     r"[\d.]+ tokens/s\); 1-minute load average [\d.]+-[\d.]+ on \d+ cores", out), out
     out = bench("startup", "--config", "configs/debug_model.toml", "--repeats", "1")
     assert re.search(r"[\d.]+s beyond importing torch", out)
 
@@ -60,3 +108,23 @@ def test_matrix_under_torchrun_and_bad_arguments():
         proc = subprocess.run([sys.executable, "bench.py", *args], cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_side_by_side_alternates_and_reports_medians_and_load(capsys):
+    import bench as b
+
+    calls, loads = [], iter([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0])
+
+    def side(name, values):
+        values = iter(values)
+        return lambda: calls.append(name) or next(values)
+
+    got = b.side_by_side({"ours": side("ours", [100, 90, 120]), "theirs": side("theirs", [100, 100, 60])}, 3,
+                         load=lambda: (next(loads), 0, 0))
+    assert calls == ["ours", "theirs"] * 3  # A B A B: a change in load hits both sides
+    assert got["ratios"] == [1.0, 0.9, 2.0] and got["ratio"] == 1.0  # the median pair, not the outlier
+    assert got["medians"] == {"ours": 100, "theirs": 100} and got["load"] == (1.0, 9.0)
+    out = capsys.readouterr().out
+    assert "pair 2: ours 90, theirs 100 tokens/s per process, ratio 0.900, load 4.0 5.0 6.0" in out
+    assert "ours / theirs: 1.000 (median of 3 pair ratios 1.000, 0.900, 2.000; medians 100 / 100 = 1.000" in out
+    assert "1-minute load average 1.0-9.0 on" in out
