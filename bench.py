@@ -5,14 +5,16 @@
     python bench.py memory --config configs/llama3_8b.toml --world_size 8   # memory per GPU; fits an H100/H200?
     python bench.py matrix --config configs/debug_model.toml --vary activation_checkpoint.mode=none,full \
         --vary training.local_batch_size=4,8   # one trainer run per combination (--nproc 8: under torchrun)
+    python bench.py titan --config configs/debug_model.toml --training.seq_len 512   # vs torchtitan 0.2.2
     python data.py --config configs/debug_model.toml               # the data loader alone, tokens/s
 
 `python bench.py WHAT --help` lists each one's options; other `--section.key value` arguments go to
-train.py's config. Timings on a shared machine are noisy: `overhead` alternates its two sides
-`--repeats` times and reports medians and the load average; only the steps after `--warmup` count.
+train.py's config. Timings on a shared machine are noisy: `overhead` and `titan` alternate their two
+sides `--repeats` times and report medians and the load average; only the steps after `--warmup` count.
 README's Performance section has the one-GPU matrix (8B width, every AC mode, compile on and off)."""
 
 import argparse
+import importlib.util
 import itertools
 import json
 import os
@@ -268,6 +270,109 @@ def matrix(args, extra):
               f"{estimate} |", flush=True)
 
 
+# --- side by side with torchtitan 0.2.2 (bench only: the trainer never imports it)
+
+TITAN_RANK = "_titan_rank"  # bench.py's argv[1] when torchrun starts it as one torchtitan process
+
+
+def titan_rank(shape: str, device: str, argv: list):
+    """One torchtitan process, on our model's shape registered as flavor "bench". On CPU, patches the
+    installed copy in memory first: torchtitan assumes an accelerator and NCCL."""
+    import types
+
+    import torch._utils
+    sys.argv = [sys.argv[0], *argv]  # torchtitan's ConfigManager takes sys.argv[1:] as it is at import
+    if device == "cpu":
+        torch._utils._get_available_device_type = lambda: "cpu"  # it picks "cuda" when it finds nothing
+        ram = types.SimpleNamespace(total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        none = lambda *a, **k: None  # noqa: E731  (the torch.cuda calls of its memory monitor, on torch.cpu)
+        torch.cpu.get_device_name, torch.cpu.get_device_properties = str, lambda *a: ram
+        torch.cpu.memory_stats, torch.cpu.reset_peak_memory_stats, torch.cpu.empty_cache = lambda *a: {}, none, none
+    if importlib.util.find_spec("triton") is None:  # MoE kernels, imported with the package, unused by llama3
+        kernels = sys.modules["torchtitan.models.moe.kernels"] = types.ModuleType("torchtitan.models.moe.kernels")
+        kernels.generate_permute_indices = kernels.fill_indices_wrapper = None
+    import torchtitan.distributed.utils as dist_utils
+    from torchtitan.models import llama3
+    from torchtitan.models.llama3.infra import parallelize
+    from torchtitan.train import Trainer, main
+    llama3.llama3_args["bench"] = llama3.TransformerModelArgs(**json.loads(shape))
+    if device == "cpu":
+        def sum_reduce(model):  # its divide factor of 1 asks for PREMUL_SUM, which gloo lacks; SUM is the same
+            for m in model.modules():
+                if isinstance(m, parallelize.FSDPModule):
+                    m.set_gradient_divide_factor(1.0), m.set_force_sum_reduction_for_comms(True)
+        parallelize.disable_fsdp_gradient_division = sum_reduce
+        dist_utils.set_pg_timeouts = none  # its barrier names a CUDA device; it only shortens timeouts
+    main(Trainer)
+
+
+def titan_tokenizer(cfg, folder: str):
+    """torchtitan reads Hugging Face tokenizer files: ours converted, with the same ids and special tokens."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from data import LLAMA3_PAT, Tokenizer
+    ours = Tokenizer(os.path.join(ROOT, cfg.model.tokenizer_path))
+    names = sorted(ours.special, key=ours.special.get)
+    convert = TikTokenConverter(pattern=LLAMA3_PAT, extra_special_tokens=names)
+    convert.load_tiktoken_bpe = lambda _: ours.model._mergeable_ranks  # tiktoken's loader caches by path
+    convert.converted().save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": names[0], "eos_token": names[1]}, f)
+
+
+def titan_command(cfg, a, sizes: dict, args, folder: str) -> list:
+    """torchrun + torchtitan's CLI for the run ours does: same shape, tokens per step, dtype, AC, compile.
+    Its data: the bundled C4 sample through its `c4_test` loader (tokenizing is not the bottleneck)."""
+    t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
+    shape = {k: getattr(a, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
+                                        "ffn_dim_multiplier", "norm_eps", "rope_theta")}
+    flags = {"model.flavor": "bench", "model.hf_assets_path": folder, "job.dump_folder": folder,
+             "training.dataset": "c4_test", "training.dataset_path": os.path.join(ROOT, "assets/data/c4"),
+             "training.local_batch_size": t.local_batch_size, "training.global_batch_size": sizes["global_batch_size"],
+             "training.seq_len": t.seq_len, "training.steps": args.steps, "training.max_norm": t.max_norm,
+             "training.mixed_precision_param": t.mixed_precision_param, "optimizer.lr": cfg.optimizer.lr,
+             "parallelism.data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+             "parallelism.data_parallel_shard_degree": sizes["dp_shard"],
+             "parallelism.tensor_parallel_degree": p.tensor_parallel_degree, "activation_checkpoint.mode": ac.mode,
+             "activation_checkpoint.selective_ac_option": ac.selective_ac_option, "metrics.log_freq": args.warmup}
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+            "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "bench.py", TITAN_RANK,
+            json.dumps(shape), args.device, *[x for k, v in flags.items() for x in (f"--{k}", str(v))],
+            "--metrics.disable_color_printing", *(["--compile.enable"] if cfg.compile.enable else [])]
+
+
+def titan_tps(log: str, warmup: int):
+    """Steady-state tokens/s per process from torchtitan's log lines (`step: 20  loss: ... tps: 1,234`),
+    None if it logged no step after the warmup."""
+    log = re.sub(r"\x1b\[[\d;]*m", "", log)  # its colours, if they were on
+    records = [{"step": int(s), "tps": float(v.replace(",", ""))}
+               for s, v in re.findall(r"step:\s*(\d+)\s.*?\stps: ([\d,]+)", log)]
+    return steady_tps(records, warmup) if any(r["step"] > warmup for r in records) else None
+
+
+def titan(args, extra):
+    if importlib.util.find_spec("torchtitan") is None:
+        fail("torchtitan is not installed: pip install -r requirements-bench.txt (bench only)")
+    import torch
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda: no GPU visible (use --device cpu)")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # both trainers take a GPU when they see one
+    cfg, model, sizes = model_and_sizes(extra, args.nproc)
+    tokens = sizes["global_batch_size"] * cfg.training.seq_len
+    print(f"{cfg.model.flavor} {model.args.n_layers} layers, seq {cfg.training.seq_len}, {tokens:,} tokens per step, "
+          f"{args.nproc} processes on {args.device}", flush=True)
+    with tempfile.TemporaryDirectory() as folder:
+        titan_tokenizer(cfg, folder)
+
+        def theirs():
+            out = subprocess.run(titan_command(cfg, model.args, sizes, args, folder), cwd=ROOT, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT).stdout
+            return titan_tps(out, args.warmup) or sys.exit(f"error: torchtitan failed:\n{out[-3000:]}")
+        side_by_side({"ours": lambda: trainer_tps(extra, args, args.nproc), "torchtitan": theirs}, args.repeats)
+
+
 def main(argv: list):
     p = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0],
                                 epilog="python bench.py WHAT --help lists its options")
@@ -275,18 +380,19 @@ def main(argv: list):
     for what, doc in [("overhead", "trainer tokens/s vs a bare forward/backward/AdamW loop on the same model"),
                       ("startup", "seconds from launch to the first step, beyond `import torch`"),
                       ("memory", "the memory estimate per device for any flavor and layout; does it fit a GPU"),
-                      ("matrix", "one trainer run per combination of --vary values: a markdown table of its log")]:
+                      ("matrix", "one trainer run per combination of --vary values: a markdown table of its log"),
+                      ("titan", "this trainer and torchtitan 0.2.2 in turn, same shapes: the ratio of tokens/s")]:
         job = sub.add_parser(what, help=doc, description=doc, epilog="Other --section.key value arguments set "
                              "train.py's config (python train.py --help lists them).")
         job.add_argument("--config", help="train.py's TOML config (e.g. configs/debug_model.toml)")
-        if what in ("overhead", "matrix"):
-            job.add_argument("--steps", type=int, default=60, help="steps per run")
+        if what in ("overhead", "matrix", "titan"):
+            job.add_argument("--steps", type=int, default=30 if what == "titan" else 60, help="steps per run")
             job.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run "
                              "(--steps must be a multiple of it)")
-        if what in ("overhead", "startup"):
+        if what in ("overhead", "startup", "titan"):
             job.add_argument("--repeats", type=int, default=3, help="runs of each kind, alternated; medians reported")
-        if what == "matrix":
-            job.add_argument("--nproc", type=int, default=1,
+        if what in ("matrix", "titan"):
+            job.add_argument("--nproc", type=int, default=2 if what == "titan" else 1,
                              help="processes per run (torchrun --standalone --nproc_per_node)")
     jobs = sub.choices
     jobs["memory"].add_argument("--world_size", type=int, help="GPUs in the job (needed for all but debugmodel)")
@@ -294,6 +400,7 @@ def main(argv: list):
                                 help="estimate for this device (cpu adds the process's resident memory)")
     jobs["matrix"].add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=A,B",
                                 help="a config key and its values; several --vary give every combination")
+    jobs["titan"].add_argument("--device", choices=["cuda", "cpu"], help="where both run (default: cuda if visible)")
     a, rest = p.parse_known_args(argv)
     rest = (["--config", a.config] if a.config else []) + rest
     for name in ("warmup", "repeats", "world_size", "nproc"):
@@ -312,10 +419,13 @@ def main(argv: list):
         fail(f"{taken[0]} is set by bench.py (use --steps and --warmup); leave it out")
     import train
     try:
-        {"overhead": overhead, "startup": startup, "memory": memory, "matrix": matrix}[a.what](a, rest)
+        {"overhead": overhead, "startup": startup, "memory": memory, "matrix": matrix, "titan": titan}[a.what](a, rest)
     except train.ConfigError as e:  # a bad key or value: one line
         fail(str(e))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == [TITAN_RANK]:
+        titan_rank(*sys.argv[2:4], sys.argv[4:])
+    else:
+        main(sys.argv[1:])
