@@ -1,29 +1,25 @@
-"""Benchmarks for the trainer's own costs: numbers for the README come from here and from the training log.
+"""Measurements, not training: numbers for the README come from here and from the training log.
 
     python bench.py overhead --config configs/debug_model.toml   # trainer tokens/s vs a bare fwd/bwd/AdamW loop
     python bench.py startup --config configs/debug_model.toml    # seconds to the first step beyond `import torch`
-    python bench.py memory --config configs/llama3_8b.toml --world_size 8   # the start-up memory estimate only
-    python bench.py matrix --config configs/debug_model.toml \
-        --vary activation_checkpoint.mode=none,full --vary training.local_batch_size=4,8   # one run per combination
+    python bench.py memory --config configs/llama3_8b.toml --world_size 8   # memory per GPU; fits an H100/H200?
+    python bench.py matrix --config configs/debug_model.toml --vary activation_checkpoint.mode=none,full \
+        --vary training.local_batch_size=4,8   # one trainer run per combination (--nproc 8: under torchrun)
+    python bench.py titan --config configs/debug_model.toml --training.seq_len 512   # vs torchtitan 0.2.2
     python data.py --config configs/debug_model.toml               # the data loader alone, tokens/s
 
-On one GPU, an 8B-wide model on the bundled data (no network needed), every AC mode with and without compile:
-
-    python bench.py matrix --config configs/debug_model.toml --model.flavor 8B --model.n_layers 8 \
-        --training.seq_len 8192 --training.local_batch_size 1 --data.num_streams 1 \
-        --training.mixed_precision_param bfloat16 --optimizer.lr 3e-4 \
-        --vary activation_checkpoint.mode=none,selective,full --vary compile.enable=false,true
-
-`--nproc 8` runs each combination under `torchrun --standalone --nproc_per_node 8` (e.g. the 8B config).
-Extra `--section.key value` arguments go to train.py. Timings on a shared machine are noisy: `overhead`
-alternates trainer and bare runs `--repeats` times and compares medians; `matrix` and `overhead` time
-only the steps after `--warmup`."""
+`python bench.py WHAT --help` lists each one's options; other `--section.key value` arguments go to
+train.py's config. Timings on a shared machine are noisy: `overhead` and `titan` alternate their two
+sides `--repeats` times and report medians and the load average; only the steps after `--warmup` count.
+README's Performance section has the one-GPU matrix (8B width, every AC mode, compile on and off)."""
 
 import argparse
+import importlib.util
 import itertools
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -38,6 +34,105 @@ def fail(msg: str):
     print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
 
+
+# --- the memory estimate: byte counts tied to model.py's ops and train.py's layout (re-check after editing either)
+
+def resident_bytes() -> int:
+    """The process's resident memory now (Linux), or its peak so far elsewhere (close to it at start-up)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # no /proc (macOS): ru_maxrss is in bytes there, KiB on Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
+    """Bytes per device at the peak of a training step, by part, for eager mode (compile keeps less).
+
+    Weights, gradients and AdamW's two moments are fp32, sharded over dp_shard x tp. At the peak FSDP
+    holds the root's weights (embedding, norm, output) and the last block gathered in the param dtype. Per
+    block and token, backward keeps (counted from model.py's ops; b: bytes of the param dtype, d: dim,
+    kv: kv heads x head_dim, f: FFN hidden; the fp32 copies in RMSNorm and rope are 4 bytes each):
+      AC none 7bd + 12d + 4kv + 4bf + 4 n_heads; selective op b(5d + 2kv + 2f) (the matmul and attention
+      outputs); full bd (the block input). With AC one block's full set comes back during its backward.
+    The loss keeps fp32 log-probs (tokens x vocab) and its backward holds two more such tensors.
+    CPU adds the process's resident memory before the model exists (Python, torch, tokenizer).
+    """
+    a, t, p = model.args, cfg.training, cfg.parallelism
+    tp, shards = p.tensor_parallel_degree, sizes["dp_shard"] * p.tensor_parallel_degree
+    b = 2 if t.mixed_precision_param == "bfloat16" else 4
+    n_total, n_block = model.num_params(), sum(q.numel() for q in model.layers[0].parameters())
+    d, kv, f = a.dim, model.layers[0].attention.wk.out_features, model.layers[0].feed_forward.w1.out_features
+    tokens = t.local_batch_size * t.seq_len
+    # With sequence parallelism the norms see tokens / tp; attention and FFN see a tp-th of the heads and
+    # hidden units over all tokens; the inputs gathered for wq/wk/wv and w1/w3 and the partial sums out of
+    # wo and w2 are full size.
+    norm = 2 * (b * d + 4 * d) / tp
+    full_block = norm + (5 * b * d + 4 * d + 4 * kv + 4 * b * f + 4 * a.n_heads) / tp + (2 * b * d if tp > 1 else 0)
+    saved = {"none": full_block, "full": b * d / tp,  # op: wq, attention, wk, wv, w1, w3 | input | wo, w2
+             "op": b * (2 * d + 2 * kv + 2 * f) / tp + b * d / tp + 2 * b * d}
+    ac = cfg.activation_checkpoint
+    mode = "op" if ac.mode == "selective" and ac.selective_ac_option == "op" else ac.mode
+    if mode == "selective":  # full AC on every Nth block, none on the others
+        n_ac = len(range(0, a.n_layers, int(ac.selective_ac_option)))
+        all_blocks = n_ac * saved["full"] + (a.n_layers - n_ac) * full_block
+    else:
+        all_blocks = a.n_layers * saved[mode]
+    parts = {"weights": 4 * n_total / shards, "optimizer": 8 * n_total / shards, "gradients": 4 * n_total / shards,
+             "gathered": b * (n_total - (a.n_layers - 1) * n_block) / tp,  # the root and the last block
+             "activations": tokens * (all_blocks + (4 * d + b * d) / tp),  # + the final norm
+             "loss": tokens * 12 * a.vocab_size / tp,  # vocab-sharded under TP (loss parallel)
+             "runtime": 0 if cuda else resident_bytes()}
+    # Two candidate peaks. (1) The loss's backward: every block's activations and the loss tensors (and
+    # the gradients under accumulation; otherwise zero_grad(set_to_none) freed them). (2) A block's
+    # backward: gradients of the blocks above, activations of the blocks below, and the block's own
+    # working set (what AC recomputes, plus about two FFN-sized gradients). It peaks at the top or the
+    # bottom block: linear in between.
+    at_loss = parts["activations"] + parts["loss"] + (parts["gradients"] if sizes["grad_accum"] > 1 else 0)
+    working = tokens * (full_block - (saved[mode] if mode in saved else all_blocks / a.n_layers) + 2 * b * f / tp)
+    grad_out, grad_block = 4 * (model.output.weight.numel() + d) / shards, 4 * n_block / shards
+    if sizes["grad_accum"] > 1:
+        in_blocks = parts["gradients"] + parts["activations"] + working
+    else:
+        in_blocks = working + grad_out + max(grad_block + parts["activations"],
+                                             a.n_layers * grad_block + parts["activations"] / a.n_layers)
+    parts["total"] = (parts["weights"] + parts["optimizer"] + parts["gathered"] + parts["runtime"]
+                      + max(at_loss, in_blocks, parts["gradients"]))
+    return parts
+
+
+def format_estimate(parts: dict) -> str:
+    items = "  ".join(f"{k} {v / 2**30:.2f}" for k, v in parts.items() if k != "total" and v)
+    return f"memory estimate per device: {parts['total'] / 2**30:.2f} GiB ({items} GiB)"
+
+
+def model_and_sizes(extra: list, world_size: int):
+    """The config, a meta-device model (shapes only: any flavor on any machine) and train.validate's sizes."""
+    import torch
+    import train
+    from model import Transformer
+    cfg = train.load_config(extra)
+    sizes = train.validate(cfg, world_size)
+    with torch.device("meta"):
+        return cfg, Transformer(train.flavor_args(cfg)), sizes
+
+
+GPUS = [("H100 80 GB", 81559 * 2**20), ("H200 141 GB", 143771 * 2**20)]  # what the devices report (nvidia-smi MiB)
+
+
+def memory(args, extra):
+    import train
+    if args.world_size is None and train.load_config(extra).model.flavor != "debugmodel":
+        fail("--world_size is missing: the number of GPUs in the job (e.g. --world_size 8); it sets the sharding")
+    cfg, model, sizes = model_and_sizes(extra, args.world_size or 1)
+    parts = estimate_memory(model, cfg, sizes, cuda=args.device == "cuda")
+    print(format_estimate(parts))
+    for name, capacity in GPUS if args.device == "cuda" else []:  # "fits": 15% left for allocator fragmentation
+        verdict = "fits" if 1.15 * parts["total"] <= capacity else "tight" if parts["total"] <= capacity else "too big"
+        print(f"{name}: {verdict} ({100 * parts['total'] / capacity:.0f}% of its memory)")
+
+
+# --- timings
 
 def run_trainer(extra: list, steps: int, log_freq: int, nproc: int = 1):
     """train.py for `steps` steps (under torchrun when nproc > 1): (its metrics.jsonl records, its output),
@@ -58,12 +153,30 @@ def steady_tps(records: list, warmup: int) -> float:
     return statistics.harmonic_mean(r["tps"] for r in records if r["step"] > warmup)
 
 
-def trainer_tps(extra: list, steps: int, warmup: int) -> float:
-    """Steady-state tokens/s per process of `python train.py`, from its metrics.jsonl (steps after warmup)."""
-    records, out = run_trainer(extra, steps, warmup)
-    if records is None:
-        sys.exit(f"error: train.py failed:\n{out[-2000:]}")
-    return steady_tps(records, warmup)
+def trainer_tps(extra: list, args, nproc: int = 1) -> float:
+    """Steady-state tokens/s per process of train.py, from its metrics.jsonl (the steps after the warmup)."""
+    records, out = run_trainer(extra, args.steps, args.warmup, nproc)
+    return steady_tps(records, args.warmup) if records else sys.exit(f"error: train.py failed:\n{out[-2000:]}")
+
+
+def side_by_side(runs: dict, repeats: int, load=os.getloadavg) -> dict:
+    """Runs the two sides in turn (A B A B ...), so a change in the machine's load hits both; prints each
+    pair, then the median of the pair ratios (first side / second), the medians and the load it saw."""
+    (a, _), (b, _) = runs.items()
+    tps, ratios, loads = {a: [], b: []}, [], []
+    for i in range(repeats):
+        for name, run in runs.items():
+            loads.append(load()[0])
+            tps[name].append(run())
+        loads.append(load()[0])
+        ratios.append(tps[a][-1] / tps[b][-1])
+        print(f"pair {i + 1}: {a} {tps[a][-1]:,.0f}, {b} {tps[b][-1]:,.0f} tokens/s per process, ratio "
+              f"{ratios[-1]:.3f}, load {' '.join(f'{x:.1f}' for x in loads[-3:])}", flush=True)
+    med = {name: statistics.median(v) for name, v in tps.items()}
+    print(f"{a} / {b}: {statistics.median(ratios):.3f} (median of {repeats} pair ratios "
+          f"{', '.join(f'{r:.3f}' for r in ratios)}; medians {med[a]:,.0f} / {med[b]:,.0f} = {med[a] / med[b]:.3f} "
+          f"tokens/s); 1-minute load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores")
+    return {"ratio": statistics.median(ratios), "ratios": ratios, "medians": med, "load": (min(loads), max(loads))}
 
 
 def bare_tps(cfg, steps: int, warmup: int) -> float:
@@ -104,14 +217,8 @@ def bare_tps(cfg, steps: int, warmup: int) -> float:
 def overhead(args, extra):
     import train
     cfg = train.load_config(extra)
-    ours, bare = [], []
-    for i in range(args.repeats):
-        ours.append(trainer_tps(extra, args.steps, args.warmup))
-        bare.append(bare_tps(cfg, args.steps, args.warmup))
-        print(f"run {i + 1}: trainer {ours[-1]:,.0f} tokens/s, bare loop {bare[-1]:,.0f} tokens/s", flush=True)
-    ratio = statistics.median(ours) / statistics.median(bare)
-    print(f"overhead: trainer {statistics.median(ours):,.0f} / bare {statistics.median(bare):,.0f} tokens/s "
-          f"= {ratio:.3f} (medians of {args.repeats}, {args.steps - args.warmup} timed steps each)")
+    side_by_side({"trainer": lambda: trainer_tps(extra, args),
+                  "bare loop": lambda: bare_tps(cfg, args.steps, args.warmup)}, args.repeats)
 
 
 def startup(args, extra):
@@ -134,28 +241,22 @@ def startup(args, extra):
           f"{run - imp:.2f}s beyond importing torch (medians of {args.repeats})")
 
 
-def memory(args, extra):
-    import train
-    cfg = train.load_config(extra)
-    import torch
-    from model import Transformer
-    sizes = train.validate(cfg, args.world_size)
-    with torch.device("meta"):  # shapes only: any flavor on any machine
-        model = Transformer(train.flavor_args(cfg))
-    print(train.format_estimate(train.estimate_memory(model, cfg, sizes, cuda=args.device == "cuda")))
-
-
 def matrix(args, extra):
     """One trainer run per combination of the --vary values: a markdown table of what its log says."""
+    import torch
+    import train
     names = [v.partition("=")[0] for v in args.vary]
     choices = [v.partition("=")[2].split(",") for v in args.vary]
     print(f"| {' | '.join(names)} | tps | tflops | mfu | peak memory GiB | allocated GiB | estimate GiB |")
     print("|" + "---|" * (len(names) + 6))
     for combo in itertools.product(*choices):
         overrides = [x for name, value in zip(names, combo) for x in (f"--{name}", value)]
+        try:  # what `bench.py memory` says for this run
+            cfg, model, sizes = model_and_sizes([*extra, *overrides], args.nproc)
+            estimate = f"{estimate_memory(model, cfg, sizes, cuda=torch.cuda.is_available())['total'] / 2**30:.2f}"
+        except train.ConfigError:  # train.py says why in the row
+            estimate = "-"
         records, out = run_trainer([*extra, *overrides], args.steps, args.warmup, args.nproc)
-        estimate = re.search(r"memory estimate per device: ([\d.]+) GiB", out)
-        estimate = estimate.group(1) if estimate else "-"
         if records is None:  # an OOM or a bad combination: say so and go on with the next
             last = next((ln for ln in reversed(out.splitlines()) if ln.strip()), "")
             print(f"| {' | '.join(combo)} | failed: {last[:120]} | | | | | {estimate} |", flush=True)
@@ -169,33 +270,162 @@ def matrix(args, extra):
               f"{estimate} |", flush=True)
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["overhead", "startup", "memory", "matrix"])
-    p.add_argument("--steps", type=int, default=60, help="overhead: steps per run")
-    p.add_argument("--warmup", type=int, default=10, help="overhead: untimed steps at the start of each run")
-    p.add_argument("--repeats", type=int, default=3, help="runs of each kind")
-    p.add_argument("--world_size", type=int, default=1, help="memory: GPUs in the job")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="memory: estimate for this device")
-    p.add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=A,B",
-                   help="matrix: a config key and its values; several --vary give every combination")
-    p.add_argument("--nproc", type=int, default=1, help="matrix: processes per run (torchrun --standalone)")
-    a, rest = p.parse_known_args()
+# --- side by side with torchtitan 0.2.2 (bench only: the trainer never imports it)
+
+TITAN_RANK = "_titan_rank"  # bench.py's argv[1] when torchrun starts it as one torchtitan process
+
+
+def titan_rank(shape: str, device: str, argv: list):
+    """One torchtitan process, on our model's shape registered as flavor "bench". On CPU, patches the
+    installed copy in memory first: torchtitan assumes an accelerator and NCCL."""
+    import types
+
+    import torch._utils
+    sys.argv = [sys.argv[0], *argv]  # torchtitan's ConfigManager takes sys.argv[1:] as it is at import
+    if device == "cpu":
+        torch._utils._get_available_device_type = lambda: "cpu"  # it picks "cuda" when it finds nothing
+        ram = types.SimpleNamespace(total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        none = lambda *a, **k: None  # noqa: E731  (the torch.cuda calls of its memory monitor, on torch.cpu)
+        torch.cpu.get_device_name, torch.cpu.get_device_properties = str, lambda *a: ram
+        torch.cpu.memory_stats, torch.cpu.reset_peak_memory_stats, torch.cpu.empty_cache = lambda *a: {}, none, none
+    if importlib.util.find_spec("triton") is None:  # MoE kernels, imported with the package, unused by llama3
+        kernels = sys.modules["torchtitan.models.moe.kernels"] = types.ModuleType("torchtitan.models.moe.kernels")
+        kernels.generate_permute_indices = kernels.fill_indices_wrapper = None
+    import torchtitan.distributed.utils as dist_utils
+    from torchtitan.models import llama3
+    from torchtitan.models.llama3.infra import parallelize
+    from torchtitan.train import Trainer, main
+    llama3.llama3_args["bench"] = llama3.TransformerModelArgs(**json.loads(shape))
+    if device == "cpu":
+        def sum_reduce(model):  # its divide factor of 1 asks for PREMUL_SUM, which gloo lacks; SUM is the same
+            for m in model.modules():
+                if isinstance(m, parallelize.FSDPModule):
+                    m.set_gradient_divide_factor(1.0), m.set_force_sum_reduction_for_comms(True)
+        parallelize.disable_fsdp_gradient_division = sum_reduce
+        dist_utils.set_pg_timeouts = none  # its barrier names a CUDA device; it only shortens timeouts
+    main(Trainer)
+
+
+def titan_tokenizer(cfg, folder: str):
+    """torchtitan reads Hugging Face tokenizer files: ours converted, with the same ids and special tokens."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from data import LLAMA3_PAT, Tokenizer
+    ours = Tokenizer(os.path.join(ROOT, cfg.model.tokenizer_path))
+    names = sorted(ours.special, key=ours.special.get)
+    convert = TikTokenConverter(pattern=LLAMA3_PAT, extra_special_tokens=names)
+    convert.load_tiktoken_bpe = lambda _: ours.model._mergeable_ranks  # tiktoken's loader caches by path
+    convert.converted().save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": names[0], "eos_token": names[1]}, f)
+
+
+def titan_command(cfg, a, sizes: dict, args, folder: str) -> list:
+    """torchrun + torchtitan's CLI for the run ours does: same shape, tokens per step, dtype, AC, compile.
+    Its data: the bundled C4 sample through its `c4_test` loader (tokenizing is not the bottleneck)."""
+    t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
+    shape = {k: getattr(a, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
+                                        "ffn_dim_multiplier", "norm_eps", "rope_theta")}
+    flags = {"model.flavor": "bench", "model.hf_assets_path": folder, "job.dump_folder": folder,
+             "training.dataset": "c4_test", "training.dataset_path": os.path.join(ROOT, "assets/data/c4"),
+             "training.local_batch_size": t.local_batch_size, "training.global_batch_size": sizes["global_batch_size"],
+             "training.seq_len": t.seq_len, "training.steps": args.steps, "training.max_norm": t.max_norm,
+             "training.mixed_precision_param": t.mixed_precision_param, "optimizer.lr": cfg.optimizer.lr,
+             "parallelism.data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+             "parallelism.data_parallel_shard_degree": sizes["dp_shard"],
+             "parallelism.tensor_parallel_degree": p.tensor_parallel_degree, "activation_checkpoint.mode": ac.mode,
+             "activation_checkpoint.selective_ac_option": ac.selective_ac_option, "metrics.log_freq": args.warmup}
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+            "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "bench.py", TITAN_RANK,
+            json.dumps(shape), args.device, *[x for k, v in flags.items() for x in (f"--{k}", str(v))],
+            "--metrics.disable_color_printing", *(["--compile.enable"] if cfg.compile.enable else [])]
+
+
+def titan_tps(log: str, warmup: int):
+    """Steady-state tokens/s per process from torchtitan's log lines (`step: 20  loss: ... tps: 1,234`),
+    None if it logged no step after the warmup."""
+    log = re.sub(r"\x1b\[[\d;]*m", "", log)  # its colours, if they were on
+    records = [{"step": int(s), "tps": float(v.replace(",", ""))}
+               for s, v in re.findall(r"step:\s*(\d+)\s.*?\stps: ([\d,]+)", log)]
+    return steady_tps(records, warmup) if any(r["step"] > warmup for r in records) else None
+
+
+def titan(args, extra):
+    if importlib.util.find_spec("torchtitan") is None:
+        fail("torchtitan is not installed: pip install -r requirements-bench.txt (bench only)")
+    import torch
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda: no GPU visible (use --device cpu)")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # both trainers take a GPU when they see one
+    cfg, model, sizes = model_and_sizes(extra, args.nproc)
+    tokens = sizes["global_batch_size"] * cfg.training.seq_len
+    print(f"{cfg.model.flavor} {model.args.n_layers} layers, seq {cfg.training.seq_len}, {tokens:,} tokens per step, "
+          f"{args.nproc} processes on {args.device}", flush=True)
+    with tempfile.TemporaryDirectory() as folder:
+        titan_tokenizer(cfg, folder)
+
+        def theirs():
+            out = subprocess.run(titan_command(cfg, model.args, sizes, args, folder), cwd=ROOT, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT).stdout
+            return titan_tps(out, args.warmup) or sys.exit(f"error: torchtitan failed:\n{out[-3000:]}")
+        side_by_side({"ours": lambda: trainer_tps(extra, args, args.nproc), "torchtitan": theirs}, args.repeats)
+
+
+def main(argv: list):
+    p = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0],
+                                epilog="python bench.py WHAT --help lists its options")
+    sub = p.add_subparsers(dest="what", required=True, metavar="WHAT")
+    for what, doc in [("overhead", "trainer tokens/s vs a bare forward/backward/AdamW loop on the same model"),
+                      ("startup", "seconds from launch to the first step, beyond `import torch`"),
+                      ("memory", "the memory estimate per device for any flavor and layout; does it fit a GPU"),
+                      ("matrix", "one trainer run per combination of --vary values: a markdown table of its log"),
+                      ("titan", "this trainer and torchtitan 0.2.2 in turn, same shapes: the ratio of tokens/s")]:
+        job = sub.add_parser(what, help=doc, description=doc, epilog="Other --section.key value arguments set "
+                             "train.py's config (python train.py --help lists them).")
+        job.add_argument("--config", help="train.py's TOML config (e.g. configs/debug_model.toml)")
+        if what in ("overhead", "matrix", "titan"):
+            job.add_argument("--steps", type=int, default=30 if what == "titan" else 60, help="steps per run")
+            job.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run "
+                             "(--steps must be a multiple of it)")
+        if what in ("overhead", "startup", "titan"):
+            job.add_argument("--repeats", type=int, default=3, help="runs of each kind, alternated; medians reported")
+        if what in ("matrix", "titan"):
+            job.add_argument("--nproc", type=int, default=2 if what == "titan" else 1,
+                             help="processes per run (torchrun --standalone --nproc_per_node)")
+    jobs = sub.choices
+    jobs["memory"].add_argument("--world_size", type=int, help="GPUs in the job (needed for all but debugmodel)")
+    jobs["memory"].add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                                help="estimate for this device (cpu adds the process's resident memory)")
+    jobs["matrix"].add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=A,B",
+                                help="a config key and its values; several --vary give every combination")
+    jobs["titan"].add_argument("--device", choices=["cuda", "cpu"], help="where both run (default: cuda if visible)")
+    a, rest = p.parse_known_args(argv)
+    rest = (["--config", a.config] if a.config else []) + rest
     for name in ("warmup", "repeats", "world_size", "nproc"):
-        if getattr(a, name) < 1:
+        if getattr(a, name, None) is not None and getattr(a, name) < 1:
             fail(f"--{name} {getattr(a, name)}: must be >= 1")
-    if a.what in ("overhead", "matrix") and (a.steps <= a.warmup or a.steps % a.warmup):
+    if "steps" in a and (a.steps <= a.warmup or a.steps % a.warmup):
         fail("--steps must be a multiple of --warmup and larger than it")
-    bad = [v for v in a.vary if not re.fullmatch(r"\w+\.\w+=[^,]+(,[^,]+)*", v)]
-    if bad or (a.what == "matrix" and not a.vary):
+    vary = getattr(a, "vary", [])
+    bad = [v for v in vary if not re.fullmatch(r"\w+\.\w+=[^,]+(,[^,]+)*", v)]
+    if bad or (a.what == "matrix" and not vary):
         fail(f"--vary {bad[0] if bad else '(none given)'}: expected section.key=value1,value2")
     # bench.py sets these itself on every trainer run; a user's value would be silently overridden
     ours = {"training.steps", "metrics.log_freq", "job.dump_folder", "checkpoint.enable"}
-    taken = [k for k in [v.partition("=")[0] for v in a.vary] + [x[2:].partition("=")[0] for x in rest] if k in ours]
+    taken = [k for k in [v.partition("=")[0] for v in vary] + [x[2:].partition("=")[0] for x in rest] if k in ours]
     if taken:
         fail(f"{taken[0]} is set by bench.py (use --steps and --warmup); leave it out")
     import train
     try:
-        {"overhead": overhead, "startup": startup, "memory": memory, "matrix": matrix}[a.what](a, rest)
+        {"overhead": overhead, "startup": startup, "memory": memory, "matrix": matrix, "titan": titan}[a.what](a, rest)
     except train.ConfigError as e:  # a bad key or value: one line
         fail(str(e))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == [TITAN_RANK]:
+        titan_rank(*sys.argv[2:4], sys.argv[4:])
+    else:
+        main(sys.argv[1:])

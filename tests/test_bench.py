@@ -1,9 +1,12 @@
 """bench.py runs end to end on CPU (its numbers go to the README; here only that it works and reports)."""
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,20 +30,66 @@ def test_matrix_runs_every_combination_and_reports_failures():
         else:
             assert re.fullmatch(r"[\d,]+", cells[2]) and cells[4] == "n/a" and float(cells[5]) > 0, row
     est = {tuple(c.strip() for c in r.strip("|").split("|")[:2]): r.strip("|").split("|")[-1] for r in rows}
-    assert float(est[("full", "4")]) < float(est[("none", "4")])  # the start-up estimate, per run
+    assert float(est[("full", "4")]) < float(est[("none", "4")])  # bench.py's estimate, per run
 
 
-def test_memory_prints_the_estimate_for_a_big_flavor_with_fewer_layers():
-    full = bench("memory", "--config", "configs/llama3_8b.toml", "--world_size", "8")
-    short = bench("memory", "--config", "configs/llama3_8b.toml", "--world_size", "1", "--model.n_layers", "8")
+def test_memory_prints_the_estimate_for_a_big_flavor_with_fewer_layers(capsys):
+    import bench as b
+
+    def memory(*args):
+        b.main(["memory", "--config", os.path.join(ROOT, "configs/llama3_8b.toml"), *args])
+        return capsys.readouterr().out
+
+    full, short = memory("--world_size", "8"), memory("--world_size", "1", "--model.n_layers", "8")
     gib = [float(re.search(r"estimate per device: ([\d.]+) GiB", o).group(1)) for o in (full, short)]
     assert 20 < gib[0] < 80 and gib[1] > gib[0]  # one GPU holds all states of the 8-layer model
+    # Whether it fits the two GPUs the configs are written for: "fits" leaves 15% to the allocator.
+    assert re.search(r"^H100 80 GB: fits \(\d+% of its memory\)\nH200 141 GB: fits \(\d+% of its memory\)$", full, re.M)
+    whole = memory("--world_size", "1")  # 129 GiB
+    assert "H100 80 GB: too big (162%" in whole and "H200 141 GB: tight (92%" in whole, whole
+    assert "H100" not in memory("--world_size", "1", "--device", "cpu")
+
+
+def test_memory_refuses_a_missing_world_size_for_real_flavors(capsys):
+    import bench as b
+
+    with pytest.raises(SystemExit) as e:
+        b.main(["memory", "--config", os.path.join(ROOT, "configs/llama3_8b.toml")])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and err.startswith("error: --world_size is missing"), out + err
+    assert len(err.strip().splitlines()) == 1
+    b.main(["memory", "--config", os.path.join(ROOT, "configs/debug_model.toml")])  # 1 process is the default
+    assert "estimate per device" in capsys.readouterr().out
+
+
+def test_help_documents_every_option_the_readme_uses(capsys):
+    """`bench.py WHAT --help` lists every option the README and the docstring use with that WHAT."""
+    import bench as b
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        docs = f.read() + b.__doc__
+    uses = {}
+    for what, command in re.findall(r"bench\.py ([a-z]+)((?:[^`|#\\\n]|\\\n)*)", docs):  # to its end or a comment
+        options = {t.partition("=")[0] for t in command.split() if t[:2] == "--" and "." not in t}  # not config keys
+        uses[what] = uses.get(what, set()) | options
+    assert {"memory", "overhead", "titan"} <= set(uses), uses
+    for what, options in uses.items():
+        with pytest.raises(SystemExit) as e:
+            b.main([what, "--help"])
+        out = capsys.readouterr().out
+        assert e.value.code == 0 and out.startswith(f"usage: bench.py {what}"), out
+        assert all(o in out for o in options | {"--config"}), (what, options, out)
+    with pytest.raises(SystemExit):
+        b.main(["--help"])
+    out = capsys.readouterr().out
+    assert all(w in out for w in ("overhead", "startup", "memory", "matrix", "titan")), out
 
 
 def test_overhead_and_startup_run():
     out = bench("overhead", "--config", "configs/debug_model.toml", "--training.seq_len", "64", "--steps", "4",
                 "--warmup", "2", "--repeats", "1")
-    assert re.search(r"overhead: trainer [\d,]+ / bare [\d,]+ tokens/s = [\d.]+", out)
+    assert re.search(r"trainer / bare loop: [\d.]+ \(median of 1 pair ratios [\d.]+; medians [\d,]+ / [\d,]+ = "
+                     r"[\d.]+ tokens/s\); 1-minute load average [\d.]+-[\d.]+ on \d+ cores", out), out
     out = bench("startup", "--config", "configs/debug_model.toml", "--repeats", "1")
     assert re.search(r"[\d.]+s beyond importing torch", out)
 
@@ -60,3 +109,98 @@ def test_matrix_under_torchrun_and_bad_arguments():
         proc = subprocess.run([sys.executable, "bench.py", *args], cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+# --- bench.py titan: the parts that need no torchtitan, then one real run where it is installed
+
+def test_side_by_side_alternates_and_reports_medians_and_load(capsys):
+    import bench as b
+
+    calls, loads = [], iter([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0])
+
+    def side(name, values):
+        values = iter(values)
+        return lambda: calls.append(name) or next(values)
+
+    got = b.side_by_side({"ours": side("ours", [100, 90, 120]), "theirs": side("theirs", [100, 100, 60])}, 3,
+                         load=lambda: (next(loads), 0, 0))
+    assert calls == ["ours", "theirs"] * 3  # A B A B: a change in load hits both sides
+    assert got["ratios"] == [1.0, 0.9, 2.0] and got["ratio"] == 1.0  # the median pair, not the outlier
+    assert got["medians"] == {"ours": 100, "theirs": 100} and got["load"] == (1.0, 9.0)
+    out = capsys.readouterr().out
+    assert "pair 2: ours 90, theirs 100 tokens/s per process, ratio 0.900, load 4.0 5.0 6.0" in out
+    assert "ours / theirs: 1.000 (median of 3 pair ratios 1.000, 0.900, 2.000; medians 100 / 100 = 1.000" in out
+    assert "1-minute load average 1.0-9.0 on" in out
+
+
+def test_titan_log_parsing_takes_the_steps_after_the_warmup():
+    import bench as b
+
+    head = "[rank0]:[titan] 2026-11-23 02:19:33,259 - root - INFO - "
+    log = "\n".join([
+        head + "Model llama3 bench size: 5,770,496 total parameters",
+        head + "\x1b[31mstep:  1  \x1b[32mloss:  8.15635  grad_norm:  0.5575  memory: -0.00GiB(-0.00%)  "
+               "\x1b[34mtps: 566  tflops: 0.02  mfu: 0.01%\x1b[39m",
+        head + "step:  5  loss:  7.96  grad_norm:  0.83  memory: 0.00GiB(0.00%)  tps: 1,380  tflops: 0.05",
+        head + "step: 10  loss:  7.61  grad_norm:  0.76  memory: 0.00GiB(0.00%)  tps: 1,000  tflops: 0.05",
+        head + "step: 15  loss:  6.53  grad_norm:  1.28  memory: 0.00GiB(0.00%)  tps: 1,500  tflops: 0.05"])
+    assert b.titan_tps(log, 5) == pytest.approx(1200)  # harmonic mean of 1,000 and 1,500: equal tokens per record
+    assert b.titan_tps(log, 15) is None  # nothing after the warmup: a failed or cut-short run
+
+
+def test_titan_runs_torchtitan_on_our_shapes_and_tokens_per_step(tmp_path):
+    import argparse
+    import gzip
+    import json
+
+    import bench as b
+    import data
+
+    cfg, model, sizes = b.model_and_sizes(["--config", os.path.join(ROOT, "configs/debug_model.toml"),
+                                           "--training.seq_len", "512", "--activation_checkpoint.mode", "selective"], 2)
+    args = argparse.Namespace(nproc=2, steps=30, warmup=10, device="cpu")
+    cmd = b.titan_command(cfg, model.args, sizes, args, str(tmp_path))
+    assert cmd[cmd.index("bench.py") + 1] == b.TITAN_RANK and cmd[cmd.index("bench.py") + 3] == "cpu"
+    shape = json.loads(cmd[cmd.index("bench.py") + 2])
+    assert shape == {"dim": 256, "n_layers": 6, "n_heads": 16, "n_kv_heads": 8, "vocab_size": 2048, "multiple_of": 256,
+                     "ffn_dim_multiplier": None, "norm_eps": 1e-5, "rope_theta": 500000.0}
+    flags = dict(zip(cmd, cmd[1:]))
+    assert flags["--training.local_batch_size"] == "8" and flags["--training.global_batch_size"] == "16"
+    assert flags["--training.seq_len"] == "512" and flags["--parallelism.data_parallel_shard_degree"] == "2"
+    assert flags["--training.mixed_precision_param"] == "float32"
+    assert flags["--activation_checkpoint.mode"] == "selective"
+    assert flags["--metrics.log_freq"] == "10" and flags["--training.steps"] == "30" and "--compile.enable" not in cmd
+    # Its tokenizer files give our ids (transformers converts; torchtitan reads them with `tokenizers`).
+    from tokenizers import Tokenizer
+
+    b.titan_tokenizer(cfg, str(tmp_path))
+    theirs = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    ours = data.Tokenizer(os.path.join(ROOT, cfg.model.tokenizer_path))
+    with gzip.open(os.path.join(ROOT, "assets/data/c4/en/c4-train.00000-of-00002.json.gz"), "rt") as f:
+        texts = [json.loads(line)["text"] for line, _ in zip(f, range(50))]
+    assert [theirs.encode(t).ids for t in texts] == [ours.encode(t, bos=False, eos=False) for t in texts]
+    special = [theirs.token_to_id(t) for t in ("<|begin_of_text|>", "<|end_of_text|>")]
+    assert special == [ours.bos_id, ours.eos_id]
+
+
+def test_titan_refuses_without_torchtitan_and_bad_counts(monkeypatch, capsys):
+    import bench as b
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchtitan" else real(name, *a))
+    for argv, message in [(["titan"], "torchtitan is not installed: pip install"),
+                          (["titan", "--nproc", "0"], "--nproc 0: must be >= 1"),
+                          (["titan", "--steps", "15"], "--steps must be a multiple of --warmup")]:
+        with pytest.raises(SystemExit) as e:
+            b.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan (requirements-bench.txt)")
+def test_titan_side_by_side_runs():
+    out = bench("titan", "--config", "configs/debug_model.toml", "--model.n_layers", "2", "--training.seq_len", "64",
+                "--steps", "4", "--warmup", "2", "--repeats", "1", "--device", "cpu")
+    assert "debugmodel 2 layers, seq 64, 1,024 tokens per step, 2 processes on cpu" in out, out
+    assert re.search(r"pair 1: ours [\d,]+, torchtitan [\d,]+ tokens/s per process, ratio [\d.]+", out), out
+    assert re.search(r"ours / torchtitan: [\d.]+ \(median of 1 pair ratios", out), out
