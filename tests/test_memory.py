@@ -46,7 +46,7 @@ def measure(configs):
         estimate = bench.estimate_memory(model, cfg, sizes, cuda=True)["total"]  # without the process itself
         mesh = init_device_mesh("cpu", (1, sizes["dp_shard"], cfg.parallelism.tensor_parallel_degree),
                                 mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-        train.parallelize(model, mesh, cfg, "cpu")
+        train.parallelize(model, mesh, cfg)
         model.to_empty(device="cpu")
         model.init_weights()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
