@@ -72,3 +72,12 @@ def test_mfu_is_na_on_cpu_without_a_peak(baseline):
     # FLOPs per token: 6 x non-embedding params + 12 x layers x heads x head_dim x seq_len
     flops_per_token = 6 * (5_770_496 - 2048 * 256) + 12 * 6 * 16 * 16 * 256
     assert baseline[-1]["tflops"] == pytest.approx(flops_per_token * baseline[-1]["tps"] / 1e12)
+
+
+def test_the_config_goes_to_config_toml_and_one_summary_line(tmp_path):
+    out, _ = train(tmp_path, "--training.steps", 1)
+    assert "[training]" not in out and (tmp_path / "config.toml").read_text().count("[training]") == 1
+    summary = [ln for ln in out.splitlines() if "5,770,496 parameters" in ln]
+    assert len(summary) == 1 and f"config in {tmp_path}/config.toml" in summary[0]
+    out, _ = train(tmp_path / "p", "--training.steps", 1, "--job.print_config")
+    assert "[training]" in out and "local_batch_size = 8" in out
