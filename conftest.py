@@ -1,4 +1,7 @@
-"""Reference training runs shared by test_smoke.py and tests/: each costs ~20 s of CPU, run once."""
+"""Reference training runs shared by test_smoke.py and tests/: each costs ~20 s of CPU, run once.
+
+Training tests pass --validation.enable false: the held-out rounds (about 2 s a run) are tested in
+tests/test_validation.py, and they would add minutes to the suite."""
 
 import os
 import subprocess
@@ -11,7 +14,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 def _train_2proc(dump, *args):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-           "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump), "--metrics.log_freq", "1",
+           "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump), "--metrics.log_freq", "1", "--validation.enable", "false",
            "--training.steps", "10", *map(str, args)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

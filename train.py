@@ -1045,15 +1045,19 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
+    code = 0
     try:
         main(load_config(sys.argv[1:]))
-        # FSDP's state outlives main() in reference cycles, holding process groups and collective handles.
-        # Free it now, not during interpreter shutdown, where freeing them can abort the process (gloo's
-        # threads touching Python objects that are being torn down).
-        gc.collect()
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        code = 2
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(3)
+        code = 3
+    # FSDP's state outlives main() in reference cycles, holding process groups and collective handles. Free
+    # it, and a process group an error left behind, now: freed during interpreter shutdown, gloo's threads
+    # can abort the process ("terminate called without an active exception").
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(code)

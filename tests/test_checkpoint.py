@@ -21,7 +21,7 @@ FSDP = ("--training.local_batch_size", 4)  # 2 ranks x 4 = the debug config's gl
 def launch(dump, *args, nproc=2):
     cmd = [sys.executable, "train.py"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
-    cmd += ["--config", "configs/debug_model.toml", "--job.dump_folder", str(dump), "--metrics.log_freq", "1",
+    cmd += ["--config", "configs/debug_model.toml", "--job.dump_folder", str(dump), "--metrics.log_freq", "1", "--validation.enable", "false",
             "--training.steps", "10", "--checkpoint.enable", *map(str, args)]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -118,7 +118,7 @@ def test_argparse_cli_forms_and_config_given_twice(tmp_path):
         train.load_config(["--training.steps"])
     with pytest.raises(train.ConfigError, match="unknown key in \\[training\\] 'step'; did you mean steps"):
         train.load_config(["--training.step", "3"])  # no silent abbreviation
-    with pytest.raises(train.ConfigError, match="must be \\[\\[data.sources\\]\\] tables in the TOML"):
+    with pytest.raises(train.ConfigError, match="data.sources must be one or more \\[\\[data.sources\\]\\] tables"):
         train.load_config(["--data.sources", "x"])
     other = tmp_path / "other.toml"
     other.write_text("[training]\nsteps = 3\n")
