@@ -1045,19 +1045,15 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
-    code = 0
     try:
         main(load_config(sys.argv[1:]))
-    except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
-    except RunError as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 3
-    # FSDP's state outlives main() in reference cycles, holding process groups and collective handles. Free
-    # it, and a process group an error left behind, now: freed during interpreter shutdown, gloo's threads
-    # can abort the process ("terminate called without an active exception").
+    except (ConfigError, DataError, RunError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Leave at once: a rank that lingers in teardown after another left gets torchrun's SIGTERM, and a
+        # process group freed during interpreter shutdown can abort in gloo's threads. Saved state is on
+        # disk already; loader workers exit when they see their rank gone.
+        os._exit(3 if isinstance(e, RunError) else 2)
+    # FSDP's state outlives main() in reference cycles, holding process groups and collective handles:
+    # free it now, not during interpreter shutdown, where gloo's threads can abort the process.
     gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.exit(code)
