@@ -988,7 +988,7 @@ def main(cfg: Config):
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stopping, data_failed, save_running, diverged = flags.tolist()
         if data_failed:
-            agree(data_error or "", device)
+            agree(data_error, device)
         if diverged:
             done = checkpoints(checkpointer.folder)
             raise RunError(f"step {step}: the loss or the gradient norm is not finite (grad_norm {grad_norm.item():.4g}); "
