@@ -178,6 +178,7 @@ class SourceReader:
         self.src, self.stream, self.num_streams, self.seed, self.ordered = src, stream, num_streams, seed, ordered
         self.epoch, self.file, self.row = 0, 0, 0  # the next document to read
         self.at, self._it = 0, None  # the row being read (for error messages), the document iterator
+        self.error = None  # the DataError this reader stopped with: raised again by every later read
 
     def _files(self) -> list:
         s = self.src
@@ -245,14 +246,20 @@ class SourceReader:
             self.epoch, self.file, self.row = self.epoch + 1, 0, 0
 
     def next_text(self) -> str:
+        if self.error is not None:  # a generator that raised is finished: the next read would be StopIteration
+            raise self.error
         self._it = self._it or self.texts()
-        return next(self._it)
+        try:
+            return next(self._it)
+        except DataError as e:
+            self.error = e
+            raise
 
     def state_dict(self):
         return {"epoch": self.epoch, "file": self.file, "row": self.row}
 
     def load_state_dict(self, sd):
-        self.epoch, self.file, self.row, self._it = sd["epoch"], sd["file"], sd["row"], None
+        self.epoch, self.file, self.row, self._it, self.error = sd["epoch"], sd["file"], sd["row"], None, None
 
 
 def heldout_windows(src: DataSource, tokenizer: Tokenizer, seq_len: int, limit: Optional[int] = None) -> list:
@@ -377,7 +384,7 @@ class Workers:
         ctx = mp.get_context("spawn")  # not fork: the trainer process has threads (gloo, OMP, arrow)
         pairs = [(s, i) for s in range(len(streams)) for i in range(len(streams[s].readers))]
         self.queues = {key: ctx.Queue(maxsize=prefetch) for key in pairs}
-        self.stop, self.procs = ctx.Event(), []
+        self.stop, self.procs, self.failed = ctx.Event(), [], {}  # failed: (stream, source) -> its error
         # A child inherits the signal mask: these stay blocked until the worker ignores them, so a signal sent
         # to every process of the job while a worker starts up cannot kill it. The trainer's own come after.
         old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
@@ -393,6 +400,8 @@ class Workers:
 
     def get(self, s: int, i: int):
         """Source i's next document for stream s, as `PackedStream.read_doc` gives it."""
+        if (s, i) in self.failed:
+            raise DataError(self.failed[(s, i)])
         while True:
             try:
                 item = self.queues[(s, i)].get(timeout=5)
@@ -401,7 +410,8 @@ class Workers:
                 dead = [p for p in self.procs if not p.is_alive()]
                 if dead:
                     raise DataError(f"data loader worker {dead[0].pid} died (exit code {dead[0].exitcode})")
-        if item[0] == "error":
+        if item[0] == "error":  # the worker has stopped: later reads of this pair fail alike, at once
+            self.failed[(s, i)] = item[1]
             raise DataError(item[1])
         return item
 
