@@ -12,26 +12,23 @@ One flat main(cfg), top to bottom: config, mesh, model, parallelize, optimizer, 
 """
 
 import argparse, contextlib, ctypes, dataclasses, difflib, fcntl, gc, hashlib, inspect, json, logging  # noqa: E401
-import math, os, re, resource, shutil, signal, sys, threading, time, tomllib, typing  # noqa: E401
+import math, os, re, signal, sys, threading, time, tomllib, typing  # noqa: E401
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
+from checkpoint import Checkpointer, CheckpointError, SaveError
 from data import DataError, DataLoader, Tokenizer, heldout_windows, sources_from_toml
+from metrics import MetricsLogger, memory_stats, peak_tflops
 from model import Transformer, flavors, keyed_normal_
 
 logger = logging.getLogger("train")
@@ -172,7 +169,7 @@ class ConfigError(ValueError):
 
 
 class RunError(RuntimeError):
-    """The run had to stop (non-finite loss, a final checkpoint that could not be written): one line, exit 3."""
+    """The run had to stop (a non-finite loss or gradient norm): one line, exit 3."""
 
 
 def _docs(cls) -> dict:
@@ -351,6 +348,18 @@ def validate(cfg: Config, world_size: int) -> dict:
     return {"dp_shard": shard, "dp": dp, "global_batch_size": gbs, "grad_accum": gbs // (t.local_batch_size * dp)}
 
 
+def run_keys(cfg: Config, model_args, sizes: dict) -> dict:
+    """What a resume must not change: the keys that change the math or the data order. The DP degree is not
+    among them: a run may resume on more or fewer GPUs as long as num_streams stays the same."""
+    with open(cfg.model.tokenizer_path, "rb") as f:
+        tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()
+    return {"model.flavor": cfg.model.flavor, "model.n_layers": model_args.n_layers,
+            "model.tokenizer_sha256": tokenizer_sha256, "training.seq_len": cfg.training.seq_len,
+            "training.global_batch_size": sizes["global_batch_size"], "data.seed": cfg.data.seed,
+            "data.num_streams": cfg.data.num_streams or sizes["dp"],
+            "data.sources": [dataclasses.asdict(s) for s in cfg.data.sources]}
+
+
 def to_toml(cfg: Config) -> str:
     """The resolved config as TOML that --config accepts back (None values are left out)."""
     def fmt(v):
@@ -467,7 +476,7 @@ def layout_independent_normal(seed: int):
 
 
 # -------------------------------------------------------------------------------------------------
-# Optimizer, schedule, validation, metrics
+# Optimizer, lr schedule, validation (metrics.py: where the numbers go)
 # -------------------------------------------------------------------------------------------------
 
 def build_optimizer(model, cfg: Config, device: torch.device):
@@ -530,303 +539,9 @@ def evaluate(model, heldout: dict, batch: int, device, dp_group, tp: int) -> dic
             "validation_source_loss": per_source, "validation_tokens": int(sums[:, 1].sum())}
 
 
-# Dense bf16 peak TFLOP/s per device, matched against torch.cuda.get_device_name (first match wins).
-PEAK_TFLOPS = [("GB200", 2500.0), ("B200", 2250.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0),
-               ("H800", 989.0), ("A100", 312.0), ("MI300X", 1307.0), ("MI250X", 191.5)]
-
-
-def peak_tflops(cfg: Config, device: torch.device) -> float:
-    if cfg.metrics.peak_tflops > 0:
-        return cfg.metrics.peak_tflops
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return next((p for key, p in PEAK_TFLOPS if key in name), 0.0)
-    return 0.0
-
-
-def memory_stats(device: torch.device):
-    """(GiB, % of device, allocated GiB). GPU: the caching allocator's reserved and allocated peaks since
-    the last call; CPU: the process's peak RSS since it started (allocated is None)."""
-    if device.type == "cuda":
-        peak, allocated = torch.cuda.max_memory_reserved(device), torch.cuda.max_memory_allocated(device)
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.reset_peak_memory_stats(device)
-        return peak / 2**30, 100 * peak / total, allocated / 2**30
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB on Linux
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return peak / 2**30, 100 * peak / total, None
-
-
-class MetricsLogger:
-    """Rank 0 sends each record (a flat dict) to the console, metrics.jsonl, TensorBoard and W&B: a new
-    scalar is one more key in the record. Other ranks drop everything."""
-
-    HIDDEN = {"step", "tokens_seen", "source_tokens", "memory_allocated_gib", "memory_pct", "validation_tokens"}
-
-    def __init__(self, cfg: Config, rank: int):
-        self.jsonl = self.tb = self.wandb = None
-        dump = cfg.job.dump_folder
-        if rank != 0:
-            return
-        self.jsonl = open(os.path.join(dump, "metrics.jsonl"), "a")
-        if cfg.metrics.enable_tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(dump, "tb"))
-        if cfg.metrics.enable_wandb:
-            import wandb  # optional: imported only when enabled
-            id_file = os.path.join(dump, "wandb_run_id")  # a resumed run continues the same W&B run
-            run_id = open(id_file).read().strip() if os.path.exists(id_file) else os.urandom(4).hex()
-            with open(id_file, "w") as f:
-                f.write(run_id)
-            name = cfg.metrics.wandb_run_name or os.environ.get("WANDB_RUN_NAME") or os.path.basename(os.path.abspath(dump))
-            self.wandb = wandb.init(project=cfg.metrics.wandb_project or os.environ.get("WANDB_PROJECT") or "llama3-pretrain",
-                                    name=name, id=run_id, resume="allow", dir=dump, config=dataclasses.asdict(cfg))
-
-    def log(self, r: dict):
-        if self.jsonl is None:
-            return
-        if "loss" in r:  # a training step, in torchtitan's format so existing log parsers work
-            mfu = f"{r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-            line = (f"step: {r['step']}  loss: {r['loss']:.4f}  grad_norm: {r['grad_norm']:.4f}  lr: {r['lr']:.1e}  "
-                    f"memory: {r['memory_gib']:.2f}GiB({r['memory_pct']:.1f}%)  tps: {r['tps']:,.0f}  "
-                    f"tflops: {r['tflops']:.1f}  mfu: {mfu}  data_wait: {r['data_wait_pct']:.1f}%")
-            shown = {"loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu", "data_wait_pct"}
-        else:  # a validation round
-            per = ", ".join(f"{k} {v:.4f}" for k, v in r["validation_source_loss"].items())
-            line = (f"validate: step {r['step']}  loss {r['validation_loss']:.4f}  ppl {math.exp(min(r['validation_loss'], 50)):.2f}"
-                    f"  ({per})  {r['validation_seconds']:.1f}s")
-            shown = {"validation_loss", "validation_source_loss", "validation_seconds"}
-        extra = [f"{k}: {v:.4g}" for k, v in r.items() if k not in shown | self.HIDDEN and isinstance(v, (int, float))]
-        logger.info("  ".join([line, *extra]))
-        self.jsonl.write(json.dumps(r) + "\n")
-        self.jsonl.flush()
-        scalars = {(f"{k}/{n}" if n else k): x for k, v in r.items() if k != "step"  # nested dicts: "key/name"
-                   for n, x in (v.items() if isinstance(v, dict) else [("", v)]) if isinstance(x, (int, float))}
-        for k, x in scalars.items() if self.tb else ():
-            self.tb.add_scalar(k, x, r["step"])
-        if self.wandb:
-            self.wandb.log(scalars, step=r["step"])
-
-    def close(self):
-        for sink in (self.jsonl, self.tb):
-            if sink:
-                sink.close()
-        if self.wandb:
-            self.wandb.finish()
-
-
 # -------------------------------------------------------------------------------------------------
-# Checkpoints: <dump_folder>/<folder>/step-N, DCP, written to .step-N.tmp and renamed when complete
+# Every rank alike: one rank's user error, the dump folder (checkpoints are in checkpoint.py)
 # -------------------------------------------------------------------------------------------------
-
-def json_tensor(obj) -> torch.Tensor:
-    """Plain Python state as a uint8 tensor, so checkpoints hold tensors only (no pickle on load)."""
-    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-
-
-def json_from(t: torch.Tensor):
-    return json.loads(bytes(t.tolist()))
-
-
-def incomplete(path: str):
-    """Why a step-N folder cannot be loaded (None if it can): DCP's .metadata must be readable and every
-    file it names at least as long as the data it records there (a cut copy, a full disk)."""
-    try:
-        meta = dcp.FileSystemReader(path).read_metadata()
-    except Exception as e:  # missing, truncated, or not DCP at all
-        return f"{os.path.join(path, '.metadata')} is missing or unreadable ({type(e).__name__})"
-    need = {}
-    for info in (meta.storage_data or {}).values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(need.items()):
-        have = os.path.getsize(os.path.join(path, name)) if os.path.exists(os.path.join(path, name)) else None
-        if have is None or have < size:
-            return f"{os.path.join(path, name)} is {'missing' if have is None else f'{have} bytes, the metadata needs {size}'}"
-
-
-def checkpoints(folder: str, warn: bool = False) -> list:
-    """Steps of the complete checkpoints, oldest first (saves land in .tmp folders, renamed when done)."""
-    steps = sorted(int(m.group(1)) for d in (os.listdir(folder) if os.path.isdir(folder) else [])
-                   if (m := re.fullmatch(r"step-(\d+)", d)))
-    reasons = {s: incomplete(os.path.join(folder, f"step-{s}")) for s in steps}
-    for s in [s for s in steps if reasons[s] and warn]:
-        logger.warning(f"skipping incomplete checkpoint step-{s}: {reasons[s]}")
-    return [s for s in steps if not reasons[s]]
-
-
-class Checkpointer:
-    """What a checkpoint holds (state()), resume, atomic sync/async saves and keep_latest_k."""
-
-    def __init__(self, cfg: Config, model, optimizer, scheduler, loader, sizes: dict, rank: int):
-        self.cfg, self.ckpt, self.rank = cfg, cfg.checkpoint, rank
-        self.folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
-        self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
-        with open(cfg.model.tokenizer_path, "rb") as f:
-            tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()
-        # Keys that change the math or the data order: a resume with other values is refused. The DP degree
-        # is not among them: a run may resume on more or fewer GPUs as long as num_streams stays the same.
-        self.run_keys = {"model.flavor": cfg.model.flavor, "model.n_layers": model.args.n_layers,
-                         "model.tokenizer_sha256": tokenizer_sha256, "training.seq_len": cfg.training.seq_len,
-                         "training.global_batch_size": sizes["global_batch_size"], "data.seed": cfg.data.seed,
-                         "data.num_streams": cfg.data.num_streams or sizes["dp"],
-                         "data.sources": [dataclasses.asdict(s) for s in cfg.data.sources]}
-        self.sd_options = StateDictOptions(flatten_optimizer_state_dict=True)
-        # Async saves write from a background thread on their own gloo group, apart from training's collectives.
-        self.group = dist.new_group(backend="gloo") if self.ckpt.enable and self.ckpt.async_mode == "async" else None
-        self.pending = None  # (future, step) of an async save not yet renamed into place
-
-    def state(self, step: int, tokens_seen: int, model_only: bool = False) -> dict:
-        """Everything a resume needs, as tensors only: DCP then never unpickles anything on load."""
-        state = {"model": get_model_state_dict(self.model), "train": {"step": torch.tensor(step)}}
-        if model_only:  # the export at the end of training
-            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.ckpt.export_dtype]
-            return {**state, "model": {k: v.to(dtype) for k, v in state["model"].items()}}
-        opt = get_optimizer_state_dict(self.model, self.optimizer, options=self.sd_options)
-        # param_groups (lr, betas) come from the config and the scheduler, not the checkpoint
-        state["optimizer"] = {k: v for k, v in opt.items() if k.startswith("state.")}
-        state["train"].update(tokens_seen=torch.tensor(tokens_seen), steps=torch.tensor(self.cfg.training.steps),
-                              config=json_tensor(self.run_keys), lr_scheduler=json_tensor(self.scheduler.state_dict()))
-        state["data"] = {f"stream{s}": json_tensor(sd) for s, sd in self.loader.state_dict().items()}
-        state["rng"] = {f"rank{dist.get_rank()}": torch.get_rng_state()}
-        return state
-
-    def resume(self):
-        """(step, tokens_seen): from the newest complete step-N (or load_step), else initial_load_path."""
-        ckpt = self.ckpt
-        done = checkpoints(self.folder, warn=True) if ckpt.enable else []
-        if ckpt.load_step >= 0 and ckpt.load_step not in done:
-            path = os.path.join(self.folder, f"step-{ckpt.load_step}")
-            raise ConfigError(f"checkpoint.load_step = {ckpt.load_step}: {path} cannot be loaded "
-                              f"({incomplete(path) if os.path.isdir(path) else 'no such folder'}); complete: {done}")
-        if done:
-            path = os.path.join(self.folder, f"step-{ckpt.load_step if ckpt.load_step >= 0 else done[-1]}")
-            if "train.tokens_seen" in self.metadata(path):
-                return self.load(path, model_only=False)
-            if int(path.rsplit("-", 1)[1]) < self.cfg.training.steps:
-                raise ConfigError(f"{path} holds only model weights (a last_save_model_only export); start "
-                                  "from it with checkpoint.initial_load_path in a new dump_folder")
-            logger.info(f"{path} is the final export of a finished run: nothing to do")
-            return int(path.rsplit("-", 1)[1]), 0
-        if ckpt.initial_load_path:
-            step, tokens = self.load(ckpt.initial_load_path, model_only=ckpt.initial_load_model_only)
-            logger.info(f"loaded {'weights' if ckpt.initial_load_model_only else 'state'} from "
-                        f"{ckpt.initial_load_path}, starting at step {step}")
-            return step, tokens
-        return 0, 0
-
-    def metadata(self, path: str) -> dict:
-        """Sizes of the tensors in a DCP folder, after checking that it is complete and fits our model."""
-        if reason := incomplete(path):
-            raise ConfigError(f"{path} is not a complete DCP checkpoint: {reason}")
-        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        ours = {f"model.{k}": tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
-        bad = [f"{k} {tuple(meta[k].size)} vs ours {s}" for k, s in ours.items() if k in meta and tuple(meta[k].size) != s]
-        bad += [f"{k} missing" for k in ours if k not in meta]
-        if bad:
-            raise ConfigError(f"checkpoint {path} does not fit this model: {'; '.join(bad[:5])}"
-                              + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""))
-        return meta
-
-    def load(self, path: str, model_only: bool):
-        meta, rank_key = self.metadata(path), f"rank{dist.get_rank()}"
-        state = {"model": get_model_state_dict(self.model)} if model_only else self.state(0, 0)
-        for key in meta if not model_only else ():  # JSON blobs: allocate what was saved
-            section, _, name = key.partition(".")
-            if section in ("train", "data") and meta[key].properties.dtype == torch.uint8:
-                state[section][name] = torch.empty(meta[key].size, dtype=torch.uint8)
-        if not model_only:
-            state["train"] = {k: v for k, v in state["train"].items() if f"train.{k}" in meta}  # older runs lack some
-            if f"rng.{rank_key}" not in meta:  # resuming on more ranks than before
-                del state["rng"]
-        try:
-            dcp.load(state, checkpoint_id=path)
-        except CheckpointException as e:  # DCP gathers (error, traceback) per rank: show the first
-            e = next(iter(e.failures.values()), (e,))[0]
-            raise ConfigError(f"cannot load {path}: {type(e).__name__}: {str(e)[:300]}".replace("\n", " "))
-        set_model_state_dict(self.model, state["model"])
-        if model_only:
-            return 0, 0
-        train, saved = state["train"], json_from(state["train"]["config"])
-        if diff := [f"{k}: {saved[k]!r} -> {self.run_keys[k]!r}" for k in saved if saved[k] != self.run_keys.get(k, saved[k])]:
-            raise ConfigError(f"refusing to resume from {path}: the run changed {'; '.join(diff)} (use a new "
-                              "dump_folder, or take only the weights with checkpoint.initial_load_path)")
-        opt = get_optimizer_state_dict(self.model, self.optimizer, options=self.sd_options)
-        set_optimizer_state_dict(self.model, self.optimizer, {**opt, **state["optimizer"]}, options=self.sd_options)
-        self.scheduler.load_state_dict(json_from(train["lr_scheduler"]))
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-            group["lr"] = lr  # load_state_dict restores the scheduler, not the lr it last set
-        self.loader.load_state_dict({s: json_from(state["data"][f"stream{s}"]) for s in self.loader.stream_ids})
-        if "rng" in state:
-            torch.set_rng_state(state["rng"][rank_key])
-        step, steps = int(train["step"]), int(train.get("steps", self.cfg.training.steps))
-        logger.info(f"resumed from {path} at step {step}")
-        if steps != self.cfg.training.steps:  # allowed, but the lr schedule is a function of training.steps
-            logger.warning(f"training.steps changed {steps} -> {self.cfg.training.steps}: the lr schedule now ends at "
-                           f"step {self.cfg.training.steps} instead of {steps}, and the lr from here on follows it")
-        return step, int(train["tokens_seen"])
-
-    def save(self, step: int, tokens_seen: int, final: bool):
-        """Write step-N: in the background (async_mode) unless the run stops after it."""
-        if self.pending is not None:  # at most one save in flight
-            self.finish()
-        t0, tmp = time.perf_counter(), os.path.join(self.folder, f".step-{step}.tmp")
-        if self.rank == 0:  # clear leftovers of crashed saves
-            os.makedirs(self.folder, exist_ok=True)
-            for d in [d for d in os.listdir(self.folder) if re.fullmatch(r"\.step-\d+\.tmp", d)]:
-                shutil.rmtree(os.path.join(self.folder, d), ignore_errors=True)
-        dist.barrier()
-        state = self.state(step, tokens_seen, model_only=final and self.ckpt.last_save_model_only)
-        try:
-            if self.group is not None and not final:
-                self.pending = (dcp.async_save(state, checkpoint_id=tmp, process_group=self.group), step)
-                logger.info(f"checkpoint step-{step}: training blocked {time.perf_counter() - t0:.2f}s (async)")
-                return
-            dcp.save(state, checkpoint_id=tmp)
-            self.commit(step)
-            logger.info(f"saved checkpoint {self.folder}/step-{step}: training blocked {time.perf_counter() - t0:.2f}s")
-        except (CheckpointException, OSError) as e:  # disk full, quota, permissions: DCP raises on every rank
-            self.failed(step, e, final)
-
-    def finish(self):
-        """Wait for the async save in flight and rename it into place."""
-        (future, step), self.pending = self.pending, None
-        try:
-            future.result()
-            self.commit(step)
-            logger.info(f"saved checkpoint {self.folder}/step-{step} (async)")
-        except (CheckpointException, OSError) as e:
-            self.failed(step, e, final=False)
-
-    def commit(self, step: int):
-        """Once every rank has written (dcp fsyncs each file): one rename makes step-N appear whole."""
-        dist.barrier()
-        if self.rank == 0:
-            tmp, final = os.path.join(self.folder, f".step-{step}.tmp"), os.path.join(self.folder, f"step-{step}")
-            with open(os.path.join(tmp, "params.json"), "w") as f:  # what checkpoint_convert.py needs
-                json.dump(dataclasses.asdict(self.model.args), f, indent=2)
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-            dir_fd = os.open(self.folder, os.O_RDONLY)
-            os.fsync(dir_fd)  # make the rename itself survive a power loss
-            os.close(dir_fd)
-            keep = self.ckpt.keep_latest_k  # old checkpoints go only now, after the new one is complete
-            for old in (checkpoints(self.folder)[:-keep] if keep > 0 else []):
-                shutil.rmtree(os.path.join(self.folder, f"step-{old}"), ignore_errors=True)
-        dist.barrier()
-
-    def failed(self, step: int, e: BaseException, final: bool):
-        """The previous checkpoint is untouched; training goes on and the next interval tries again,
-        unless this was the save a stop depends on."""
-        if self.rank == 0:
-            shutil.rmtree(os.path.join(self.folder, f".step-{step}.tmp"), ignore_errors=True)
-        e = next(iter(e.failures.values()), (e,))[0] if isinstance(e, CheckpointException) else e
-        done = checkpoints(self.folder)
-        msg = (f"checkpoint step-{step} failed ({type(e).__name__}: {str(e)[:300]}); the newest complete "
-               f"checkpoint is still {os.path.join(self.folder, f'step-{done[-1]}') if done else 'none'}")
-        if final:
-            raise RunError(msg)
-        logger.error(msg)
-
 
 def agree(error: str, device) -> None:
     """Every rank learns whether any rank failed (error non-empty), and all raise that rank's one line, so
@@ -929,24 +644,25 @@ def main(cfg: Config):
     optimizer, scheduler = build_optimizer(model, cfg, device)
     loader = DataLoader(cfg.data.sources, tokenizer, cfg.training.seq_len, cfg.training.local_batch_size,
                         dp_rank, dp, cfg.data.num_streams, cfg.data.seed, cfg.data.num_workers)
+
+    # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path -----------
+    checkpointer = Checkpointer(cfg.checkpoint, os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder),
+                                run_keys(cfg, model_args, sizes), cfg.training.steps, model, optimizer, scheduler, loader)
+    step, tokens_seen = checkpointer.resume()
     error, heldout = "", {}
-    try:  # every rank resolves every source now, so a bad one stops all ranks alike before step 1
+    try:  # every rank opens every source where it resumes: a bad one stops all ranks alike before step 1
         loader.check()
         heldout = load_heldout(cfg, tokenizer, dp_rank, dp) if cfg.validation.enable else {}
     except DataError as e:
         error = str(e)
     agree(error, device)
-
-    # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path -----------
-    checkpointer = Checkpointer(cfg, model, optimizer, scheduler, loader, sizes, rank)
-    step, tokens_seen = checkpointer.resume()
     if step >= cfg.training.steps:
         logger.info(f"the run is at step {step} of training.steps = {cfg.training.steps}: nothing left to do "
                     "(raise --training.steps to train further)")
 
     # --- 7. training loop ---------------------------------------------------------------------------------
     metrics = MetricsLogger(cfg, rank)
-    peak, grad_accum, tp = peak_tflops(cfg, device), sizes["grad_accum"], p.tensor_parallel_degree
+    peak, grad_accum, tp = peak_tflops(device, cfg.metrics.peak_tflops), sizes["grad_accum"], p.tensor_parallel_degree
     tokens_per_step = sizes["global_batch_size"] * cfg.training.seq_len
     params = [q for q in model.parameters() if q.requires_grad]
     memory_stats(device)  # reset the GPU peak so the first log covers training only
@@ -990,10 +706,8 @@ def main(cfg: Config):
         if data_failed:
             agree(data_error, device)
         if diverged:
-            done = checkpoints(checkpointer.folder)
             raise RunError(f"step {step}: the loss or the gradient norm is not finite (grad_norm {grad_norm.item():.4g}); "
-                           f"nothing was saved from this step. Last good checkpoint: "
-                           f"{os.path.join(checkpointer.folder, f'step-{done[-1]}') if done else 'none'}")
+                           f"nothing was saved from this step. Last good checkpoint: {checkpointer.newest()}")
         lr = scheduler.get_last_lr()[0]  # the lr this step used
         optimizer.step()
         scheduler.step()
@@ -1047,13 +761,13 @@ def main(cfg: Config):
 if __name__ == "__main__":
     try:
         main(load_config(sys.argv[1:]))
-    except (ConfigError, DataError, RunError) as e:
+    except (ConfigError, DataError, CheckpointError, RunError, SaveError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         # Leave at once: a rank that lingers in teardown after another left gets torchrun's SIGTERM, and a
         # process group freed during interpreter shutdown can abort in gloo's threads. Saved state is on
         # disk already; loader workers exit when they see their rank gone.
-        os._exit(3 if isinstance(e, RunError) else 2)
+        os._exit(3 if isinstance(e, (RunError, SaveError)) else 2)
     # FSDP's state outlives main() in reference cycles, holding process groups and collective handles:
     # free it now, not during interpreter shutdown, where gloo's threads can abort the process.
     gc.collect()

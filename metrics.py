@@ -1,0 +1,92 @@
+"""Where train.py's numbers go. Each log step and each validation round is one record (a flat dict) that rank 0
+sends to the console (torchtitan's log line, so existing parsers work), metrics.jsonl, TensorBoard and W&B:
+a new scalar is one more key in the record. Plus the device figures a record carries: peak memory and the
+peak FLOP/s that MFU is measured against."""
+
+import dataclasses, json, logging, math, os, resource, sys  # noqa: E401
+
+import torch
+
+logger = logging.getLogger("metrics")
+
+
+# Dense bf16 peak TFLOP/s per device, matched against torch.cuda.get_device_name (first match wins).
+PEAK_TFLOPS = [("GB200", 2500.0), ("B200", 2250.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0),
+               ("H800", 989.0), ("A100", 312.0), ("MI300X", 1307.0), ("MI250X", 191.5)]
+
+
+def peak_tflops(device: torch.device, configured: float = 0.0) -> float:
+    """For MFU: `configured` (metrics.peak_tflops) if set, else the GPU's; 0 on CPU (MFU prints n/a)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return configured or next((p for key, p in PEAK_TFLOPS if key in name), 0.0)
+
+
+def memory_stats(device: torch.device):
+    """(GiB, % of device, allocated GiB). GPU: the caching allocator's reserved and allocated peaks since
+    the last call; CPU: the process's peak RSS since it started (allocated is None)."""
+    if device.type == "cuda":
+        peak, allocated = torch.cuda.max_memory_reserved(device), torch.cuda.max_memory_allocated(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**30, 100 * peak / total, allocated / 2**30
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB on Linux
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return peak / 2**30, 100 * peak / total, None
+
+
+class MetricsLogger:
+    """Rank 0 sends each record (a flat dict) to the console, metrics.jsonl, TensorBoard and W&B: a new
+    scalar is one more key in the record. Other ranks drop everything."""
+
+    HIDDEN = {"step", "tokens_seen", "source_tokens", "memory_allocated_gib", "memory_pct", "validation_tokens"}
+
+    def __init__(self, cfg, rank: int):  # cfg: train.py's Config
+        self.jsonl = self.tb = self.wandb = None
+        dump = cfg.job.dump_folder
+        if rank != 0:
+            return
+        self.jsonl = open(os.path.join(dump, "metrics.jsonl"), "a")
+        if cfg.metrics.enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(dump, "tb"))
+        if cfg.metrics.enable_wandb:
+            import wandb  # optional: imported only when enabled
+            id_file = os.path.join(dump, "wandb_run_id")  # a resumed run continues the same W&B run
+            run_id = open(id_file).read().strip() if os.path.exists(id_file) else os.urandom(4).hex()
+            with open(id_file, "w") as f:
+                f.write(run_id)
+            name = cfg.metrics.wandb_run_name or os.environ.get("WANDB_RUN_NAME") or os.path.basename(os.path.abspath(dump))
+            self.wandb = wandb.init(project=cfg.metrics.wandb_project or os.environ.get("WANDB_PROJECT") or "llama3-pretrain",
+                                    name=name, id=run_id, resume="allow", dir=dump, config=dataclasses.asdict(cfg))
+
+    def log(self, r: dict):
+        if self.jsonl is None:
+            return
+        if "loss" in r:  # a training step, in torchtitan's format so existing log parsers work
+            mfu = f"{r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+            line = (f"step: {r['step']}  loss: {r['loss']:.4f}  grad_norm: {r['grad_norm']:.4f}  lr: {r['lr']:.1e}  "
+                    f"memory: {r['memory_gib']:.2f}GiB({r['memory_pct']:.1f}%)  tps: {r['tps']:,.0f}  "
+                    f"tflops: {r['tflops']:.1f}  mfu: {mfu}  data_wait: {r['data_wait_pct']:.1f}%")
+            shown = {"loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu", "data_wait_pct"}
+        else:  # a validation round
+            per = ", ".join(f"{k} {v:.4f}" for k, v in r["validation_source_loss"].items())
+            line = (f"validate: step {r['step']}  loss {r['validation_loss']:.4f}  ppl {math.exp(min(r['validation_loss'], 50)):.2f}"
+                    f"  ({per})  {r['validation_seconds']:.1f}s")
+            shown = {"validation_loss", "validation_source_loss", "validation_seconds"}
+        extra = [f"{k}: {v:.4g}" for k, v in r.items() if k not in shown | self.HIDDEN and isinstance(v, (int, float))]
+        logger.info("  ".join([line, *extra]))
+        self.jsonl.write(json.dumps(r) + "\n")
+        self.jsonl.flush()
+        scalars = {(f"{k}/{n}" if n else k): x for k, v in r.items() if k != "step"  # nested dicts: "key/name"
+                   for n, x in (v.items() if isinstance(v, dict) else [("", v)]) if isinstance(x, (int, float))}
+        for k, x in scalars.items() if self.tb else ():
+            self.tb.add_scalar(k, x, r["step"])
+        if self.wandb:
+            self.wandb.log(scalars, step=r["step"])
+
+    def close(self):
+        for sink in (self.jsonl, self.tb):
+            if sink:
+                sink.close()
+        if self.wandb:
+            self.wandb.finish()
