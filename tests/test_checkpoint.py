@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,6 +62,18 @@ def stop_ranks(proc, sig):
 
 def steps_saved(dump):
     return sorted(int(d.split("-")[1]) for d in os.listdir(os.path.join(dump, "checkpoint")) if d.startswith("step-"))
+
+
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory):
+    """A finished 1-process run of 6 steps with checkpoints at 2, 4 and 6: tests resume copies of it."""
+    dump = tmp_path_factory.mktemp("six_steps")
+    run(dump, "--training.steps", 6, "--checkpoint.interval", 2, nproc=1)
+    return dump
+
+
+def copy_of(dump, tmp_path):
+    return shutil.copytree(dump, tmp_path / "run")
 
 
 @pytest.fixture(scope="module")
@@ -140,17 +153,17 @@ def test_async_save_keep_latest_and_model_only_export(tmp_path):
     assert logged(tmp_path / "new")[1] < first[1] - 2  # starts from trained weights
 
 
-def test_changed_config_refuses_to_resume(tmp_path):
-    run(tmp_path, "--training.steps", 2, "--checkpoint.interval", 2, nproc=1)
-    out = run(tmp_path, "--training.steps", 4, "--training.seq_len", 128, nproc=1, expect=2)
+def test_changed_config_refuses_to_resume(six_steps, tmp_path):
+    dump = copy_of(six_steps, tmp_path)
+    out = run(dump, "--training.steps", 8, "--training.seq_len", 128, nproc=1, expect=2)
     assert "refusing to resume" in out and "training.seq_len: 256 -> 128" in out
-    assert steps_saved(tmp_path) == [2]
+    assert steps_saved(dump) == [2, 4, 6]
     # Fewer layers would load the first blocks of a deeper checkpoint silently: refused too.
-    out = run(tmp_path, "--training.steps", 4, "--model.n_layers", 4, nproc=1, expect=2)
+    out = run(dump, "--training.steps", 8, "--model.n_layers", 4, nproc=1, expect=2)
     assert "refusing to resume" in out and "model.n_layers: 6 -> 4" in out
     # Naming the flavor's own depth is no change: it resumes (and reports the measured memory peak).
-    out = run(tmp_path, "--training.steps", 4, "--model.n_layers", 6, nproc=1)
-    assert "at step 2" in out and steps_saved(tmp_path) == [2, 4]
+    out = run(dump, "--training.steps", 8, "--model.n_layers", 6, nproc=1)
+    assert "at step 6" in out and steps_saved(dump) == [2, 4, 6, 8]
     assert re.search(r"memory: peak [\d.]+ GiB RSS$", out, re.M), out
 
 
@@ -218,7 +231,7 @@ def write_tokenizer(path, n_ranks, swap=False):
     return path
 
 
-def test_vocab_follows_the_tokenizer_and_another_tokenizer_is_refused_on_resume(tmp_path):
+def test_vocab_follows_the_tokenizer_and_another_tokenizer_is_refused_on_resume(six_steps, tmp_path):
     big = write_tokenizer(tmp_path / "big.model", 6000)  # 6,000 ranks + 256 special tokens
     out = run(tmp_path / "big", "--model.tokenizer_path", big, "--training.steps", 2, nproc=1)
     assert "vocab 6,256" in out
@@ -226,45 +239,44 @@ def test_vocab_follows_the_tokenizer_and_another_tokenizer_is_refused_on_resume(
     assert tuple(meta["model.tok_embeddings.weight"].size) == (6256, 256)
     assert json.load(open(tmp_path / "big" / "checkpoint" / "step-2" / "params.json"))["vocab_size"] == 6256
 
-    run(tmp_path / "a", "--training.steps", 2, nproc=1)
     swapped = write_tokenizer(tmp_path / "swapped.model", 1792, swap=True)
-    out = run(tmp_path / "a", "--model.tokenizer_path", swapped, "--training.steps", 4, nproc=1, expect=2)
+    out = run(copy_of(six_steps, tmp_path), "--model.tokenizer_path", swapped, "--training.steps", 8, nproc=1, expect=2)
     line = [ln for ln in out.splitlines() if ln.startswith("error:")]
     assert len(line) == 1 and "refusing to resume" in line[0] and "model.tokenizer_sha256" in line[0]
     assert "checkpoint.initial_load_path" in line[0]
 
 
-def test_incomplete_checkpoints_are_skipped_and_refused_by_name(tmp_path):
-    run(tmp_path, "--training.steps", 6, "--checkpoint.interval", 2, nproc=1)
-    ckpt = tmp_path / "checkpoint"
+def test_incomplete_checkpoints_are_skipped_and_refused_by_name(six_steps, tmp_path):
+    dump = copy_of(six_steps, tmp_path)
+    ckpt = dump / "checkpoint"
     os.remove(ckpt / "step-6" / ".metadata")  # a copy cut short, or a non-atomic rename
     shard = next(p for p in (ckpt / "step-4").iterdir() if p.name.endswith(".distcp"))
     with open(shard, "r+b") as f:  # a disk that filled during a copy
         f.truncate(os.path.getsize(shard) // 2)
-    out = run(tmp_path, "--training.steps", 8, "--checkpoint.interval", 100, nproc=1)
+    out = run(dump, "--training.steps", 8, "--checkpoint.interval", 100, nproc=1)
     assert "skipping incomplete checkpoint step-6" in out and ".metadata is missing or unreadable" in out
     assert f"skipping incomplete checkpoint step-4: {shard} is" in out and "the metadata needs" in out
     assert f"resumed from {ckpt}/step-2 at step 2" in out and "Traceback" not in out
 
     for step, why in ((4, "the metadata needs"), (6, ".metadata is missing")):
-        out = run(tmp_path, "--checkpoint.load_step", step, nproc=1, expect=2)
+        out = run(dump, "--checkpoint.load_step", step, nproc=1, expect=2)
         line = [ln for ln in out.splitlines() if ln.startswith("error:")]
         assert len(line) == 1 and f"checkpoint.load_step = {step}" in line[0] and why in line[0], out[-2000:]
         assert "Traceback" not in out
     # Garbage of the right length passes the check; what dcp.load then raises is still one line.
     shard = next(p for p in (ckpt / "step-2").iterdir() if p.name.endswith(".distcp"))
     shard.write_bytes(b"\x00" * os.path.getsize(shard))
-    out = run(tmp_path, "--checkpoint.load_step", 2, nproc=1, expect=2)
+    out = run(dump, "--checkpoint.load_step", 2, nproc=1, expect=2)
     line = [ln for ln in out.splitlines() if ln.startswith("error:")]
     assert len(line) == 1 and f"cannot load {ckpt}/step-2" in line[0] and "Traceback" not in out, out[-2000:]
 
 
-def test_resume_says_when_the_schedule_changes_and_when_nothing_is_left(tmp_path):
-    run(tmp_path, "--training.steps", 4, "--checkpoint.interval", 2, nproc=1)
-    out = run(tmp_path, "--training.steps", 4, nproc=1)
+def test_resume_says_when_the_schedule_changes_and_when_nothing_is_left(six_steps, tmp_path):
+    dump = copy_of(six_steps, tmp_path)
+    out = run(dump, "--training.steps", 6, nproc=1)
     assert "nothing left to do" in out and "step: " not in out
-    out = run(tmp_path, "--training.steps", 8, nproc=1)
-    assert "training.steps changed 4 -> 8: the lr schedule now ends at step 8" in out
+    out = run(dump, "--training.steps", 8, nproc=1)
+    assert "training.steps changed 6 -> 8: the lr schedule now ends at step 8" in out
 
 
 def descendants(pid):
@@ -287,28 +299,34 @@ def alive(pid):
         return False
 
 
-@pytest.mark.parametrize("delivery", ["ranks", "launcher", "every process"])
-def test_preemption_signal_saves_and_ends_the_job_however_it_is_delivered(delivery, reference, tmp_path):
-    """SIGUSR1 to both ranks; SIGTERM to torchrun alone; SIGUSR1 to every process of the job, loader workers
-    included (Slurm's --signal=USR1 without B:), which kills torchrun itself: saved, gone within 30 s."""
-    proc = launch(tmp_path, *FSDP, "--data.num_workers", 2, "--checkpoint.interval", 100)
-    wait_for_step(proc, tmp_path, 3)
-    ranks = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
-    job = [proc.pid] + descendants(proc.pid)
-    assert len(job) >= 2 + 1 + 2 * 2  # torchrun, 2 ranks, their workers (and spawn's resource tracker)
-    targets = {"ranks": ranks, "launcher": [proc.pid], "every process": job}[delivery]
-    for pid in targets:
-        os.kill(pid, signal.SIGTERM if delivery == "launcher" else signal.SIGUSR1)
-    start = time.time()
-    out, _ = proc.communicate(timeout=60)
-    while any(alive(p) for p in job) and time.time() - start < 30:
-        time.sleep(0.2)
-    assert not [p for p in job if alive(p)] and time.time() - start < 30, out[-3000:]
-    stopped = int(re.search(r"stopping at step (\d+) on signal", out).group(1))
-    assert steps_saved(tmp_path) == [stopped] and 'train.py", line' not in out, out[-3000:]  # no rank's traceback
-    # No rank failed (torchrun lists failed ranks' exit codes) and none had to be killed by torchrun after
-    # its 30 s grace period: each exited by itself. (torchrun, signalled itself, re-raises the signal.)
-    assert "exitcode" not in out and "forcefully exiting" not in out, out[-3000:]
-    if delivery == "every process":  # and the resumed run continues exactly
-        run(tmp_path, *FSDP, "--data.num_workers", 2, "--checkpoint.interval", 100)
-        assert logged(tmp_path) == reference["fsdp"]
+def test_preemption_signal_saves_and_ends_the_job_however_it_is_delivered(reference, tmp_path):
+    """One run stopped three times, each time delivered another way, and resumed: SIGUSR1 to both ranks;
+    SIGTERM to torchrun alone; SIGUSR1 to every process of the job, loader workers included (Slurm's
+    --signal=USR1 without B:), which kills torchrun itself. Each time it saves and every process is gone
+    within 30 s by itself; the four launches together log the uninterrupted run's losses, bit for bit."""
+    args = (*FSDP, "--data.num_workers", 2, "--checkpoint.interval", 100)
+    stopped = 0
+    for delivery in ("ranks", "launcher", "every process"):
+        proc = launch(tmp_path, *args)
+        wait_for_step(proc, tmp_path, stopped + 1)
+        ranks = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+        job = [proc.pid] + descendants(proc.pid)
+        assert len(job) >= 2 + 1 + 2 * 2  # torchrun, 2 ranks, their workers (and spawn's resource tracker)
+        targets = {"ranks": ranks, "launcher": [proc.pid], "every process": job}[delivery]
+        for pid in targets:
+            os.kill(pid, signal.SIGTERM if delivery == "launcher" else signal.SIGUSR1)
+        start = time.time()
+        out, _ = proc.communicate(timeout=60)
+        while any(alive(p) for p in job) and time.time() - start < 30:
+            time.sleep(0.2)
+        assert not [p for p in job if alive(p)] and time.time() - start < 30, f"{delivery}: {out[-3000:]}"
+        if stopped:
+            assert f"resumed from {tmp_path}/checkpoint/step-{stopped} at step {stopped}" in out, out[-3000:]
+        stopped = int(re.search(r"stopping at step (\d+) on signal", out).group(1))
+        assert steps_saved(tmp_path)[-1] == stopped and 'train.py", line' not in out, out[-3000:]  # no traceback
+        # No rank failed (torchrun lists failed ranks' exit codes) and none had to be killed by torchrun after
+        # its 30 s grace period: each exited by itself. (torchrun, signalled itself, re-raises the signal.)
+        assert "exitcode" not in out and "forcefully exiting" not in out, f"{delivery}: {out[-3000:]}"
+        assert proc.returncode == 0 or delivery != "ranks", out[-3000:]
+    run(tmp_path, *args)
+    assert logged(tmp_path) == reference["fsdp"]

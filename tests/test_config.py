@@ -24,7 +24,7 @@ def run_train(*args, env=None, tmp_path=None):
     return proc, dump
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_INPUT = [
     (["--training.stpes", "5"], "unknown key in [training] 'stpes'; did you mean steps?"),
     (["--trainig.steps", "5"], "unknown config section 'trainig'; did you mean training?"),
     (["--training.steps", "five"], "training.steps: expected int, got 'five'"),
@@ -42,8 +42,20 @@ def run_train(*args, env=None, tmp_path=None):
     (["--training.seq_len", "4096"], "training.seq_len = 4096 exceeds the debugmodel model's max_seq_len 2048"),
     (["--parallelism.tensor_parallel_degree", "2"], "must equal the world size 1"),
     (["stray"], "unexpected argument 'stray'"),
-    (["--model.tokenizer_path", "missing.model"], "tokenizer file 'missing.model' not found"),
-])
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUT)
+def test_bad_input_is_one_config_error(args, message):
+    with pytest.raises(train.ConfigError) as e:
+        train.validate(train.load_config(["--config", DEBUG, *args]), 1)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# Through the real entry point, one of each kind (parsing, the value table, the layout, the tokenizer file
+# that only main() opens): one `error:` line on stderr, exit 2, no dump folder.
+@pytest.mark.parametrize("args, message", [*BAD_INPUT[0:6:5], BAD_INPUT[-2],
+                                           (["--model.tokenizer_path", "missing.model"], "tokenizer file 'missing.model' not found")])
 def test_bad_input_is_one_line_exit_2_and_creates_nothing(args, message, tmp_path):
     proc, dump = run_train(*args, tmp_path=tmp_path)
     assert proc.returncode == 2, proc.stderr
