@@ -212,3 +212,47 @@ def test_data_cli_streams_the_8b_config_from_the_hub(hub, tmp_path):
     assert "share" in out.stdout and "tokens/s" in out.stdout and "2 worker(s)" in out.stdout
     assert TOKEN not in out.stdout + out.stderr
     assert all(r["auth"] == f"Bearer {TOKEN}" for r in hub.log if r["path"].startswith("/datasets/"))
+
+
+def test_train_py_on_the_shipped_hub_sources_trains_resumes_and_eats_the_mirrors_tokens(hub, repos, tok, tmp_path):
+    """The debug model trained by train.py on the 8B config's six hub sources and its C4 validation split: it
+    trains, a resume from step 2 replays steps 3-4 exactly, the tokens it eats per source are those a loader
+    reads from local mirrors of the same files, and HF_TOKEN reaches neither the output nor the dump folder."""
+    import train
+    with open(os.path.join(ROOT, "configs", "llama3_8b.toml"), "rb") as f:
+        shipped = tomllib.load(f)
+    cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml"), "--validation.steps", "1",
+                             "--validation.local_batch_size", "4"])
+    cfg.data.sources = shipped_sources()
+    cfg.validation.sources = data.sources_from_toml(shipped["validation"]["sources"], "llama3_8b.toml", "validation")
+    (tmp_path / "hub.toml").write_text(train.to_toml(cfg))
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf"), HF_TOKEN=TOKEN, OMP_NUM_THREADS="1")
+    dump = tmp_path / "dump"
+
+    def run(*args):
+        proc = subprocess.run([sys.executable, "train.py", "--config", str(tmp_path / "hub.toml"), "--job.dump_folder",
+                               str(dump), "--training.steps", "4", "--training.seq_len", "128", "--training.local_batch_size",
+                               "4", "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "2",
+                               "--validation.freq", "4", "--data.num_workers", "2", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert TOKEN not in proc.stdout + proc.stderr
+        return [json.loads(ln) for ln in open(dump / "metrics.jsonl")]
+
+    first = run()
+    steps = [r for r in first if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and steps[-1]["loss"] < steps[0]["loss"]
+    assert [r["validation_source_loss"] for r in first if "validation_loss" in r][0].keys() == {"c4"}
+    replay = [r for r in run("--checkpoint.load_step", "2")[len(first):] if "loss" in r]
+    assert [(r["step"], r["loss"]) for r in replay] == [(r["step"], r["loss"]) for r in steps[2:]]
+
+    mirrors = {r: write_mirror(repos, str(tmp_path / r.replace("/", "__")), r) for r in {s.path for s in cfg.data.sources}}
+    local = DataLoader([DataSource(**{**s.__dict__, "path": mirrors[s.path]}) for s in cfg.data.sources], tok, 128, 4,
+                       0, 1, cfg.data.num_streams, cfg.data.seed)
+    batches(local, 4)
+    # (2,064 tokens: the two big Zyda-2 sources' first documents; the loader test above covers all six)
+    assert steps[-1]["source_tokens"] == local.source_tokens() and sum(n > 0 for n in local.source_tokens().values()) >= 2
+    for name in ("config.toml", "metrics.jsonl"):
+        assert TOKEN not in (dump / name).read_text()
+    assert all(r["auth"] == f"Bearer {TOKEN}" for r in hub.log if r["path"].startswith("/datasets/"))
