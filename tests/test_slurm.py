@@ -256,17 +256,20 @@ def cluster(tmp_path_factory):
 # Helpers for the jobs
 # -------------------------------------------------------------------------------------------------------
 
-def wait_job(cluster, job_id, timeout, log, on_poll=None) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        info = cluster.job(job_id)
-        if on_poll:
-            on_poll(info)
-        if info.get("JobState") in DONE:
-            return info
+def wait_jobs(cluster, ids: dict, logs: dict, timeout, on_poll) -> dict:
+    """{name: scontrol's job info} once every job in ids ({name: job id}) has ended; on_poll(name, info) on the way."""
+    infos, deadline = {}, time.time() + timeout
+    while len(infos) < len(ids) and time.time() < deadline:
+        for name in ids.keys() - infos.keys():
+            info = cluster.job(ids[name])
+            on_poll(name, info)
+            if info.get("JobState") in DONE:
+                infos[name] = info
         time.sleep(0.5)
-    raise AssertionError(f"job {job_id} not finished after {timeout} s: {cluster.job(job_id)}\n{tail(log, 60)}\n"
-                         f"--- slurmctld.log:\n{tail(os.path.join(cluster.tmp, 'slurmctld.log'), 20)}")
+    for name in ids.keys() - infos.keys():
+        raise AssertionError(f"job {name} not finished after {timeout} s: {cluster.job(ids[name])}\n{tail(logs[name], 60)}"
+                             f"\n--- slurmctld.log:\n{tail(os.path.join(cluster.tmp, 'slurmctld.log'), 20)}")
+    return infos
 
 
 def read(path) -> str:
@@ -285,13 +288,28 @@ def job_env(cluster, **extra):
 
 
 @pytest.fixture(scope="module")
-def reference(cluster, tmp_path_factory):
-    """An uninterrupted 2-node x 1-process run: the baseline for the time-limit test."""
-    dump = str(tmp_path_factory.mktemp("reference"))
-    job_id = cluster.sbatch("reference", job_env(cluster), [], ["--job.dump_folder", dump, *TRAIN_ARGS])
-    log = os.path.join(cluster.tmp, f"reference-{job_id}.out")
-    info = wait_job(cluster, job_id, 420, log)
-    return job_id, info, dump, log
+def jobs(cluster, tmp_path_factory):
+    """Two jobs at once, sharing the two nodes (the script asks for whole nodes; --exclusive=user lets one
+    user's jobs share them): an uninterrupted 2-node x 1-process run, the reference, and a --time=2 job that
+    Slurm warns 75 s before its limit. slurmctld checks time limits every 30 s and sends the warning at the
+    last check before it is due, so 15-45 s after the start: after train.py has installed its handler, while
+    it trains, and long before the kill at 120-150 s. It checkpoints, requeues itself and resumes. Side by
+    side, the time-limit job's waits (for the warning, for the requeue) overlap the reference's training."""
+    dumps = {name: str(tmp_path_factory.mktemp(name)) for name in ("reference", "timelimit")}
+    ids = {name: cluster.sbatch(name, job_env(cluster), ["--exclusive=user", *extra],
+                                ["--job.dump_folder", dumps[name], *TRAIN_ARGS])
+           for name, extra in (("reference", []), ("timelimit", ["--time=2", "--signal=B:USR1@75"]))}
+    logs = {name: os.path.join(cluster.tmp, f"{name}-{ids[name]}.out") for name in ids}
+    extended = []
+
+    def extend_after_requeue(name, info):
+        # The resumed run gets 5 minutes so that it is not interrupted again (that would work too, only slower).
+        if name == "timelimit" and not extended and info.get("Restarts") == "1" and info.get("JobState") == "PENDING":
+            cluster.run("scontrol", "update", f"JobId={ids[name]}", "TimeLimit=5")
+            extended.append(time.time())
+
+    infos = wait_jobs(cluster, ids, logs, 600, extend_after_requeue)
+    return {name: (ids[name], infos[name], dumps[name], logs[name]) for name in ids}
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -309,8 +327,8 @@ def test_shellcheck_slurm_scripts():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_two_node_job_completes(cluster, reference):
-    job_id, info, dump, log = reference
+def test_two_node_job_completes(jobs):
+    job_id, info, dump, log = jobs["reference"]
     out = read(log)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out[-4000:]}"
     assert info["NumNodes"] == "2" and info["NodeList"] == "n[1-2]", info
@@ -325,24 +343,9 @@ def test_two_node_job_completes(cluster, reference):
     assert os.path.isdir(os.path.join(dump, "checkpoint", f"step-{STEPS}"))
 
 
-def test_time_limit_checkpoints_requeues_and_resumes_exactly(cluster, reference, tmp_path):
-    """--time=2 with the warning 75 s before the end: slurmctld checks time limits every 30 s and sends the
-    warning at the last check before it is due, so 15-45 s after the start: after train.py has installed its
-    handler, while it trains, and long before the kill at 120-150 s. The job checkpoints, requeues itself
-    and resumes."""
-    dump = str(tmp_path / "dump")
-    job_id = cluster.sbatch("timelimit", job_env(cluster), ["--time=2", "--signal=B:USR1@75"],
-                            ["--job.dump_folder", dump, *TRAIN_ARGS])
-    log = os.path.join(cluster.tmp, f"timelimit-{job_id}.out")
-    extended = []
-
-    def extend_after_requeue(info):
-        # The resumed run gets 5 minutes so that it is not interrupted again (that would work too, only slower).
-        if not extended and info.get("Restarts") == "1" and info.get("JobState") == "PENDING":
-            cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=5")
-            extended.append(time.time())
-
-    info = wait_job(cluster, job_id, 540, log, on_poll=extend_after_requeue)
+def test_time_limit_checkpoints_requeues_and_resumes_exactly(jobs):
+    """The --time=2 job of `jobs`: warned, checkpointed, requeued, resumed, and equal to the reference."""
+    job_id, info, dump, log = jobs["timelimit"]
     out = read(log)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out[-5000:]}"
     assert info["Restarts"] == "1", f"expected exactly one requeue: {info}\n{out[-5000:]}"
@@ -354,6 +357,6 @@ def test_time_limit_checkpoints_requeues_and_resumes_exactly(cluster, reference,
     assert re.search(rf"resumed from \S*step-{k} at step {k}", out), out[-5000:]
     assert sorted(os.listdir(os.path.join(dump, "checkpoint"))) == sorted([f"step-{k}", f"step-{STEPS}"])
 
-    got, want = losses(dump), losses(reference[2])
+    got, want = losses(dump), losses(jobs["reference"][2])
     assert [s for s, _ in got] == list(range(1, STEPS + 1)), "every step logged once, none repeated"
     assert got == want, next(f"step {a[0]}: {a[1]!r} != {b[1]!r}" for a, b in zip(got, want) if a != b)
