@@ -384,7 +384,7 @@ def main(argv: list):
                       ("titan", "this trainer and torchtitan 0.2.2 in turn, same shapes: the ratio of tokens/s")]:
         job = sub.add_parser(what, help=doc, description=doc, epilog="Other --section.key value arguments set "
                              "train.py's config (python train.py --help lists them).")
-        job.add_argument("--config", help="train.py's TOML config (e.g. configs/debug_model.toml)")
+        job.add_argument("--config", action="append", help="train.py's TOML config (e.g. configs/debug_model.toml)")
         if what in ("overhead", "matrix", "titan"):
             job.add_argument("--steps", type=int, default=30 if what == "titan" else 60, help="steps per run")
             job.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run "
@@ -402,7 +402,7 @@ def main(argv: list):
                                 help="a config key and its values; several --vary give every combination")
     jobs["titan"].add_argument("--device", choices=["cuda", "cpu"], help="where both run (default: cuda if visible)")
     a, rest = p.parse_known_args(argv)
-    rest = (["--config", a.config] if a.config else []) + rest
+    rest = [arg for path in a.config or [] for arg in ("--config", path)] + rest  # train.py refuses two
     for name in ("warmup", "repeats", "world_size", "nproc"):
         if getattr(a, name, None) is not None and getattr(a, name) < 1:
             fail(f"--{name} {getattr(a, name)}: must be >= 1")

@@ -105,7 +105,9 @@ def test_matrix_under_torchrun_and_bad_arguments():
                           (["overhead", "--warmup", "0"], "--warmup 0: must be >= 1"),
                           (["matrix", "--vary", "training.steps=5,10"], "training.steps is set by bench.py"),
                           (["overhead", "--config", "configs/debug_model.toml", "--training.stpes", "3"],
-                           "unknown key in [training] 'stpes'")]:
+                           "unknown key in [training] 'stpes'"),
+                          (["memory", "--config", "configs/debug_model.toml", "--config", "configs/llama3_8b.toml"],
+                           "--config given 2 times (configs/debug_model.toml, configs/llama3_8b.toml)")]:
         proc = subprocess.run([sys.executable, "bench.py", *args], cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
