@@ -147,8 +147,9 @@ def test_a_hung_rank_ends_the_run_within_the_configured_timeout(tmp_path):
 
 
 def test_a_data_error_on_one_rank_ends_every_rank_with_the_same_line(tmp_path):
-    """Stream 1's C4 file is cut off mid-way: only the rank reading it fails, several steps in; both ranks
-    must end with that one line and exit 2, not one line and a gloo traceback."""
+    """Stream 1's C4 file is cut off mid-way: only the rank reading it fails, several steps in, inside a
+    gradient accumulation (the failing micro-batch is not the step's last); both ranks must end with that
+    one line and exit 2, not one line and a gloo traceback."""
     import gzip
     import shutil
     src = tmp_path / "c4"
@@ -162,7 +163,8 @@ def test_a_data_error_on_one_rank_ends_every_rank_with_the_same_line(tmp_path):
     start = time.time()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "train.py", "--config", str(tmp_path / "c.toml"), "--job.dump_folder", str(tmp_path / "d"),
-                           "--metrics.log_freq", "1", "--validation.enable", "false", "--training.steps", "40", "--training.local_batch_size", "4"],
+                           "--metrics.log_freq", "1", "--validation.enable", "false", "--training.steps", "40", "--training.local_batch_size", "1",
+                           "--training.global_batch_size", "8"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     # Both ranks print the same line (to one stderr, so the two may share a line of the terminal).
     lines = re.findall(r"error: (data source 'c4': reading \S+ at row \d+ failed[^\n]*?reached\))", proc.stderr)
