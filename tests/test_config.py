@@ -176,3 +176,23 @@ def test_readme_config_reference_is_current():
     readme = open(os.path.join(ROOT, "README.md")).read()
     stale = [ln for ln in out.splitlines() if ln.startswith("  --") and ln not in readme]
     assert not stale, f"README's config reference is out of date (paste `python train.py --help`): {stale}"
+
+
+def test_the_vocabulary_follows_the_tokenizer_and_a_llama3_sized_one_gives_metas(tmp_path):
+    """Meta's tokenizer has 128,000 BPE ranks: with the 256 special tokens every flavor gets Meta's 128,256
+    (bos 128000); a small tokenizer gives any flavor its own size (the trainer passes n_words)."""
+    import base64
+    import itertools
+
+    import data
+    words = itertools.chain((bytes([b]) for b in range(256)), map(bytes, itertools.product(range(256), repeat=2)),
+                            map(bytes, itertools.product(range(48, 123), repeat=3)))
+    path = tmp_path / "tokenizer.model"
+    path.write_text("".join(f"{base64.b64encode(w).decode()} {i}\n" for i, w in zip(range(128000), words)))
+    tok = data.Tokenizer(str(path))
+    assert (tok.n_words, tok.bos_id, tok.eos_id) == (128256, 128000, 128001)
+    for flavor in ("1B", "8B", "405B"):
+        cfg = train.load_config(["--model.flavor", flavor])
+        assert train.flavor_args(cfg, vocab_size=tok.n_words).vocab_size == 128256 == model.flavors[flavor].vocab_size
+    small = data.Tokenizer(os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model"))
+    assert train.flavor_args(train.load_config(["--model.flavor", "8B"]), vocab_size=small.n_words).vocab_size == 2048
