@@ -9,6 +9,8 @@
 
 Config precedence: --section.key value on the command line > the TOML file > the defaults below.
 One flat main(cfg), top to bottom: config, mesh, model, parallelize, optimizer, data, checkpoint, loop.
+Beside it: model.py (the model), data.py (tokenizer, sources, mixture), checkpoint.py (what a checkpoint
+holds, atomic saves, resume), metrics.py (the log line, metrics.jsonl, TensorBoard, W&B).
 """
 
 import argparse, contextlib, ctypes, dataclasses, difflib, fcntl, gc, hashlib, inspect, json, logging  # noqa: E401
