@@ -7,7 +7,7 @@ the warning signal, requeues itself and resumes with bitwise the same losses as 
 The module starts its own munged, slurmctld and two slurmd (nodes n1 and n2 on this one machine), all on
 127.0.0.1 with state under a pytest tmp folder, and stops them by PID at the end. The slurmds run in a private
 mount namespace whose /etc/hosts maps n1 and n2 to 127.0.0.1, so the jobs can resolve their node names.
-Without root or the packages the cluster tests skip, saying why. About 4 minutes on 2 cores.
+Without root or the packages the cluster tests skip, saying why. About 2.5 minutes on 2 cores (the two jobs run side by side).
 """
 
 import json
