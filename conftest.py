@@ -12,6 +12,20 @@ import pytest
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+def _cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+# One test body for every device: `@pytest.mark.parametrize("device", DEVICES)` runs it on the CPU here and,
+# unchanged, on a GPU under `python -m pytest -m gpu` (the cuda case is marked `gpu` and skipped without CUDA).
+GPU_SKIP = "needs a CUDA GPU; on a GPU node run: python -m pytest -m gpu"
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _cuda(), reason=GPU_SKIP)])]
+
+
 def _train_2proc(dump, *args):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
            "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump), "--metrics.log_freq", "1", "--validation.enable", "false",
