@@ -243,8 +243,9 @@ class Transformer(nn.Module):
           layers add less to the residual stream at the start
         - output.weight: normal(0, dim ** -0.5)
         - attention_norm, ffn_norm, norm: ones
-        - any other parameter (one a research edit adds, e.g. a q/k norm): 1-D ones, otherwise
-          normal(0, 0.02); give it its own rule here when that is wrong for it
+        - any other parameter (one a research edit adds), by name: `*norm.weight` ones (a q/k norm),
+          `*.bias` zeros, anything else normal(0, 0.02) whatever its shape (a gate, a 3-D expert
+          weight, a 0-D scale); give it its own rule here when that is wrong for it
         - freqs_cis (buffer): recomputed from args on buffer_device (default: where it lives now)
         Every normal is truncated at 3 std. `normal_(name, tensor, std)` draws them; the default
         uses torch's global RNG. train.py passes one whose values do not depend on the sharding.
@@ -262,8 +263,8 @@ class Transformer(nn.Module):
                 normal_(name, p, self.args.dim ** -0.5)
             elif name.endswith(("wo.weight", "w2.weight", "w3.weight")):
                 normal_(name, p, out_std)
-            elif p.ndim == 1:  # wq/wk/wv/w1 and new weights fall through to the default rules
-                nn.init.ones_(p)
+            elif name.endswith(".bias"):  # wq/wk/wv/w1 and new weights fall through to the default rules
+                nn.init.zeros_(p)
             else:
                 normal_(name, p, 0.02)
 
@@ -275,19 +276,23 @@ class Transformer(nn.Module):
 
 
 def keyed_normal_(local: torch.Tensor, offset, full_shape, seed: int, name: str, std: float, rows_per_block: int = 64):
-    """Fill `local`, the block of a (rows, cols) weight starting at `offset`, with truncated normals whose
-    values depend on (seed, name, position) only, so a shard gets the same values as the whole tensor.
+    """Fill `local`, the block of a weight of `full_shape` starting at `offset` (one index per dim), with
+    truncated normals whose values depend on (seed, name, position) only, so a shard gets the same values as
+    the whole tensor. Any shape: a 0-D tensor is one row, a 1-D one a column, 3-D ones (experts) carry their
+    trailing dims along.
 
-    Rows are drawn in blocks of 64 from generators keyed by (seed, name, block): a shard draws the
+    Rows (dim 0) are drawn in blocks of 64 from generators keyed by (seed, name, block): a shard draws the
     blocks its rows touch, at full width, and keeps its own rows and columns.
     """
+    if local.ndim == 0:
+        local, offset, full_shape = local.view(1), (0,), (1,)
     r0, r1 = offset[0], offset[0] + local.shape[0]
-    c0, c1 = offset[1], offset[1] + local.shape[1]
+    cols = tuple(slice(o, o + n) for o, n in zip(offset[1:], local.shape[1:]))  # this shard's other dims
     for b in range(r0 // rows_per_block, -(-r1 // rows_per_block)):
         digest = hashlib.sha256(f"{seed}/{name}/{b}".encode()).digest()
         g = torch.Generator(device=local.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
         lo, hi = b * rows_per_block, min((b + 1) * rows_per_block, full_shape[0])
-        block = torch.empty(hi - lo, full_shape[1], device=local.device, dtype=local.dtype)
+        block = torch.empty(hi - lo, *full_shape[1:], device=local.device, dtype=local.dtype)
         nn.init.trunc_normal_(block, 0.0, std, -3 * std, 3 * std, generator=g)
         a, z = max(lo, r0), min(hi, r1)
-        local[a - r0:z - r0].copy_(block[a - lo:z - lo, c0:c1])
+        local[a - r0:z - r0].copy_(block[(slice(a - lo, z - lo), *cols)])

@@ -13,8 +13,8 @@ Beside it: model.py (the model), data.py (tokenizer, sources, mixture), checkpoi
 holds, atomic saves, resume), metrics.py (the log line, metrics.jsonl, TensorBoard, W&B).
 """
 
-import argparse, contextlib, ctypes, dataclasses, difflib, fcntl, gc, hashlib, inspect, json, logging  # noqa: E401
-import math, os, re, signal, sys, threading, time, tomllib, typing  # noqa: E401
+import argparse, ast, contextlib, ctypes, dataclasses, difflib, fcntl, gc, hashlib, inspect, io, json, logging  # noqa: E401
+import math, os, signal, sys, textwrap, threading, time, tokenize, tomllib, typing  # noqa: E401
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -175,8 +175,22 @@ class RunError(RuntimeError):
 
 
 def _docs(cls) -> dict:
-    """The trailing `# comment` of each field in a config dataclass's source."""
-    return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
+    """Each field's one-line doc: the `# comment` on its line (or on the lines of a default that spans several),
+    else a comment line just above it. A field without one gets "" (--help then shows just its default)."""
+    try:
+        src = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # no source file (a class made in a notebook cell, say): no docs, no crash
+        return {}
+    lines = src.splitlines()
+    comments = {t.start[0]: t.string.lstrip("#").strip()
+                for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type == tokenize.COMMENT}
+    docs = {}
+    for node in ast.parse(src).body[0].body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            own = [comments[i] for i in range(node.lineno, node.end_lineno + 1) if i in comments]
+            above = node.lineno - 1 if lines[node.lineno - 2].lstrip().startswith("#") else None
+            docs[node.target.id] = own[-1] if own else comments.get(above, "")
+    return docs
 
 
 def _convert(value, typ, where: str):
@@ -228,15 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
     for sec in dataclasses.fields(Config):
         cls = type(getattr(Config(), sec.name))
         docs = _docs(cls)
-        group = parser.add_argument_group(f"[{sec.name}]", f"[[{sec.name}.sources]] (TOML only): {docs['sources']}"
-                                          if "sources" in docs else None)
+        group = parser.add_argument_group(f"[{sec.name}]", f"[[{sec.name}.sources]] (TOML only): {docs.get('sources', '')}"
+                                          if any(f.name == "sources" for f in dataclasses.fields(cls)) else None)
         for f in dataclasses.fields(cls):
             if f.name == "sources":
                 continue  # tables: TOML only
             typ = typing.get_type_hints(cls)[f.name]
             group.add_argument(f"--{sec.name}.{f.name}", default=argparse.SUPPRESS, metavar=typ.__name__.upper(),
                                **({"nargs": "?", "const": "true"} if typ is bool else {}),  # bare --checkpoint.enable
-                               help=f"{docs[f.name]} (default: {getattr(cls(), f.name)!r})")
+                               help=f"{docs.get(f.name, '')} (default: {getattr(cls(), f.name)!r})".lstrip())
     return parser
 
 
@@ -350,16 +364,31 @@ def validate(cfg: Config, world_size: int) -> dict:
     return {"dp_shard": shard, "dp": dp, "global_batch_size": gbs, "grad_accum": gbs // (t.local_batch_size * dp)}
 
 
+# A resume must keep every key of these sections (a forker's new hyperparameter is checked with no edit here)...
+RESUME_CHECKED = ("model", "training", "optimizer", "lr_scheduler", "data")
+# ...except these, which a resume may change: how long and how fast to train, clipping, precision, the
+# layout's batch split, workers, and where the tokenizer lives (its sha256 is checked instead). The other
+# sections (job, parallelism, checkpoint, activation_checkpoint, compile, metrics, comm, validation) may
+# always change.
+RESUME_MAY_CHANGE = {
+    "training.steps", "training.local_batch_size", "training.max_norm", "training.seed", "training.deterministic",
+    "training.mixed_precision_param", "training.mixed_precision_reduce", "optimizer.lr", "lr_scheduler.warmup_steps",
+    "lr_scheduler.decay_ratio", "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor", "model.tokenizer_path",
+    "data.num_workers",
+}
+
+
 def run_keys(cfg: Config, model_args, sizes: dict) -> dict:
-    """What a resume must not change: the keys that change the math or the data order. The DP degree is not
-    among them: a run may resume on more or fewer GPUs as long as num_streams stays the same."""
+    """What a resume must not change (RESUME_CHECKED less RESUME_MAY_CHANGE), with derived values where the
+    config leaves a choice to the layout: a run may resume on more or fewer GPUs as long as the global batch
+    and num_streams stay the same. A checkpoint is checked on the keys it holds (older ones hold fewer)."""
+    keys = {f"{sec}.{k}": v for sec in RESUME_CHECKED for k, v in dataclasses.asdict(getattr(cfg, sec)).items()
+            if f"{sec}.{k}" not in RESUME_MAY_CHANGE}
     with open(cfg.model.tokenizer_path, "rb") as f:
-        tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()
-    return {"model.flavor": cfg.model.flavor, "model.n_layers": model_args.n_layers,
-            "model.tokenizer_sha256": tokenizer_sha256, "training.seq_len": cfg.training.seq_len,
-            "training.global_batch_size": sizes["global_batch_size"], "data.seed": cfg.data.seed,
-            "data.num_streams": cfg.data.num_streams or sizes["dp"],
-            "data.sources": [dataclasses.asdict(s) for s in cfg.data.sources]}
+        keys["model.tokenizer_sha256"] = hashlib.sha256(f.read()).hexdigest()
+    keys.update({"model.n_layers": model_args.n_layers, "training.global_batch_size": sizes["global_batch_size"],
+                 "data.num_streams": cfg.data.num_streams or sizes["dp"]})
+    return keys
 
 
 def to_toml(cfg: Config) -> str:
@@ -472,13 +501,13 @@ def layout_independent_normal(seed: int):
             _, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
             keyed_normal_(w.to_local(), offset, w.shape, seed, name, std)
         else:
-            keyed_normal_(w, (0, 0), w.shape, seed, name, std)
+            keyed_normal_(w, (0,) * w.ndim, w.shape, seed, name, std)
 
     return fill
 
 
 # -------------------------------------------------------------------------------------------------
-# Optimizer, lr schedule, validation (metrics.py: where the numbers go)
+# Optimizer, lr schedule, the loss, validation (metrics.py: where the numbers go)
 # -------------------------------------------------------------------------------------------------
 
 def build_optimizer(model, cfg: Config, device: torch.device):
@@ -487,6 +516,20 @@ def build_optimizer(model, cfg: Config, device: torch.device):
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   weight_decay=o.weight_decay, fused=device.type == "cuda" or None)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
+
+
+def forward_backward(model, inputs, labels, grad_accum: int, tp: int) -> torch.Tensor:
+    """One micro-batch: forward, loss, backward. Returns the loss for the log (detached, a plain tensor; the
+    loop sums it over micro-batches). The place to change the objective (masking, z-loss, another loss):
+    the loop around it only accumulates, clips and steps."""
+    with loss_parallel() if tp > 1 else contextlib.nullcontext():
+        logits = model(inputs)  # (local_batch_size, seq_len, vocab_size), vocab-sharded under TP
+        # Every position is a real token (packed data), so the mean per micro-batch divided by the
+        # number of micro-batches is the mean over the global batch once FSDP averages over dp.
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten()) / grad_accum
+        del logits
+        loss.backward()
+    return loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()  # replicated over TP
 
 
 def lr_factor(step: int, cfg: Config) -> float:
@@ -685,14 +728,7 @@ def main(cfg: Config):
                 inputs = labels = torch.zeros(cfg.training.local_batch_size, cfg.training.seq_len, dtype=torch.long)
             data_time += time.perf_counter() - t0
             inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            with loss_parallel() if tp > 1 else contextlib.nullcontext():
-                logits = model(inputs)  # (local_batch_size, seq_len, vocab_size), vocab-sharded under TP
-                # Every position is a real token (packed data), so the mean per micro-batch divided by the
-                # number of micro-batches is the mean over the global batch once FSDP averages over dp.
-                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten()) / grad_accum
-                del logits
-                loss.backward()
-            loss_sum += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()  # replicated
+            loss_sum += forward_backward(model, inputs, labels, grad_accum, tp)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.training.max_norm or math.inf, foreach=True)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
 

@@ -164,6 +164,18 @@ def test_layout_independent_init_fills_shards_like_the_whole():
             model.keyed_normal_(piece, (r0, c0), full.shape, 3, "layers.0.attention.wq.weight", 0.02)
             parts[r0:r1, c0:c1] = piece
     assert torch.equal(parts, full)
+    experts = torch.empty(4, 30, 16)  # any shape: 3-D sharded on dim 0 (FSDP) or dim 1, a 1-D one
+    train.layout_independent_normal(seed=3)("experts", experts, 0.02)
+    piece = torch.empty(2, 30, 16)
+    model.keyed_normal_(piece, (2, 0, 0), experts.shape, 3, "experts", 0.02)
+    assert torch.equal(piece, experts[2:])
+    piece = torch.empty(4, 10, 16)
+    model.keyed_normal_(piece, (0, 20, 0), experts.shape, 3, "experts", 0.02)
+    assert torch.equal(piece, experts[:, 20:])
+    bias, part = torch.empty(100), torch.empty(30)
+    train.layout_independent_normal(seed=3)("b", bias, 0.02)
+    model.keyed_normal_(part, (70,), bias.shape, 3, "b", 0.02)
+    assert torch.equal(part, bias[70:])
     other = torch.empty(200, 48)
     train.layout_independent_normal(seed=3)("layers.1.attention.wq.weight", other, 0.02)
     assert not torch.equal(other, full)  # each weight has its own stream

@@ -1,7 +1,10 @@
-"""Research edits that need no trainer change: new parameters (QK-norm) train alike on 1 process, FSDP and TP."""
+"""Research edits: new parameters (QK-norm) train alike on 1 process, FSDP and TP with no trainer change; a
+new objective replaces train.forward_backward; a new config field needs no doc comment and is a resume key."""
 
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -12,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import model  # noqa: E402
+import train  # noqa: E402
 
 
 def qknorm_losses(dump, *args, nproc=1):
@@ -32,12 +36,86 @@ def test_qk_norm_subclass_trains_alike_on_one_process_fsdp_and_tp(tmp_path):
     assert fsdp == pytest.approx(one, rel=1e-5) and tp == pytest.approx(one, rel=1e-5)
 
 
-def test_init_weights_default_rule_for_new_parameters():
+def test_init_weights_default_rules_for_new_parameters_of_any_shape():
     args = model.ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=32)
     m = model.Transformer(args)
-    m.layers[0].gate = torch.nn.Parameter(torch.empty(64, 64))  # what a research edit adds
-    m.layers[0].scale = torch.nn.Parameter(torch.empty(64))
-    torch.manual_seed(0)
-    m.init_weights()
-    assert torch.equal(m.layers[0].scale, torch.ones(64))
-    assert 0.015 < m.layers[0].gate.std() < 0.025 and m.layers[0].gate.abs().max() <= 0.06
+    block = m.layers[0]  # what research edits add: a biased projection, a norm, a gate, experts, a scale
+    block.proj = torch.nn.Linear(64, 64, bias=True)
+    block.q_norm = model.RMSNorm(16, 1e-5)
+    block.gate = torch.nn.Parameter(torch.empty(64))
+    block.experts = torch.nn.Parameter(torch.empty(4, 64, 32))
+    block.scale = torch.nn.Parameter(torch.empty(()))
+    for init in (None, train.layout_independent_normal(seed=0)):  # torch's RNG, and train.py's keyed fill
+        torch.manual_seed(0)
+        m.init_weights(normal_=init)
+        assert torch.equal(block.proj.bias, torch.zeros(64)) and torch.equal(block.q_norm.weight, torch.ones(16))
+        for w in (block.proj.weight, block.gate, block.experts):
+            assert 0.015 < w.std() < 0.025 and w.abs().max() <= 0.06, w.shape
+        assert 0 < block.scale.abs() <= 0.06
+
+
+def fork_losses(dump, script, *args, env=None):
+    cmd = [sys.executable, script, "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump),
+           "--training.steps", "2", "--metrics.log_freq", "1", "--validation.enable", "false", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return [r["loss"] for r in map(json.loads, open(os.path.join(dump, "metrics.jsonl"))) if "loss" in r]
+
+
+def test_a_new_objective_replaces_forward_backward(tmp_path):
+    plain = fork_losses(tmp_path / "plain", "tests/zloss_train.py", env={"ZLOSS": "0"})
+    zloss = fork_losses(tmp_path / "zloss", "tests/zloss_train.py", env={"ZLOSS": "1e-2"})
+    # Same weights and batch at step 1: the difference is the z-loss term, 1e-2 * E[logsumexp^2] with
+    # logsumexp ~ log(2048 tokens) + ~0.5 at init.
+    assert 0.4 < zloss[0] - plain[0] < 1.0, (plain, zloss)
+
+
+def test_docs_come_from_comments_in_any_layout_and_a_field_may_have_none():
+    @dataclasses.dataclass
+    class Knobs:
+        plain: int = 1
+        # the comment line above
+        above: int = 2
+        multi: list = dataclasses.field(
+            default_factory=list)  # on the default's last line
+        tail: str = "x#y"  # after a '#' inside a string
+    assert train._docs(Knobs) == {"plain": "", "above": "the comment line above", "multi": "on the default's last line",
+                                  "tail": "after a '#' inside a string"}
+
+
+def test_a_forkers_new_field_needs_no_doc_and_is_a_resume_key(tmp_path):
+    """Add `z_loss: float = 0.0` to [training] as a forker would (no comment): --help and training work, and
+    a resume with another value is refused naming it, with no edit to the resume keys."""
+    fork = tmp_path / "fork"
+    fork.mkdir()
+    for name in os.listdir(ROOT):
+        if name not in ("train.py", ".git", "outputs"):
+            os.symlink(os.path.join(ROOT, name), fork / name)
+    src = open(os.path.join(ROOT, "train.py")).read()
+    anchor = "    steps: int = 10000"
+    assert anchor in src
+    (fork / "train.py").write_text(src.replace(anchor, "    z_loss: float = 0.0\n" + anchor))
+    help_out = subprocess.run([sys.executable, "train.py", "--help"], cwd=fork, capture_output=True, text=True)
+    assert help_out.returncode == 0 and "--training.z_loss FLOAT" in help_out.stdout and "(default: 0.0)" in help_out.stdout
+    base = [sys.executable, "train.py", "--config", "configs/debug_model.toml", "--job.dump_folder", str(tmp_path / "run"),
+            "--validation.enable", "false", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    first = subprocess.run(base + ["--training.steps", "2"], cwd=fork, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    again = subprocess.run(base + ["--training.steps", "3", "--training.z_loss", "0.1"], cwd=fork,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 2 and "refusing to resume" in again.stderr and "training.z_loss: 0.0 -> 0.1" in again.stderr, again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+    # Keys on the documented list may change: the same resume with another peak lr goes on.
+    again = subprocess.run(base + ["--training.steps", "3", "--optimizer.lr", "1e-3"], cwd=fork,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "resumed from" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
+    shutil.rmtree(fork)
+
+
+def test_resume_keys_are_every_checked_key_less_the_documented_list():
+    cfg = train.load_config(["--config", "configs/debug_model.toml"])
+    keys = train.run_keys(cfg, train.flavor_args(cfg), train.validate(cfg, 1))
+    for sec in train.RESUME_CHECKED:
+        for f in dataclasses.fields(getattr(cfg, sec)):
+            assert (f"{sec}.{f.name}" in keys) != (f"{sec}.{f.name}" in train.RESUME_MAY_CHANGE), f"{sec}.{f.name}"
+    assert keys["optimizer.weight_decay"] == 0.1 and "model.tokenizer_sha256" in keys
