@@ -183,13 +183,6 @@ def test_layout_independent_init_fills_shards_like_the_whole():
     assert not torch.equal(other, full)  # and each seed
 
 
-def test_readme_config_reference_is_current():
-    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    stale = [ln for ln in out.splitlines() if ln.startswith("  --") and ln not in readme]
-    assert not stale, f"README's config reference is out of date (paste `python train.py --help`): {stale}"
-
-
 def test_the_vocabulary_follows_the_tokenizer_and_a_llama3_sized_one_gives_metas(tmp_path):
     """Meta's tokenizer has 128,000 BPE ranks: with the 256 special tokens every flavor gets Meta's 128,256
     (bos 128000); a small tokenizer gives any flavor its own size (the trainer passes n_words)."""
