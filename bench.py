@@ -561,8 +561,8 @@ def preflight_report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> i
     for i, x in enumerate(ranks):
         shas.setdefault(x["tokenizer"], []).append(i)
     verdict("FAIL" if len(shas) > 1 or "missing" in ranks[0]["tokenizer"] else "OK", f"tokenizer {cfg.model.tokenizer_path}",
-            "; ".join(f"ranks {v} (node {ranks[v[0]]['node']}): {k[:16]}" for k, v in shas.items()) + " (threshold: "
-            "present, and one sha256 on every rank)")
+            ("; ".join(f"ranks {v} (node {ranks[v[0]]['node']}): {k[:16]}" for k, v in shas.items()) if len(shas) > 1
+             else f"sha256 {ranks[0]['tokenizer'][:16]} on all {len(ranks)} ranks") + " (threshold: present, and one sha256 on every rank)")
     print(f"preflight: {levels.count('FAIL')} FAIL, {levels.count('WARN')} WARN of {len(levels)} checks in {seconds:.1f} s")
     return 1 if "FAIL" in levels else 0
 
