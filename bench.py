@@ -401,8 +401,8 @@ def bus_bandwidth(group, device, sizes) -> dict:
     import torch.distributed as dist
     gather, n, out = getattr(dist, "all_gather_single", dist.all_gather_into_tensor), dist.get_world_size(group), {}
     for size in sizes:
-        full = torch.ones(size // 4, device=device)
-        part = full[:size // 4 // n].clone()
+        part = torch.ones(size // 4 // n, device=device)
+        full = torch.ones(len(part) * n, device=device)  # all-gather's output: n parts
         for op, run, factor in (("all-reduce", lambda: dist.all_reduce(full, group=group), 2 * (n - 1) / n),
                                 ("all-gather", lambda: gather(full, part, group=group), (n - 1) / n)):
             run(), run(), dist.barrier(group=group)  # warm-up: connections, buffers
@@ -412,7 +412,7 @@ def bus_bandwidth(group, device, sizes) -> dict:
             torch.cuda.synchronize() if device.type == "cuda" else None
             dt = torch.tensor([time.perf_counter() - t0], device=device)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
-            out.setdefault(op, []).append(size * 5 / dt.item() * factor / 1e9)
+            out.setdefault(op, []).append(full.nbytes * 5 / dt.item() * factor / 1e9)
     return out
 
 
