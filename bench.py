@@ -7,6 +7,7 @@
         --vary training.local_batch_size=4,8   # one trainer run per combination (--nproc 8: under torchrun)
     python bench.py titan --config configs/debug_model.toml --training.seq_len 512   # vs torchtitan 0.2.2
     python data.py --config configs/debug_model.toml               # the data loader alone, tokens/s
+    torchrun --nproc_per_node 8 bench.py preflight --config configs/llama3_8b.toml   # or sbatch slurm/preflight.sbatch
 
 `python bench.py WHAT --help` lists each one's options; other `--section.key value` arguments go to
 train.py's config. Timings on a shared machine are noisy: `overhead` and `titan` alternate their two
