@@ -447,6 +447,21 @@ def rank_checks(cfg, device, rank: int, token: str) -> dict:
     return r
 
 
+def hub_unreachable() -> str:
+    """Why this node cannot reach the Hub (HF_ENDPOINT), or "": one request, so that a node without a route out
+    fails in seconds rather than after every library's retries for every hub source."""
+    import urllib.error
+    import urllib.request
+    from huggingface_hub import constants
+    try:
+        urllib.request.urlopen(constants.ENDPOINT, timeout=15).close()
+    except urllib.error.HTTPError:  # it answered
+        pass
+    except OSError as e:
+        return f"this node cannot reach the Hub at {constants.ENDPOINT} ({type(e).__name__}: {getattr(e, 'reason', e)})"
+    return ""
+
+
 def preflight(args, extra):
     import torch.distributed as dist
     import data
@@ -476,13 +491,16 @@ def preflight(args, extra):
     if rank == 0 and not r["dump"]:
         os.remove(shared)
     if rank == nodes[r["node"]][0]:  # every source from every node: its files resolve, its first document reads
-        r["data"] = {}
-        data.RETRY_DELAYS = (1, 4)  # a blip is retried; an unreachable Hub fails in seconds, not minutes
-        for kind, src in [("data", s) for s in cfg.data.sources] + [("validation", s) for s in cfg.validation.sources]:
+        sources = [("data", s) for s in cfg.data.sources] + [("validation", s) for s in cfg.validation.sources]
+        hub = {src.path for _, src in sources if not os.path.exists(src.path) and re.fullmatch(r"[\w.-]+/[\w.-]+", src.path)}
+        r["data"], offline = {}, hub_unreachable() if hub else ""  # hub ids look like org/name
+        data.RETRY_DELAYS = (1, 4)  # a blip is retried; a dead link fails in seconds, not minutes
+        for kind, src in sources:
             name = f"{kind} source {src.name!r} ({src.path})"
-            r["data"][name] = ""  # no error
+            r["data"][name] = offline if src.path in hub else ""  # "": no error (yet)
             try:
-                data.SourceReader(src, 0, 1, 0, ordered=True).next_text()
+                if not r["data"][name]:
+                    data.SourceReader(src, 0, 1, 0, ordered=True).next_text()
             except data.DataError as e:
                 r["data"][name] = str(e)
     sizes_b = [2**20, 2**24, 2**28, 2**30] if device.type == "cuda" else [2**18, 2**22]  # small on CPU (gloo)

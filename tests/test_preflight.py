@@ -1,10 +1,12 @@
 """bench.py preflight on 2 CPU processes (gloo): a healthy job is all OK; a job whose second "node" is slow, lacks
-a data mirror, has an unwritable dump folder and another tokenizer gets a WARN or FAIL naming each, and exit 1.
+a data mirror, cannot reach the Hub, has an unwritable dump folder and another tokenizer gets a WARN or FAIL
+naming each, and exit 1.
 
 The faulty job's two ranks are started by hand (as torchrun would start them, through the same environment
 variables), each in its own working folder standing in for a node's local disk: the config is the same, its
 relative paths (tokenizer, data, dump folder) find different files, as on nodes that do not share a filesystem.
-Slurm's node name (SLURMD_NODENAME) tells preflight they are two nodes. Under Slurm: tests/test_slurm.py.
+Slurm's node name (SLURMD_NODENAME) tells preflight they are two nodes; node-a reaches a local Hub
+(tests/hub_fixture.py), node-b's HF_ENDPOINT is a closed port. Under Slurm: tests/test_slurm.py.
 """
 
 import os
@@ -14,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+from hub_fixture import Hub, make_repos
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "debug_model.toml")
@@ -69,8 +72,12 @@ def test_bad_config_is_one_line_exit_2():
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory):
     """Rank 0 on "node-a", a healthy copy; rank 1 on "node-b": slow matmul (the test-only variable), no C4
-    mirror, a regular file where the dump folder should be, and a different tokenizer.model."""
+    mirror, no Hub, a regular file where the dump folder should be, and a different tokenizer.model. The
+    config: the debug one plus a hub source."""
     tmp = tmp_path_factory.mktemp("nodes")
+    with open(CONFIG) as f:
+        config = f.read() + '\n[[data.sources]]\nname = "c4_hub"\npath = "allenai/c4"\nconfig = "en"\nweight = 0.1\n'
+    (tmp / "hub.toml").write_text(config)
     a, b = tmp / "node-a", tmp / "node-b"
     os.makedirs(a)
     os.symlink(os.path.join(ROOT, "assets"), a / "assets")
@@ -81,13 +88,20 @@ def faulty(tmp_path_factory):
     with open(os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model"), "rb") as f:
         (b / "assets" / "tokenizer" / "tokenizer.model").write_bytes(f.read() + b"\n")  # another version
     (b / "dump").write_text("a file, not a folder")
-    env = {**CPU, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
-           "LOCAL_WORLD_SIZE": "1", "PREFLIGHT_TEST_SLOW_RANK": "1", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "bench.py"), "preflight", "--config", CONFIG,
-                               "--job.dump_folder", "dump"], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env={**env, "RANK": str(rank), "SLURMD_NODENAME": cwd.name})
-             for rank, cwd in enumerate((a, b))]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+    env = {k: v for k, v in CPU.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_TOKEN")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", LOCAL_RANK="0",
+               LOCAL_WORLD_SIZE="1", PREFLIGHT_TEST_SLOW_RANK="1", OMP_NUM_THREADS="1")
+    hub = Hub(make_repos())
+    try:
+        procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "bench.py"), "preflight", "--config",
+                                   str(tmp / "hub.toml"), "--job.dump_folder", "dump"], cwd=cwd, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  env={**env, "RANK": str(rank), "SLURMD_NODENAME": cwd.name, "HF_HOME": str(cwd / "hf"),
+                                       "HF_ENDPOINT": hub.endpoint if rank == 0 else f"http://127.0.0.1:{free_port()}"})
+                 for rank, cwd in enumerate((a, b))]
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        hub.close()
     return [p.returncode for p in procs], outs
 
 
@@ -102,6 +116,9 @@ def test_faults_are_named_and_exit_1(faulty):
         level, text = got[f"{kind} source 'c4' (assets/data/c4)"]
         assert level == "FAIL" and text.startswith("unreadable on node(s) node-b: data source 'c4'"), out
     assert got["data source 'finemath' (assets/data/finemath)"][0] == "OK"
+    level, text = got["data source 'c4_hub' (allenai/c4)"]  # node-a read it from the Hub, node-b cannot reach it
+    assert level == "FAIL" and text.startswith("unreadable on node(s) node-b: this node cannot reach the Hub at "
+                                               "http://127.0.0.1:"), out
     level, text = got["dump folder dump"]
     assert level == "FAIL" and "rank 1 on node-b" in text and "not writable (FileExistsError" in text, out
     level, text = got["tokenizer assets/tokenizer/tokenizer.model"]
@@ -110,4 +127,4 @@ def test_faults_are_named_and_exit_1(faulty):
     assert got["bandwidth within nodes"] == ("OK", "n/a (one rank per node)")
     assert got["bandwidth across nodes"][0] == "OK" and "2 nodes: busbw" in got["bandwidth across nodes"][1]
     assert got["software"][0] == got["free space"][0] == "OK"
-    assert "4 FAIL, 1 WARN of 15 checks" in out
+    assert "5 FAIL, 1 WARN of 16 checks" in out
