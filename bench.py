@@ -518,8 +518,7 @@ def preflight(args, extra):
 
 def preflight_report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> int:
     """Rank 0: one table, then one verdict line per check (with its threshold); 1 if any FAILs, else 0."""
-    import torch
-    from metrics import peak_tflops
+    from metrics import PEAK_TFLOPS
     levels, gib = [], 2**30
     print(f"preflight: {len(ranks)} ranks on {len(nodes)} node(s), {'NCCL' if gpu else 'gloo'}\n{'rank':>4}  {'node':<12} "
           f"{'device':<22} {'torch':<13} {'cuda/rocm':<11} {'nccl':<8} {'TFLOP/s':>8}  {'tokenizer':<10} {'dump':<10} free GiB")
@@ -539,14 +538,15 @@ def preflight_report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> i
             f"torch/CUDA/NCCL versions: {sorted(versions)}" if len(versions) > 1 else
             "torch {}, CUDA/ROCm {}, NCCL {} on every rank (threshold: all alike)".format(*ranks[0]["versions"]))
     tf = [x["tflops"] for x in ranks]
-    slow, med, peak = min(range(len(tf)), key=tf.__getitem__), statistics.median(tf), peak_tflops(torch.device("cuda")) if gpu else 0
+    slow, med = min(range(len(tf)), key=tf.__getitem__), statistics.median(tf)
+    peak = cfg.metrics.peak_tflops or next((p for key, p in PEAK_TFLOPS if gpu and key in ranks[0]["device"]), 0)
     low, why = (0.8, "80% of the median rank: one slow GPU sets every rank's pace") if gpu else \
         (0.25, "25% of the median rank: CPU has no datasheet peak, and shared machines are noisy")
     bad = [i for i, t in enumerate(tf) if t < low * med or t < 0.35 * peak]
     verdict("WARN" if bad else "OK", "matmul", f"median {med:.3f} TFLOP/s ({'bf16' if gpu else 'fp32'})"
             f"{f', {100 * med / peak:.0f}% of the datasheet peak {peak:.0f}' if peak else ''}; slowest rank {slow} on "
             f"{ranks[slow]['node']}: {tf[slow]:.3f}{f'; too slow: ranks {bad}' if bad else ''} (threshold: WARN below "
-            f"{why}{'; or below 35% of the datasheet peak (metrics.py)' if peak else ''})")
+            f"{why}{'; or below 35% of the peak: metrics.peak_tflops, else the datasheet table in metrics.py' if peak else ''})")
     at = "/".join(f"{s >> 20} MiB" if s >= 2**20 else f"{s >> 10} KiB" for s in sizes_b)
     for check, meas in (("bandwidth within nodes", {n: ranks[m[0]]["intra"] for n, m in nodes.items() if ranks[m[0]]["intra"]}),
                         ("bandwidth across nodes", {f"{len(nodes)} nodes": inter} if inter else {})):
@@ -555,10 +555,11 @@ def preflight_report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> i
             continue
         worst = min(meas, key=lambda n: meas[n]["all-reduce"][-1])  # the slowest node: by its largest all-reduce
         big, within = meas[worst]["all-reduce"][-1], "within" in check
-        level = "OK" if not gpu else ("WARN" if big < 50 else "OK") if within else "FAIL" if big < 12.5 else "WARN" if big < 25 else "OK"
-        rule = ("none on CPU (gloo): no line rate to compare with" if not gpu else "WARN below 50 GB/s, less than "
-                "PCIe 5 x16's 64: no NVLink/xGMI" if within else "FAIL below 12.5 GB/s = 100 Gbit/s, TCP sockets rather "
-                "than EFA/InfiniBand; WARN below 25 GB/s = 200 Gbit/s, one HDR InfiniBand link")
+        fail_below, warn_below, rule = (0, 0, "none on CPU (gloo): no line rate to compare with") if not gpu else \
+            (0, 50, "WARN below 50 GB/s, less than PCIe 5 x16's 64: no NVLink/xGMI") if within else \
+            (12.5, 25, "FAIL below 12.5 GB/s = 100 Gbit/s, TCP sockets rather than EFA/InfiniBand; WARN below "
+                       "25 GB/s = 200 Gbit/s, one HDR InfiniBand link")
+        level = "FAIL" if big < fail_below else "WARN" if big < warn_below else "OK"
         verdict(level, check, f"{'slowest node ' if within else ''}{worst}: busbw at {at}: " + "; ".join(
             f"{op} {' '.join(f'{v:.2f}' for v in meas[worst][op])} GB/s" for op in meas[worst]) + f" (threshold, at the "
             f"largest size: {rule})")

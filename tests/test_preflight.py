@@ -128,3 +128,30 @@ def test_faults_are_named_and_exit_1(faulty):
     assert got["bandwidth across nodes"][0] == "OK" and "2 nodes: busbw" in got["bandwidth across nodes"][1]
     assert got["software"][0] == got["free space"][0] == "OK"
     assert "5 FAIL, 1 WARN of 16 checks" in out
+
+
+def test_gpu_thresholds_on_a_made_up_cluster(capsys):
+    """preflight_report with what 2 nodes x 2 H100s would gather: the GPU thresholds, without GPUs. A slow
+    GPU, PCIe-class bandwidth within a node and TCP-class bandwidth across nodes."""
+    sys.path.insert(0, ROOT)
+    import bench
+    import train
+    cfg = train.load_config(["--config", CONFIG, "--job.dump_folder", "/shared/run"])
+    sha, sizes = "ab" * 32, [2**20, 2**24, 2**28, 2**30]
+
+    def rank(node, tflops, intra):
+        return {"node": node, "device": "NVIDIA H100 80GB HBM3", "versions": ("2.13.0+cu130", "CUDA 13.0", "2.28.3"),
+                "hidden_gpus": False, "tflops": tflops, "dump": "", "free": 2**40, "tokenizer": sha, "shared": True,
+                "intra": {"all-reduce": [10, 80, 200, intra], "all-gather": [8, 60, 150, intra]}, "data": {}}
+    ranks = [rank("gpu-a", 720.0, 300.0), rank("gpu-a", 700.0, 300.0), rank("gpu-b", 510.0, 40.0), rank("gpu-b", 715.0, 40.0)]
+    inter = {"all-reduce": [1, 3, 9, 11.0], "all-gather": [1, 3, 8, 10.0]}
+    code = bench.preflight_report(cfg, ranks, {"gpu-a": [0, 1], "gpu-b": [2, 3]}, inter, sizes, 2**30, True, 1.0)
+    got = verdicts(capsys.readouterr().out)
+    assert code == 1
+    level, text = got["matmul"]  # 510 < 80% of the median 707.5; 72% of the H100's 989
+    assert level == "WARN" and "slowest rank 2 on gpu-b: 510.000; too slow: ranks [2]" in text and "72% of" in text
+    level, text = got["bandwidth within nodes"]
+    assert level == "WARN" and text.startswith("slowest node gpu-b: busbw at 1 MiB/16 MiB/256 MiB/1024 MiB")
+    level, text = got["bandwidth across nodes"]
+    assert level == "FAIL" and "all-reduce 1.00 3.00 9.00 11.00 GB/s" in text and "TCP sockets" in text
+    assert got["software"][0] == got["dump folder /shared/run"][0] == got["free space"][0] == "OK"
