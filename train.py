@@ -623,6 +623,24 @@ def open_dump_folder(cfg: Config, rank: int, device):
     return lock
 
 
+def init_distributed(cfg: Config, sizes: dict):
+    """This rank's device (its GPU, else the CPU), the process group and the (dp_replicate, dp_shard, tp)
+    mesh. bench.py preflight starts the same way, so it checks what training will use."""
+    if torch.cuda.is_available():
+        device, backend = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    timeout = timedelta(seconds=cfg.comm.init_timeout_seconds)
+    if "RANK" in os.environ:  # torchrun / srun
+        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    else:  # plain `python train.py`: a one-process group, no ports needed
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    p = cfg.parallelism
+    return device, init_device_mesh(device.type, (p.data_parallel_replicate_degree, sizes["dp_shard"],
+                                                  p.tensor_parallel_degree), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+
+
 # -------------------------------------------------------------------------------------------------
 # main
 # -------------------------------------------------------------------------------------------------
@@ -643,23 +661,12 @@ def main(cfg: Config):
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     tokenizer = Tokenizer(cfg.model.tokenizer_path)
 
-    # --- 2. device, process group, dump folder, mesh ----------------------------------------------------
-    if torch.cuda.is_available():
-        device, backend = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))), "nccl"
-        torch.cuda.set_device(device)
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    timeout = timedelta(seconds=cfg.comm.init_timeout_seconds)
-    if "RANK" in os.environ:  # torchrun / srun
-        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
-    else:  # plain `python train.py`: a one-process group, no ports needed
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    # --- 2. device, process group, mesh, dump folder ----------------------------------------------------
+    device, mesh = init_distributed(cfg, sizes)
     lock = open_dump_folder(cfg, rank, device)  # noqa: F841 (held open until the process ends)
     if cfg.job.print_config:
         logger.info(to_toml(cfg))
     p = cfg.parallelism
-    mesh = init_device_mesh(device.type, (p.data_parallel_replicate_degree, sizes["dp_shard"], p.tensor_parallel_degree),
-                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")  # all ranks that see different data
     dp_rank, dp = dp_mesh.get_local_rank(), dp_mesh.size()
     if cfg.training.deterministic:

@@ -1,5 +1,6 @@
 """slurm/multinode.sbatch on a real Slurm: a 2-node CPU job, and a job that hits its time limit, checkpoints on
-the warning signal, requeues itself and resumes with bitwise the same losses as an uninterrupted run.
+the warning signal, requeues itself and resumes with bitwise the same losses as an uninterrupted run; and
+slurm/preflight.sbatch (bench.py preflight through multinode.sbatch) on the same two nodes.
 
     bash .ci/install_slurm.sh          # munge slurmctld slurmd slurm-client shellcheck (Debian, as root)
     python -m pytest tests/test_slurm.py -v
@@ -24,6 +25,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, "slurm", "multinode.sbatch")
+PREFLIGHT = os.path.join(ROOT, "slurm", "preflight.sbatch")
 NODES = ("n1", "n2")
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel", "unshare",
            "mount")
@@ -165,9 +167,9 @@ PartitionName=ci Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
             raise RuntimeError(f"{' '.join(cmd)}: exit {proc.returncode}\n{proc.stdout}{proc.stderr}")
         return proc
 
-    def sbatch(self, name, env, sbatch_args, train_args) -> str:
+    def sbatch(self, name, env, sbatch_args, train_args, script=SBATCH) -> str:
         out = self.run("sbatch", "--parsable", f"--job-name={name}", "--nodes=2",
-                       f"--output={self.tmp}/{name}-%j.out", *sbatch_args, SBATCH, *train_args,
+                       f"--output={self.tmp}/{name}-%j.out", *sbatch_args, script, *train_args,
                        cwd=ROOT, env={**self.env, **env}).stdout
         return out.strip().split(";")[0]
 
@@ -294,11 +296,14 @@ def jobs(cluster, tmp_path_factory):
     Slurm warns 75 s before its limit. slurmctld checks time limits every 30 s and sends the warning at the
     last check before it is due, so 15-45 s after the start: after train.py has installed its handler, while
     it trains, and long before the kill at 120-150 s. It checkpoints, requeues itself and resumes. Side by
-    side, the time-limit job's waits (for the warning, for the requeue) overlap the reference's training."""
-    dumps = {name: str(tmp_path_factory.mktemp(name)) for name in ("reference", "timelimit")}
+    side, the time-limit job's waits (for the warning, for the requeue) overlap the reference's training.
+    A third job, slurm/preflight.sbatch, runs beside them (about 20 s)."""
+    dumps = {name: str(tmp_path_factory.mktemp(name)) for name in ("reference", "timelimit", "preflight")}
     ids = {name: cluster.sbatch(name, job_env(cluster), ["--exclusive=user", *extra],
                                 ["--job.dump_folder", dumps[name], *TRAIN_ARGS])
            for name, extra in (("reference", []), ("timelimit", ["--time=2", "--signal=B:USR1@75"]))}
+    ids["preflight"] = cluster.sbatch("preflight", job_env(cluster), ["--exclusive=user"],
+                                      ["--job.dump_folder", dumps["preflight"]], script=PREFLIGHT)
     logs = {name: os.path.join(cluster.tmp, f"{name}-{ids[name]}.out") for name in ids}
     extended = []
 
@@ -360,3 +365,21 @@ def test_time_limit_checkpoints_requeues_and_resumes_exactly(jobs):
     got, want = losses(dump), losses(jobs["reference"][2])
     assert [s for s, _ in got] == list(range(1, STEPS + 1)), "every step logged once, none repeated"
     assert got == want, next(f"step {a[0]}: {a[1]!r} != {b[1]!r}" for a, b in zip(got, want) if a != b)
+
+
+def test_preflight_job_checks_both_nodes(jobs):
+    """sbatch slurm/preflight.sbatch: multinode.sbatch's launch with bench.py preflight on the two nodes."""
+    job_id, info, dump, log = jobs["preflight"]
+    out = read(log)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out[-4000:]}"
+    assert "rank(s) per node, rendezvous" in out and "bench.py preflight, config configs/debug_model.toml" in out
+    rows = re.findall(r"^\d: +([01])  (n[12]) +CPU ", out, re.M)  # srun's label, then the rank's row
+    assert sorted(r for r, _ in rows) == ["0", "1"] and sorted(n for _, n in rows) == ["n1", "n2"], out[-4000:]
+    checks = {c: lv for lv, c in re.findall(r"^\d: (OK|WARN|FAIL) +([^:]+):", out, re.M)}
+    for check in ("software", "matmul", "bandwidth within nodes", "bandwidth across nodes", "data source 'c4' (assets/data/c4)",
+                  "validation source 'finemath' (assets/data/finemath)", f"dump folder {dump}", "free space",
+                  "tokenizer assets/tokenizer/tokenizer.model"):
+        assert check in checks, (check, out[-4000:])
+    assert "FAIL" not in checks.values(), out[-4000:]
+    assert re.search(r"^\d: OK +bandwidth across nodes: 2 nodes: busbw", out, re.M), out[-4000:]
+    assert re.search(r"^\d: preflight: 0 FAIL, \d WARN of 15 checks", out, re.M), out[-4000:]
