@@ -29,7 +29,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, loss_parallel, parallelize_module)
 
 from checkpoint import Checkpointer, CheckpointError, SaveError
-from data import DataError, DataLoader, Tokenizer, heldout_windows, sources_from_toml
+from data import (DataError, DataLoader, Tokenizer, heldout_windows, manifest_sha256, pinned_manifest, sources_from_toml,
+                  verify_manifest)
 from metrics import MetricsLogger, memory_stats, peak_tflops
 from model import Transformer, flavors, keyed_normal_
 
@@ -137,6 +138,7 @@ class Data:
     seed: int = 1234  # seeds the file order of every source (a new order each epoch)
     num_streams: int = 0  # logical data streams (a multiple of the DP degree); 0: the DP degree
     num_workers: int = 0  # loader processes per rank that read and tokenize ahead; 0: in the training process
+    manifest: str = ""  # the run's data manifest (python data.py --config C --manifest PATH); empty: dump_folder/data_manifest.json, made at the first start
     sources: list = field(default_factory=list)  # [[data.sources]] tables: name, path, config, data_files, split, revision, text_column, weight
 
 
@@ -350,7 +352,7 @@ def validate(cfg: Config, world_size: int) -> dict:
     return {"dp_shard": shard, "dp": dp, "global_batch_size": gbs, "grad_accum": gbs // (t.local_batch_size * dp)}
 
 
-def run_keys(cfg: Config, model_args, sizes: dict) -> dict:
+def run_keys(cfg: Config, model_args, sizes: dict, manifest: dict) -> dict:
     """What a resume must not change: the keys that change the math or the data order. The DP degree is not
     among them: a run may resume on more or fewer GPUs as long as num_streams stays the same."""
     with open(cfg.model.tokenizer_path, "rb") as f:
@@ -359,7 +361,7 @@ def run_keys(cfg: Config, model_args, sizes: dict) -> dict:
             "model.tokenizer_sha256": tokenizer_sha256, "training.seq_len": cfg.training.seq_len,
             "training.global_batch_size": sizes["global_batch_size"], "data.seed": cfg.data.seed,
             "data.num_streams": cfg.data.num_streams or sizes["dp"],
-            "data.sources": [dataclasses.asdict(s) for s in cfg.data.sources]}
+            "data.sources": [dataclasses.asdict(s) for s in cfg.data.sources], "data.manifest_sha256": manifest_sha256(manifest)}
 
 
 def to_toml(cfg: Config) -> str:
@@ -505,14 +507,14 @@ def lr_factor(step: int, cfg: Config) -> float:
     return s.min_lr_factor + (1 - s.min_lr_factor) * shape
 
 
-def load_heldout(cfg: Config, tokenizer, dp_rank: int, dp: int) -> dict:
+def load_heldout(cfg: Config, tokenizer, dp_rank: int, dp: int, manifest: dict) -> dict:
     """Per validation source, this rank's (inputs, labels): the first steps x local_batch_size x dp held-out
     sequences (all of them for steps = -1), row i on rank i % dp. Ranks with fewer rows are padded with
     label -100 (ignored), so every rank runs the same number of forwards (FSDP's collectives)."""
     v, seq_len = cfg.validation, cfg.training.seq_len
     heldout = {}
     for src in v.sources:
-        windows = heldout_windows(src, tokenizer, seq_len, None if v.steps == -1 else v.steps * v.local_batch_size * dp)
+        windows = heldout_windows(src, tokenizer, seq_len, None if v.steps == -1 else v.steps * v.local_batch_size * dp, manifest)
         n = -(-len(windows) // (dp * v.local_batch_size)) * v.local_batch_size  # rows per rank, whole batches
         mine = torch.tensor(windows[dp_rank::dp], dtype=torch.long).reshape(-1, seq_len + 1)  # (rows, seq_len + 1)
         inputs = torch.zeros(n, seq_len, dtype=torch.long)
@@ -644,17 +646,27 @@ def main(cfg: Config):
 
     # --- 5. optimizer, lr schedule, data (each dp rank reads its own streams; TP ranks the same ones) ----------
     optimizer, scheduler = build_optimizer(model, cfg, device)
+    error, manifest = "", [None]  # the files of every source: rank 0 alone resolves them (or reads them pinned)
+    try:
+        if rank == 0:
+            manifest[0] = pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, cfg.validation.sources)
+    except DataError as e:
+        error = str(e)
+    agree(error, device)
+    dist.broadcast_object_list(manifest)
+    manifest = manifest[0]
     loader = DataLoader(cfg.data.sources, tokenizer, cfg.training.seq_len, cfg.training.local_batch_size,
-                        dp_rank, dp, cfg.data.num_streams, cfg.data.seed, cfg.data.num_workers)
+                        dp_rank, dp, cfg.data.num_streams, cfg.data.seed, cfg.data.num_workers, manifest)
 
     # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path -----------
     checkpointer = Checkpointer(cfg.checkpoint, os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder),
-                                run_keys(cfg, model_args, sizes), cfg.training.steps, model, optimizer, scheduler, loader)
+                                run_keys(cfg, model_args, sizes, manifest), cfg.training.steps, model, optimizer, scheduler, loader)
     step, tokens_seen = checkpointer.resume()
     error, heldout = "", {}
     try:  # every rank opens every source where it resumes: a bad one stops all ranks alike before step 1
+        verify_manifest(manifest, rank, world_size)  # each rank checks its share of the local files
         loader.check()
-        heldout = load_heldout(cfg, tokenizer, dp_rank, dp) if cfg.validation.enable else {}
+        heldout = load_heldout(cfg, tokenizer, dp_rank, dp, manifest) if cfg.validation.enable else {}
     except DataError as e:
         error = str(e)
     agree(error, device)
