@@ -18,6 +18,7 @@ import binascii
 import difflib
 import functools
 import hashlib
+import io
 import json
 import logging
 import os
@@ -271,9 +272,9 @@ def pinned_manifest(given: str, dump_folder: str, sources, validation) -> dict:
     return manifest
 
 
-def verify_manifest(manifest: dict, part: int = 0, parts: int = 1):
-    """Every local file of the manifest (this rank's share: every parts-th one) is there with its size and
-    the sha256 of its ends, or one DataError line names it. Hub files are immutable at a pinned commit."""
+def verify_manifest(manifest: dict, part: int = 0, parts: int = 1) -> str:
+    """'' if every local file of the manifest (this rank's share: every parts-th one) is there with its size
+    and the sha256 of its ends, else one line naming the first that is not. Hub files are immutable at a commit."""
     local = sorted({(e["name"], e["path"], *f) for e in manifest["data"] + manifest["validation"] if not e["commit"]
                     for f in e["files"]})
     for name, root, rel, size, ends in local[part::parts]:
@@ -286,9 +287,52 @@ def verify_manifest(manifest: dict, part: int = 0, parts: int = 1):
         if not same:
             what = "is missing" if now is None else "changed (other bytes, same size)" if now == size else \
                 f"changed (size {size:,} -> {now:,} bytes)"
-            raise DataError(f"data source {name!r}: {path} {what} since this run's data manifest was made; a run reads "
-                            "only the data it started with: put the file back, or start a new run (a new dump_folder, "
-                            "from the weights with checkpoint.initial_load_path)")
+            return (f"data source {name!r}: {path} {what} since this run's data manifest was made; a run reads only "
+                    "the data it started with: put the file back, or start a new run (a new dump_folder, from the "
+                    "weights with checkpoint.initial_load_path)")
+    return ""
+
+
+class HubFile(io.RawIOBase):
+    """A hub file at its pinned commit, read by ranged GETs of its resolve URL: its bytes and nothing else
+    (HfFileSystem would look the repo up and list the file's folder once per process)."""
+
+    def __init__(self, url: str, size: int):
+        from huggingface_hub import hf_hub_url
+        repo, commit, name = re.fullmatch(r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)", url).groups()
+        self.url, self.size, self.pos = hf_hub_url(repo, name, repo_type="dataset", revision=commit), size, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0):
+        self.pos = (offset, self.pos + offset, self.size + offset)[whence]
+        return self.pos
+
+    def readinto(self, buf) -> int:
+        from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
+        n = min(len(buf), self.size - self.pos)
+        if n <= 0:
+            return 0
+        r = http_backoff("GET", self.url, headers={**build_hf_headers(), "Range": f"bytes={self.pos}-{self.pos + n - 1}"})
+        hf_raise_for_status(r)
+        buf[:len(r.content)] = r.content
+        self.pos += len(r.content)
+        return len(r.content)
+
+
+def _open(path: str, size: int):
+    """A file of the manifest, for reading: a hub one at its commit, anything else through fsspec."""
+    if path.startswith("hf://"):
+        return HubFile(path, size)
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    return fs.open(fs_path, "rb", cache_type="none")
 
 
 class SourceReader:
@@ -314,15 +358,10 @@ class SourceReader:
         return files[self.stream::self.num_streams] if len(files) >= self.num_streams else files
 
     def _rows(self, path: str, size: int, start: int):
-        """(row, text) of one file from row `start` on: parquet seeks by row group, json skips lines. A hub
-        file is read at its pinned commit with its known size: only its bytes are requested (no listing)."""
-        col, self.at, hub = self.src.text_column, start, re.match(r"hf://datasets/(.+?)@([0-9a-f]{40})/", path)
-        if hub:  # HfFileSystem would otherwise ask the Hub once per process whether the commit exists
-            getattr(fsspec.filesystem("hf"), "_repo_and_revision_exists_cache", {})[("dataset", *hub.groups())] = True, None
-        known = {"size": size} if hub else {}
+        """(row, text) of one file from row `start` on: parquet seeks by row group, json skips lines."""
+        col, self.at = self.src.text_column, start
         if path.endswith(".parquet"):  # exact range reads, no read-ahead: the footer, then the row groups needed
-            fs, fs_path = fsspec.core.url_to_fs(path)
-            with fs.open(fs_path, "rb", cache_type="none", **known) as f:
+            with _open(path, size) as f:
                 pf, first = pq.ParquetFile(f), 0
                 if col not in pf.schema_arrow.names:
                     raise DataError(f"data source {self.src.name!r}: no column {col!r} in {path} (columns: "
@@ -335,8 +374,11 @@ class SourceReader:
                         yield from ((first + i, t) for i, t in enumerate(texts) if first + i >= start)
                     first += n
             return
-        # json lines, plain or compressed (the extension says which); a hub file streams in one GET (block_size=0)
-        with fsspec.open(path, "rb", compression="infer", **({"block_size": 0, **known} if hub else {})) as f:
+        # json lines, plain or compressed (the extension says which); a hub file in 8 MiB ranges
+        compression = fsspec.utils.infer_compression(path)
+        with _open(path, size) as raw:
+            f = io.BufferedReader(raw, 8 * MIB) if isinstance(raw, HubFile) else raw
+            f = fsspec.compression.compr[compression](f, mode="rb") if compression else f
             for row, line in enumerate(f):
                 if row >= start and line.strip():
                     doc = json.loads(line)

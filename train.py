@@ -646,15 +646,15 @@ def main(cfg: Config):
 
     # --- 5. optimizer, lr schedule, data (each dp rank reads its own streams; TP ranks the same ones) ----------
     optimizer, scheduler = build_optimizer(model, cfg, device)
-    error, manifest = "", [None]  # the files of every source: rank 0 alone resolves them (or reads them pinned)
-    try:
-        if rank == 0:
-            manifest[0] = pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, cfg.validation.sources)
-    except DataError as e:
-        error = str(e)
-    agree(error, device)
-    dist.broadcast_object_list(manifest)
-    manifest = manifest[0]
+    box = [None]  # the files of every source: rank 0 alone resolves them (or reads the run's pinned ones)
+    if rank == 0:
+        try:
+            box[0] = pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, cfg.validation.sources)
+        except DataError as e:
+            box[0] = str(e)
+    dist.broadcast_object_list(box)
+    manifest = box[0]  # or rank 0's error; then each rank checks a share of the local files, before a resume reads one
+    agree(manifest if isinstance(manifest, str) else verify_manifest(manifest, rank, world_size), device)
     loader = DataLoader(cfg.data.sources, tokenizer, cfg.training.seq_len, cfg.training.local_batch_size,
                         dp_rank, dp, cfg.data.num_streams, cfg.data.seed, cfg.data.num_workers, manifest)
 
@@ -664,7 +664,6 @@ def main(cfg: Config):
     step, tokens_seen = checkpointer.resume()
     error, heldout = "", {}
     try:  # every rank opens every source where it resumes: a bad one stops all ranks alike before step 1
-        verify_manifest(manifest, rank, world_size)  # each rank checks its share of the local files
         loader.check()
         heldout = load_heldout(cfg, tokenizer, dp_rank, dp, manifest) if cfg.validation.enable else {}
     except DataError as e:
