@@ -74,20 +74,21 @@ def hub_job(tmp_path_factory):
         train(config, tmp / "dump", *args, nproc=2, env=env)
         first_start, first = sorted(api_requests(hub.log)), losses(tmp / "dump")
         manifest = json.load(open(tmp / "dump" / "data_manifest.json"))
-        c4_old = repos["allenai/c4"]["refs"]["main"]
-        c4 = repos["allenai/c4"]["commits"][c4_old]
-        new = {"en/c4-train.00000-of-00000.json.gz": _jsonl_gz([{"text": f"pushed later {i} " * 60} for i in range(40)])}
-        for path in [p for p in c4 if p.startswith("en/c4-train.")]:
-            new[path] = _jsonl_gz([{"text": f"changed {path} {i} " * 50} for i in range(30)])
-        push(repos, "allenai/c4", new)
-        push(repos, "HuggingFaceTB/finemath", {"finemath-3plus/train-00000-of-00002.parquet": _parquet(
-            [{"text": f"changed math {i} " * 40, "int_score": 4} for i in range(40)])})
+        pinned = {repo: r["refs"]["main"] for repo, r in repos.items()}
+        for repo, shards in [("allenai/c4", [p for p in repos["allenai/c4"]["commits"][pinned["allenai/c4"]]
+                                              if p.startswith("en/c4-train.")] + ["en/c4-train.00000-of-00000.json.gz"]),
+                             ("Zyphra/Zyda-2", [p for p in repos["Zyphra/Zyda-2"]["commits"][pinned["Zyphra/Zyda-2"]]
+                                                if p.endswith(".parquet")] + ["data/fwe3/global-shard_00/a.parquet"]),
+                             ("HuggingFaceTB/finemath", ["finemath-3plus/train-00000-of-00002.parquet"])]:
+            # every shard read so far gets other documents, and a shard that sorts first appears
+            push(repos, repo, {p: (_jsonl_gz if p.endswith(".gz") else _parquet)(
+                [{"text": f"pushed later {p} {i} " * 50} for i in range(30)]) for p in shards})
         hub.log.clear()
         out = train(config, tmp / "dump", *args, "--checkpoint.load_step", 2, nproc=2, env=env)
         resume = list(hub.log)
         yield {"one_resolution": one_resolution, "first_start": first_start, "reference": reference,
                "manifest": manifest, "first": first, "replay": losses(tmp / "dump")[len(first):], "resume": resume,
-               "c4_old": c4_old, "out": out}
+               "pinned": pinned, "out": out}
     finally:
         hub.close()
         mp.undo()
@@ -110,8 +111,10 @@ def test_a_commit_pushed_between_save_and_resume_is_not_read(hub_job):
     """The resume reads the pinned commit: steps 3-4 are the uninterrupted run's, bit for bit."""
     assert [s for s, _ in hub_job["first"]] == [1, 2, 3, 4]
     assert hub_job["replay"] == hub_job["first"][2:]
-    reads = [r["path"] for r in hub_job["resume"] if "/allenai/c4/resolve/" in r["path"]]
-    assert reads and all(f"/resolve/{hub_job['c4_old']}/" in p for p in reads)
+    reads = [r["path"] for r in hub_job["resume"]]
+    assert {repo for repo in hub_job["pinned"] if any(f"/{repo}/resolve/" in p for p in reads)} == \
+        {"allenai/c4", "Zyphra/Zyda-2", "HuggingFaceTB/finemath"}
+    assert all(f"/{repo}/resolve/{sha}/" in p for p in reads for repo, sha in hub_job["pinned"].items() if f"/{repo}/" in p)
     assert "new file" not in hub_job["out"]  # hub repos are not listed again, so not counted
 
 
