@@ -205,13 +205,7 @@ def resolve_source(src: DataSource) -> dict:
 
 
 def make_manifest(sources, validation=()) -> dict:
-    """Resolve every training and validation source (each distinct one once)."""
-    done = {}
-    def resolve(s):
-        key = tuple(getattr(s, k) for k in KEY)
-        done[key] = done.get(key) or resolve_source(s)
-        return done[key]
-    return {"version": 1, "data": [resolve(s) for s in sources], "validation": [resolve(s) for s in validation]}
+    return {"version": 1, "data": [resolve_source(s) for s in sources], "validation": [resolve_source(s) for s in validation]}
 
 
 def manifest_sha256(manifest: dict) -> str:
@@ -307,9 +301,6 @@ class HubFile(io.RawIOBase):
 
     def seekable(self):
         return True
-
-    def tell(self):
-        return self.pos
 
     def seek(self, offset: int, whence: int = 0):
         self.pos = (offset, self.pos + offset, self.size + offset)[whence]
