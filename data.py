@@ -205,7 +205,8 @@ def resolve_source(src: DataSource) -> dict:
 
 
 def make_manifest(sources, validation=()) -> dict:
-    return {"version": 1, "data": [resolve_source(s) for s in sources], "validation": [resolve_source(s) for s in validation]}
+    return {"version": 1, "data": [resolve_source(s) for s in sources],
+            "validation": [resolve_source(s) for s in validation]}
 
 
 def manifest_sha256(manifest: dict) -> str:
@@ -329,10 +330,11 @@ def _open(path: str, size: int):
 class SourceReader:
     """Documents of one source for one logical stream, epoch after epoch.
 
-    The files come from the run's manifest, (path or URL, size) sorted by name, and are read here (parquet by row group, json lines), so the
-    position (epoch, file, row) is exact and a restart seeks straight to it. Each epoch shuffles the
-    files with (seed, source, epoch), unless `ordered` (sorted: validation). Streams take every
-    num_streams-th file when there are enough files, otherwise every num_streams-th row of every file.
+    The files come from the run's manifest, (path or URL, size) sorted by name, and are read here (parquet
+    by row group, json lines), so the position (epoch, file, row) is exact and a restart seeks straight to
+    it. Each epoch shuffles the files with (seed, source, epoch), unless `ordered` (sorted: validation).
+    Streams take every num_streams-th file when there are enough files, otherwise every num_streams-th
+    row of every file.
     """
 
     def __init__(self, src: DataSource, files: list, stream: int, num_streams: int, seed: int, ordered: bool = False):
@@ -619,7 +621,8 @@ class DataLoader:
 
     def check(self):
         """Read the next document of every (stream, source), in this process and in a copy (the stream
-        is untouched): call it before the first step (after a resume) on every rank, so a missing or unreadable source is a DataError there, not inside a step."""
+        is untouched): call it before the first step (after a resume) on every rank, so a missing or
+        unreadable source is a DataError there, not inside a step."""
         for st in self.streams:
             for r, position in zip(st.readers, st.positions):
                 probe = SourceReader(r.src, r.files, r.stream, r.num_streams, r.seed)
@@ -700,7 +703,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def load_config(argv) -> tuple:
-    """(args, {option: value}, sources, validation sources): defaults < the TOML's [model]/[training]/[data] < --section.key."""
+    """(args, {option: value}, sources, validation sources): defaults < the TOML's [model]/[training]/[data]
+    < --section.key."""
     p = _Parser(description=__doc__.split("\n")[0], epilog="Other keys of the training config are ignored.")
     p.add_argument("--config", action="append", help="the training config, e.g. configs/debug_model.toml")
     p.add_argument("--show", type=int, default=0, help="decode this many packed samples instead of timing")
