@@ -2,6 +2,7 @@
 
     python data.py --config configs/debug_model.toml            # realised token shares, loader tokens/s
     python data.py --config configs/debug_model.toml --show 2   # decode 2 packed samples
+    python data.py --config configs/llama3_8b.toml --manifest m.json   # resolve once, write a data manifest
     python data.py --help                                       # every option
 
 The stream is cut into `num_streams` logical streams that do not depend on how many GPUs read them:
@@ -16,11 +17,14 @@ import base64
 import binascii
 import difflib
 import functools
+import hashlib
+import io
 import json
 import logging
 import os
 import queue
 import random
+import re
 import signal
 import sys
 import time
@@ -146,7 +150,6 @@ def _retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int
     raise DataError(f"data source {name!r}: {why} ({reason})".replace("\n", " ")) from e
 
 
-@functools.lru_cache(maxsize=None)  # one resolution per process, whatever the number of streams
 def resolve_files(path: str, config: Optional[str], data_files: Optional[str], split: str, revision: Optional[str],
                   name: str = "") -> tuple:
     """The source's files, sorted: `datasets` resolves a hub id (to hf:// URLs pinned to the commit the
@@ -165,34 +168,193 @@ def resolve_files(path: str, config: Optional[str], data_files: Optional[str], s
             _retry_or_raise(name, path, what, e, failures)
 
 
+# ---------------------------------------------------------------------------------------------------
+# The data manifest: each source's files, resolved once per run and read by every rank and worker
+# ---------------------------------------------------------------------------------------------------
+
+MANIFEST = "data_manifest.json"  # in the dump folder, unless [data] manifest names one
+MIB = 1 << 20
+KEY = ("name", "path", "config", "data_files", "split", "revision")  # what decides a source's files
+
+
+def _ends_sha256(path: str, size: int) -> str:
+    """sha256 of a local file's first and last MiB (all of it when small): a cheap "same bytes?" that,
+    unlike the modification time, copies do not reset and `rsync -a` does not keep for other bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(MIB))
+        f.seek(max(MIB, size - MIB))
+        h.update(f.read())
+    return h.hexdigest()
+
+
+def resolve_source(src: DataSource) -> dict:
+    """One manifest entry: the source's key, the commit a hub revision points at (None for a local folder)
+    and its sorted files as [name in the repo or folder, size] (+ the ends' sha256 for a local file)."""
+    urls, entry = resolve_files(src.path, src.config, src.data_files, src.split, src.revision, src.name), \
+        {k: getattr(src, k) for k in KEY}
+    hub = [re.fullmatch(r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)", u) for u in urls]
+    if all(hub):  # the listing `datasets` just made filled HfFileSystem's cache: the sizes cost no request
+        fs = fsspec.filesystem("hf")
+        return {**entry, "commit": hub[0][2], "files": [[m[3], fs.info(u)["size"]] for m, u in zip(hub, urls)]}
+    root, files = os.path.abspath(src.path), []
+    for u in urls:
+        size = os.path.getsize(u)
+        files.append([os.path.relpath(u, root), size, _ends_sha256(u, size)])
+    return {**entry, "commit": None, "files": files}
+
+
+def make_manifest(sources, validation=()) -> dict:
+    return {"version": 1, "data": [resolve_source(s) for s in sources],
+            "validation": [resolve_source(s) for s in validation]}
+
+
+def manifest_sha256(manifest: dict) -> str:
+    """The run's data, as a resume key: the sha256 of the manifest's canonical JSON (not of its layout)."""
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_manifest(manifest: dict, path: str):
+    """Atomically: a crash leaves the old file or the new one, never half of one."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    text = json.dumps(manifest, indent=1)  # one line per file: JSON strings never hold a raw newline
+    text = re.sub(r"\[\n\s*([^\[\]{}]*?)\n\s*\]", lambda m: "[" + re.sub(r",\n\s*", ", ", m[1]) + "]", text)
+    with open(path + ".tmp", "w") as f:
+        f.write(text + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def source_files(manifest: dict, src: DataSource, section: str = "data") -> list:
+    """The source's files from the manifest, as (hf:// URL at the pinned commit, or local path, size)."""
+    e = next((e for e in manifest[section] if all(e[k] == getattr(src, k) for k in KEY)), None)
+    if e is None:
+        raise DataError(f"the data manifest has no {section} source {src.name!r} as configured (path={src.path!r} "
+                        f"config={src.config!r} data_files={src.data_files!r} split={src.split!r}): it was made for "
+                        "other sources; make a new one (python data.py --config C --manifest PATH) for a new run")
+    at = f"hf://datasets/{e['path']}@{e['commit']}/" if e["commit"] else ""
+    return [(at + name if at else os.path.join(e["path"], name), size) for name, size, *_ in e["files"]]
+
+
+def pinned_manifest(given: str, dump_folder: str, sources, validation) -> dict:
+    """The run's manifest: `given` ([data] manifest), else the dump folder's, made at the first start. Call it
+    on one rank. Local files that appeared since it was made are counted (one line per source), never read."""
+    path = given or os.path.join(dump_folder, MANIFEST)
+    if not os.path.exists(path) and not given:
+        write_manifest(make_manifest(sources, validation), path)
+        logger.info(f"data manifest: resolved {len(sources) + len(validation)} sources once, pinned in {path}")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        for section, srcs in (("data", sources), ("validation", validation)):
+            for s in srcs:
+                source_files(manifest, s, section)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        fix = "make it with python data.py --config C --manifest PATH" if given else "delete it (this run's data then " \
+            "is resolved again: only if no checkpoint is in the dump folder) or use a new dump_folder"
+        raise DataError(f"data manifest {path} cannot be used: {str(e)[:300]}; {fix}".replace("\n", " "))
+    for e in manifest["data"] + manifest["validation"]:  # local folders: listing one costs no request
+        if e["commit"] is None and os.path.isdir(e["path"]):
+            try:
+                now = resolve_files(*(e[k] for k in KEY[1:]), e["name"])
+            except DataError:
+                continue  # no files left: verify_manifest names them
+            new = len({os.path.relpath(u, os.path.abspath(e["path"])) for u in now} - {f[0] for f in e["files"]})
+            if new:
+                logger.info(f"data source {e['name']!r}: {new} new file(s) in {e['path']} since {path} was made are "
+                            "not read by this run; a new run (from the weights: checkpoint.initial_load_path) would")
+    return manifest
+
+
+def verify_manifest(manifest: dict, part: int = 0, parts: int = 1) -> str:
+    """'' if every local file of the manifest (this rank's share: every parts-th one) is there with its size
+    and the sha256 of its ends, else one line naming the first that is not. Hub files are immutable at a commit."""
+    local = sorted({(e["name"], e["path"], *f) for e in manifest["data"] + manifest["validation"] if not e["commit"]
+                    for f in e["files"]})
+    for name, root, rel, size, ends in local[part::parts]:
+        path, now = os.path.join(root, rel), None
+        try:
+            now = os.path.getsize(path)
+            same = now == size and _ends_sha256(path, size) == ends
+        except OSError:
+            same = False
+        if not same:
+            what = "is missing" if now is None else "changed (other bytes, same size)" if now == size else \
+                f"changed (size {size:,} -> {now:,} bytes)"
+            return (f"data source {name!r}: {path} {what} since this run's data manifest was made; a run reads only "
+                    "the data it started with: put the file back, or start a new run (a new dump_folder, from the "
+                    "weights with checkpoint.initial_load_path)")
+    return ""
+
+
+class HubFile(io.RawIOBase):
+    """A hub file at its pinned commit, read by ranged GETs of its resolve URL: its bytes and nothing else
+    (HfFileSystem would look the repo up and list the file's folder once per process)."""
+
+    def __init__(self, url: str, size: int):
+        from huggingface_hub import hf_hub_url
+        repo, commit, name = re.fullmatch(r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)", url).groups()
+        self.url, self.size, self.pos = hf_hub_url(repo, name, repo_type="dataset", revision=commit), size, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def seek(self, offset: int, whence: int = 0):
+        self.pos = (offset, self.pos + offset, self.size + offset)[whence]
+        return self.pos
+
+    def readinto(self, buf) -> int:
+        from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
+        n = min(len(buf), self.size - self.pos)
+        if n <= 0:
+            return 0
+        r = http_backoff("GET", self.url, headers={**build_hf_headers(), "Range": f"bytes={self.pos}-{self.pos + n - 1}"})
+        hf_raise_for_status(r)
+        buf[:len(r.content)] = r.content
+        self.pos += len(r.content)
+        return len(r.content)
+
+
+def _open(path: str, size: int):
+    """A file of the manifest, for reading: a hub one at its commit, anything else through fsspec."""
+    if path.startswith("hf://"):
+        return HubFile(path, size)
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    return fs.open(fs_path, "rb", cache_type="none")
+
+
 class SourceReader:
     """Documents of one source for one logical stream, epoch after epoch.
 
-    The files come from `resolve_files` and are read here (parquet by row group, json lines), so the
-    position (epoch, file, row) is exact and a restart seeks straight to it. Each epoch shuffles the
-    files with (seed, source, epoch), unless `ordered` (sorted: validation). Streams take every
-    num_streams-th file when there are enough files, otherwise every num_streams-th row of every file.
+    The files come from the run's manifest, (path or URL, size) sorted by name, and are read here (parquet
+    by row group, json lines), so the position (epoch, file, row) is exact and a restart seeks straight to
+    it. Each epoch shuffles the files with (seed, source, epoch), unless `ordered` (sorted: validation).
+    Streams take every num_streams-th file when there are enough files, otherwise every num_streams-th
+    row of every file.
     """
 
-    def __init__(self, src: DataSource, stream: int, num_streams: int, seed: int, ordered: bool = False):
+    def __init__(self, src: DataSource, files: list, stream: int, num_streams: int, seed: int, ordered: bool = False):
         self.src, self.stream, self.num_streams, self.seed, self.ordered = src, stream, num_streams, seed, ordered
+        self.files = [tuple(f) for f in files]
         self.epoch, self.file, self.row = 0, 0, 0  # the next document to read
         self.at, self._it = 0, None  # the row being read (for error messages), the document iterator
         self.error = None  # the DataError this reader stopped with: raised again by every later read
 
     def _files(self) -> list:
-        s = self.src
-        files = list(resolve_files(s.path, s.config, s.data_files, s.split, s.revision, s.name))
+        files = list(self.files)
         if not self.ordered:
-            random.Random(f"{self.seed}/{s.name}/{self.epoch}").shuffle(files)
+            random.Random(f"{self.seed}/{self.src.name}/{self.epoch}").shuffle(files)
         return files[self.stream::self.num_streams] if len(files) >= self.num_streams else files
 
-    def _rows(self, path: str, start: int):
+    def _rows(self, path: str, size: int, start: int):
         """(row, text) of one file from row `start` on: parquet seeks by row group, json skips lines."""
         col, self.at = self.src.text_column, start
         if path.endswith(".parquet"):  # exact range reads, no read-ahead: the footer, then the row groups needed
-            fs, fs_path = fsspec.core.url_to_fs(path)
-            with fs.open(fs_path, "rb", cache_type="none") as f:
+            with _open(path, size) as f:
                 pf, first = pq.ParquetFile(f), 0
                 if col not in pf.schema_arrow.names:
                     raise DataError(f"data source {self.src.name!r}: no column {col!r} in {path} (columns: "
@@ -205,9 +367,11 @@ class SourceReader:
                         yield from ((first + i, t) for i, t in enumerate(texts) if first + i >= start)
                     first += n
             return
-        # json lines, plain or compressed (the extension says which); a hub file streams in one GET (block_size=0)
-        stream = {"block_size": 0} if path.startswith("hf://") else {}
-        with fsspec.open(path, "rb", compression="infer", **stream) as f:
+        # json lines, plain or compressed (the extension says which); a hub file in 8 MiB ranges
+        compression = fsspec.utils.infer_compression(path)
+        with _open(path, size) as raw:
+            f = io.BufferedReader(raw, 8 * MIB) if isinstance(raw, HubFile) else raw
+            f = fsspec.compression.compr[compression](f, mode="rb") if compression else f
             for row, line in enumerate(f):
                 if row >= start and line.strip():
                     doc = json.loads(line)
@@ -228,12 +392,12 @@ class SourceReader:
             by_rows = len(files) < self.num_streams  # too few files: split rows instead
             while self.file < len(files):
                 try:
-                    for row, text in self._rows(files[self.file], self.row):
+                    for row, text in self._rows(*files[self.file], self.row):
                         if not by_rows or row % self.num_streams == self.stream:
                             self.row, found, failures = row + 1, True, 0
                             yield text or ""
                 except Exception as e:
-                    _retry_or_raise(self.src.name, self.src.path, f"reading {files[self.file]} at row {self.at}", e,
+                    _retry_or_raise(self.src.name, self.src.path, f"reading {files[self.file][0]} at row {self.at}", e,
                                     failures)
                     failures += 1
                     continue
@@ -262,12 +426,14 @@ class SourceReader:
         self.epoch, self.file, self.row, self._it, self.error = sd["epoch"], sd["file"], sd["row"], None, None
 
 
-def heldout_windows(src: DataSource, tokenizer: Tokenizer, seq_len: int, limit: Optional[int] = None) -> list:
+def heldout_windows(src: DataSource, tokenizer: Tokenizer, seq_len: int, limit: Optional[int] = None,
+                    manifest: Optional[dict] = None) -> list:
     """The first `limit` (None: all) windows of seq_len + 1 tokens of one source, for validation: its files
-    in sorted order, read once from the start (no shuffle, no epochs), documents packed as in training.
-    The same arguments give the same windows, every time."""
+    (from the manifest's validation sources; None: resolved now) in sorted order, read once from the start
+    (no shuffle, no epochs), documents packed as in training. The same arguments give the same windows."""
     out, buf = [], []
-    for text in SourceReader(src, 0, 1, 0, ordered=True).texts(one_pass=True):
+    files = source_files(manifest or make_manifest([], [src]), src, "validation")
+    for text in SourceReader(src, files, 0, 1, 0, ordered=True).texts(one_pass=True):
         buf += tokenizer.encode(text)
         while len(buf) > seq_len and (limit is None or len(out) < limit):
             out.append(buf[:seq_len + 1])
@@ -291,10 +457,10 @@ class PackedStream:
     remembered by (source, reader state before it, offset): a restart re-reads one document at most.
     """
 
-    def __init__(self, sources, tokenizer: Tokenizer, seq_len: int, stream: int, num_streams: int, seed: int):
+    def __init__(self, sources, files: list, tokenizer: Tokenizer, seq_len: int, stream: int, num_streams: int, seed: int):
         total = sum(s.weight for s in sources)
         self.shares = [s.weight / total for s in sources]
-        self.readers = [SourceReader(s, stream, num_streams, seed) for s in sources]
+        self.readers = [SourceReader(s, f, stream, num_streams, seed) for s, f in zip(sources, files)]
         self.tok, self.seq_len = tokenizer, seq_len
         self.counts = [0] * len(sources)  # tokens emitted per source
         self.positions = [r.state_dict() for r in self.readers]  # per source: where its next document is
@@ -349,8 +515,8 @@ def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int):
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked from the fork to here: none got through
     tok, readers = Tokenizer(tokenizer_path), {}
-    for key, src, stream, num_streams, seed, position in jobs:
-        readers[key] = SourceReader(src, stream, num_streams, seed)
+    for key, src, files, stream, num_streams, seed, position in jobs:  # the files come from the trainer: no listing
+        readers[key] = SourceReader(src, files, stream, num_streams, seed)
         readers[key].load_state_dict(position)
     try:
         while not stop.is_set() and os.getppid() == parent:  # another parent pid: the trainer died
@@ -390,7 +556,7 @@ class Workers:
         old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             for w in range(min(num_workers, len(pairs))):
-                jobs = [((s, i), r.src, r.stream, r.num_streams, r.seed, streams[s].positions[i])
+                jobs = [((s, i), r.src, r.files, r.stream, r.num_streams, r.seed, streams[s].positions[i])
                         for s, i in pairs[w::num_workers] for r in [streams[s].readers[i]]]
                 self.procs.append(ctx.Process(target=_worker, daemon=True, args=(
                     streams[0].tok.path, jobs, {k: self.queues[k] for k, *_ in jobs}, self.stop, os.getpid())))
@@ -437,8 +603,8 @@ class Workers:
 class DataLoader:
     """Batches for one data-parallel rank: (inputs, labels), each (local_batch_size, seq_len)."""
 
-    def __init__(self, sources, tokenizer, seq_len: int, local_batch_size: int, dp_rank: int,
-                 dp_degree: int, num_streams: int = 0, seed: int = 0, num_workers: int = 0):
+    def __init__(self, sources, tokenizer, seq_len: int, local_batch_size: int, dp_rank: int, dp_degree: int,
+                 num_streams: int = 0, seed: int = 0, num_workers: int = 0, manifest: Optional[dict] = None):
         num_streams = num_streams or dp_degree
         if num_streams % dp_degree or local_batch_size % (num_streams // dp_degree):
             raise DataError(f"data.num_streams={num_streams} must be a multiple of the data-parallel "
@@ -447,17 +613,19 @@ class DataLoader:
         per_rank = num_streams // dp_degree
         self.names = [s.name for s in sources]
         self.stream_ids = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
-        self.streams = [PackedStream(sources, tokenizer, seq_len, s, num_streams, seed) for s in self.stream_ids]
+        manifest = manifest or make_manifest(sources)  # None: resolved here (tests, the CLI); train.py pins one per run
+        files = [source_files(manifest, s) for s in sources]
+        self.streams = [PackedStream(sources, files, tokenizer, seq_len, s, num_streams, seed) for s in self.stream_ids]
         self.per_stream = local_batch_size // per_rank
         self.num_workers, self.workers = num_workers, None
 
     def check(self):
-        """Resolve every source's files and read the next document of every (stream, source), in this
-        process and in a copy (the stream is untouched): call it before the first step (after a resume)
-        on every rank, so a missing or unreadable source is a DataError there, not inside a step."""
+        """Read the next document of every (stream, source), in this process and in a copy (the stream
+        is untouched): call it before the first step (after a resume) on every rank, so a missing or
+        unreadable source is a DataError there, not inside a step."""
         for st in self.streams:
             for r, position in zip(st.readers, st.positions):
-                probe = SourceReader(r.src, r.stream, r.num_streams, r.seed)
+                probe = SourceReader(r.src, r.files, r.stream, r.num_streams, r.seed)
                 probe.load_state_dict(position)
                 probe.next_text()
 
@@ -502,7 +670,8 @@ OPTIONS = {  # --section.key: (type, default, doc), defaults as in train.py
     "training.local_batch_size": (int, 8, "sequences per batch"),
     "data.seed": (int, 1234, "seeds the file order of every source"),
     "data.num_streams": (int, 0, "accepted, unused: the CLI reads one stream"),
-    "data.num_workers": (int, 0, "loader processes that read and tokenize ahead; 0: in this process")}
+    "data.num_workers": (int, 0, "loader processes that read and tokenize ahead; 0: in this process"),
+    "data.manifest": (str, "", "read the files of this data manifest; empty: resolve the sources now")}
 
 
 def sources_from_toml(tables, where: str, section: str = "data") -> list:
@@ -534,11 +703,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def load_config(argv) -> tuple:
-    """(args, {option: value}, sources): defaults < the TOML's [model]/[training]/[data] < --section.key."""
+    """(args, {option: value}, sources, validation sources): defaults < the TOML's [model]/[training]/[data]
+    < --section.key."""
     p = _Parser(description=__doc__.split("\n")[0], epilog="Other keys of the training config are ignored.")
     p.add_argument("--config", action="append", help="the training config, e.g. configs/debug_model.toml")
     p.add_argument("--show", type=int, default=0, help="decode this many packed samples instead of timing")
     p.add_argument("--tokens", type=int, default=1_000_000, help="tokens to read for the shares and tokens/s")
+    p.add_argument("--manifest", metavar="PATH", help="resolve the training and validation sources and write their "
+                   "data manifest here (for train.py's [data] manifest), without reading any data")
     for key, (typ, default, doc) in OPTIONS.items():
         p.add_argument(f"--{key}", type=typ, metavar=typ.__name__.upper(), help=f"{doc} (default: {default})")
     args = p.parse_args(argv)
@@ -549,7 +721,7 @@ def load_config(argv) -> tuple:
             toml = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise DataError(f"config file {args.config[0]!r} cannot be read: {e}".replace("\n", " "))
-    unknown = set(toml.get("data", {})) - {"seed", "num_streams", "num_workers", "sources"}
+    unknown = set(toml.get("data", {})) - {"seed", "num_streams", "num_workers", "manifest", "sources"}
     if unknown:
         raise DataError(f"{args.config[0]}: unknown key in [data] {sorted(unknown)[0]!r}")
     cfg = {}
@@ -560,14 +732,23 @@ def load_config(argv) -> tuple:
         if isinstance(value, bool) or not isinstance(value, typ) or (typ is int and value < low):
             raise DataError(f"{key} = {value!r}: expected {typ.__name__}{f' >= {low}' if typ is int else ''}")
         cfg[key] = value
-    return args, cfg, sources_from_toml(toml.get("data", {}).get("sources"), args.config[0])
+    validation = toml.get("validation", {}).get("sources")
+    return args, cfg, sources_from_toml(toml.get("data", {}).get("sources"), args.config[0]), \
+        sources_from_toml(validation, args.config[0], "validation") if validation else []
 
 
 def main(argv=None):
-    args, cfg, sources = load_config(sys.argv[1:] if argv is None else argv)
+    args, cfg, sources, validation = load_config(sys.argv[1:] if argv is None else argv)
+    if args.manifest:
+        write_manifest(manifest := make_manifest(sources, validation), args.manifest)
+        for e in manifest["data"] + manifest["validation"]:
+            print(f"{e['name']:>16}: {len(e['files']):>6,} files {sum(f[1] for f in e['files']):>18,} bytes  "
+                  + (f"{e['path']}@{e['commit']}" if e["commit"] else e["path"]))
+        return print(f"wrote {args.manifest} (sha256 {manifest_sha256(manifest)}); use it with [data] manifest")
+    manifest = pinned_manifest(cfg["data.manifest"], "", sources, []) if cfg["data.manifest"] else None
     tok, workers = Tokenizer(cfg["model.tokenizer_path"]), cfg["data.num_workers"]
     loader = DataLoader(sources, tok, cfg["training.seq_len"], cfg["training.local_batch_size"], 0, 1, 1,
-                        cfg["data.seed"], workers)
+                        cfg["data.seed"], workers, manifest)
     import torch  # noqa: F401  (imported by the first batch otherwise, and timed with it)
     try:
         for i in range(args.show):

@@ -29,7 +29,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, loss_parallel, parallelize_module)
 
 from checkpoint import Checkpointer, CheckpointError, SaveError
-from data import DataError, DataLoader, Tokenizer, heldout_windows, sources_from_toml
+from data import (DataError, DataLoader, Tokenizer, heldout_windows, manifest_sha256, pinned_manifest, sources_from_toml,
+                  verify_manifest)
 from metrics import MetricsLogger, memory_stats, peak_tflops
 from model import Transformer, flavors, keyed_normal_
 
@@ -137,6 +138,7 @@ class Data:
     seed: int = 1234  # seeds the file order of every source (a new order each epoch)
     num_streams: int = 0  # logical data streams (a multiple of the DP degree); 0: the DP degree
     num_workers: int = 0  # loader processes per rank that read and tokenize ahead; 0: in the training process
+    manifest: str = ""  # the run's data manifest (python data.py --config C --manifest PATH); empty: dump_folder/data_manifest.json, made at the first start
     sources: list = field(default_factory=list)  # [[data.sources]] tables: name, path, config, data_files, split, revision, text_column, weight
 
 
@@ -367,18 +369,18 @@ def validate(cfg: Config, world_size: int) -> dict:
 # A resume must keep every key of these sections (a forker's new hyperparameter is checked with no edit here)...
 RESUME_CHECKED = ("model", "training", "optimizer", "lr_scheduler", "data")
 # ...except these, which a resume may change: how long and how fast to train, clipping, precision, the
-# layout's batch split, workers, and where the tokenizer lives (its sha256 is checked instead). The other
-# sections (job, parallelism, checkpoint, activation_checkpoint, compile, metrics, comm, validation) may
-# always change.
+# layout's batch split, workers, and where the tokenizer and the data manifest live (their sha256 is
+# checked). The other sections (job, parallelism, checkpoint, activation_checkpoint, compile, metrics, comm,
+# validation) may always change.
 RESUME_MAY_CHANGE = {
     "training.steps", "training.local_batch_size", "training.max_norm", "training.seed", "training.deterministic",
     "training.mixed_precision_param", "training.mixed_precision_reduce", "optimizer.lr", "lr_scheduler.warmup_steps",
     "lr_scheduler.decay_ratio", "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor", "model.tokenizer_path",
-    "data.num_workers",
+    "data.num_workers", "data.manifest",
 }
 
 
-def run_keys(cfg: Config, model_args, sizes: dict) -> dict:
+def run_keys(cfg: Config, model_args, sizes: dict, manifest: dict) -> dict:
     """What a resume must not change (RESUME_CHECKED less RESUME_MAY_CHANGE), with derived values where the
     config leaves a choice to the layout: a run may resume on more or fewer GPUs as long as the global batch
     and num_streams stay the same. A checkpoint is checked on the keys it holds (older ones hold fewer)."""
@@ -387,7 +389,7 @@ def run_keys(cfg: Config, model_args, sizes: dict) -> dict:
     with open(cfg.model.tokenizer_path, "rb") as f:
         keys["model.tokenizer_sha256"] = hashlib.sha256(f.read()).hexdigest()
     keys.update({"model.n_layers": model_args.n_layers, "training.global_batch_size": sizes["global_batch_size"],
-                 "data.num_streams": cfg.data.num_streams or sizes["dp"]})
+                 "data.num_streams": cfg.data.num_streams or sizes["dp"], "data.manifest_sha256": manifest_sha256(manifest)})
     return keys
 
 
@@ -548,14 +550,14 @@ def lr_factor(step: int, cfg: Config) -> float:
     return s.min_lr_factor + (1 - s.min_lr_factor) * shape
 
 
-def load_heldout(cfg: Config, tokenizer, dp_rank: int, dp: int) -> dict:
+def load_heldout(cfg: Config, tokenizer, dp_rank: int, dp: int, manifest: dict) -> dict:
     """Per validation source, this rank's (inputs, labels): the first steps x local_batch_size x dp held-out
     sequences (all of them for steps = -1), row i on rank i % dp. Ranks with fewer rows are padded with
     label -100 (ignored), so every rank runs the same number of forwards (FSDP's collectives)."""
     v, seq_len = cfg.validation, cfg.training.seq_len
     heldout = {}
     for src in v.sources:
-        windows = heldout_windows(src, tokenizer, seq_len, None if v.steps == -1 else v.steps * v.local_batch_size * dp)
+        windows = heldout_windows(src, tokenizer, seq_len, None if v.steps == -1 else v.steps * v.local_batch_size * dp, manifest)
         n = -(-len(windows) // (dp * v.local_batch_size)) * v.local_batch_size  # rows per rank, whole batches
         mine = torch.tensor(windows[dp_rank::dp], dtype=torch.long).reshape(-1, seq_len + 1)  # (rows, seq_len + 1)
         inputs = torch.zeros(n, seq_len, dtype=torch.long)
@@ -694,17 +696,26 @@ def main(cfg: Config):
 
     # --- 5. optimizer, lr schedule, data (each dp rank reads its own streams; TP ranks the same ones) ----------
     optimizer, scheduler = build_optimizer(model, cfg, device)
+    box = [None]  # the files of every source: rank 0 alone resolves them (or reads the run's pinned ones)
+    if rank == 0:
+        try:
+            box[0] = pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, cfg.validation.sources)
+        except DataError as e:
+            box[0] = str(e)
+    dist.broadcast_object_list(box)
+    manifest = box[0]  # or rank 0's error; then each rank checks a share of the local files, before a resume reads one
+    agree(manifest if isinstance(manifest, str) else verify_manifest(manifest, rank, world_size), device)
     loader = DataLoader(cfg.data.sources, tokenizer, cfg.training.seq_len, cfg.training.local_batch_size,
-                        dp_rank, dp, cfg.data.num_streams, cfg.data.seed, cfg.data.num_workers)
+                        dp_rank, dp, cfg.data.num_streams, cfg.data.seed, cfg.data.num_workers, manifest)
 
     # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path -----------
     checkpointer = Checkpointer(cfg.checkpoint, os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder),
-                                run_keys(cfg, model_args, sizes), cfg.training.steps, model, optimizer, scheduler, loader)
+                                run_keys(cfg, model_args, sizes, manifest), cfg.training.steps, model, optimizer, scheduler, loader)
     step, tokens_seen = checkpointer.resume()
     error, heldout = "", {}
     try:  # every rank opens every source where it resumes: a bad one stops all ranks alike before step 1
         loader.check()
-        heldout = load_heldout(cfg, tokenizer, dp_rank, dp) if cfg.validation.enable else {}
+        heldout = load_heldout(cfg, tokenizer, dp_rank, dp, manifest) if cfg.validation.enable else {}
     except DataError as e:
         error = str(e)
     agree(error, device)

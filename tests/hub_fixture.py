@@ -122,6 +122,16 @@ def make_repos() -> dict:
     return repos
 
 
+def push(repos: dict, repo: str, files: dict, branch: str = "main") -> str:
+    """A new commit on `branch`: its files with `files` added or replaced (path -> bytes). Returns its sha; the
+    old commit stays readable by its sha, as on the real Hub."""
+    refs = repos[repo]["refs"]
+    sha = _sha(f"{repo}{refs[branch]}{sorted(files)}")
+    repos[repo]["commits"][sha] = {**repos[repo]["commits"][refs[branch]], **files}
+    refs[branch] = sha
+    return sha
+
+
 def write_mirror(repos: dict, folder: str, repo: str, revision: str = "main") -> str:
     """Write one repo's files at a revision to a local folder (what `hf download` makes): the same data offline."""
     files = repos[repo]["commits"][repos[repo]["refs"].get(revision, revision)]

@@ -195,11 +195,11 @@ def test_transient_read_errors_are_retried_from_the_last_good_row(tok, sources, 
     monkeypatch.setattr(data, "RETRY_DELAYS", (0, 0, 0))
     FlakyFiles.register()
 
-    resolve = data.resolve_files
-    files = [f for s in sources for f in resolve(s.path, s.config, s.data_files, s.split, s.revision)]
+    pinned = data.source_files
+    files = [f for s in sources for f, _ in pinned(data.make_manifest([s]), s)]
 
     def loader(flaky):  # the files resolved as usual, then read through the flaky filesystem
-        monkeypatch.setattr(data, "resolve_files", lambda *a: tuple(("flaky://" if flaky else "") + f for f in resolve(*a)))
+        monkeypatch.setattr(data, "source_files", lambda *a: [(("flaky://" if flaky else "") + f, n) for f, n in pinned(*a)])
         return DataLoader(sources, tok, 256, 4, 0, 1, 1)
 
     reference = loader(False)

@@ -1,0 +1,235 @@
+"""The data manifest: one resolution per job, pinned in the run (data.py's manifest section, train.py's use of it).
+
+The training runs here use the debug model with Meta's Llama 3 tokenizer (128,256 tokens, from the llama-models
+package), so the data path is the 8B config's. Hub runs talk to tests/hub_fixture.py's server, which counts requests.
+"""
+
+import gzip
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import data  # noqa: E402
+from data import DataError, DataSource  # noqa: E402
+from hub_fixture import Hub, _jsonl_gz, _parquet, make_repos, point_libraries_at, push  # noqa: E402
+
+llama_models = pytest.importorskip("llama_models")
+META_TOKENIZER = os.path.join(os.path.dirname(llama_models.__file__), "llama3", "tokenizer.model")
+SHIPPED = tomllib.load(open(os.path.join(ROOT, "configs", "llama3_8b.toml"), "rb"))
+TRAIN = ["--training.seq_len", "128", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
+         "--model.tokenizer_path", META_TOKENIZER, "--checkpoint.enable", "--checkpoint.interval", "2"]
+
+
+def train(config, dump, *args, nproc=1, env=None, expect=0):
+    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                                 if nproc > 1 else [])
+    proc = subprocess.run(launch + ["train.py", "--config", str(config), "--job.dump_folder", str(dump), *TRAIN,
+                                    *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def losses(dump) -> list:
+    return [(r["step"], r["loss"]) for r in map(json.loads, open(os.path.join(dump, "metrics.jsonl"))) if "loss" in r]
+
+
+def api_requests(log) -> list:
+    """Requests that list or look up (repo info, tree pages, README and other metadata): all but data-file reads."""
+    return [r["path"] for r in log if not r["path"].split("?")[0].endswith((".parquet", ".json.gz"))]
+
+
+@pytest.fixture(scope="module")
+def hub_job(tmp_path_factory):
+    """The 8B config's six hub sources and its C4 validation split, 2 ranks x 2 loader workers: 4 steps with
+    checkpoints at 2 and 4; then a new commit on every repo (a C4 shard that sorts first, changed C4 and
+    FineMath shards); then a resume from step 2. Returns what the test checks."""
+    tmp = tmp_path_factory.mktemp("hub_job")
+    repos, mp = make_repos(), pytest.MonkeyPatch()
+    hub = Hub(repos)
+    point_libraries_at(hub.endpoint, mp, str(tmp / "cache"))
+    try:
+        sources = data.sources_from_toml(SHIPPED["data"]["sources"], "8b")
+        validation = data.sources_from_toml(SHIPPED["validation"]["sources"], "8b", "validation")
+        reference = data.make_manifest(sources, validation)  # one resolution, in this process
+        one_resolution = sorted(api_requests(hub.log))
+        hub.log.clear()
+        config = tmp / "hub.toml"
+        debug = open(os.path.join(ROOT, "configs", "debug_model.toml")).read()
+        shipped = open(os.path.join(ROOT, "configs", "llama3_8b.toml")).read()  # its sources, and its validation one
+        config.write_text(debug[:debug.index("[[data.sources]]")] + shipped[shipped.index("[[data.sources]]"):])
+        env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp / "hf"), "HF_HUB_OFFLINE": "0"}
+        args = ("--training.steps", 4, "--data.num_workers", 2, "--validation.freq", 4, "--validation.steps", 1,
+                "--validation.local_batch_size", 4)
+        train(config, tmp / "dump", *args, nproc=2, env=env)
+        first_start, first = sorted(api_requests(hub.log)), losses(tmp / "dump")
+        manifest = json.load(open(tmp / "dump" / "data_manifest.json"))
+        pinned = {repo: r["refs"]["main"] for repo, r in repos.items()}
+        for repo, shards in [("allenai/c4", [p for p in repos["allenai/c4"]["commits"][pinned["allenai/c4"]]
+                                              if p.startswith("en/c4-train.")] + ["en/c4-train.00000-of-00000.json.gz"]),
+                             ("Zyphra/Zyda-2", [p for p in repos["Zyphra/Zyda-2"]["commits"][pinned["Zyphra/Zyda-2"]]
+                                                if p.endswith(".parquet")] + ["data/fwe3/global-shard_00/a.parquet"]),
+                             ("HuggingFaceTB/finemath", ["finemath-3plus/train-00000-of-00002.parquet"])]:
+            # every shard read so far gets other documents, and a shard that sorts first appears
+            push(repos, repo, {p: (_jsonl_gz if p.endswith(".gz") else _parquet)(
+                [{"text": f"pushed later {p} {i} " * 50} for i in range(30)]) for p in shards})
+        hub.log.clear()
+        out = train(config, tmp / "dump", *args, "--checkpoint.load_step", 2, nproc=2, env=env)
+        resume = list(hub.log)
+        yield {"one_resolution": one_resolution, "first_start": first_start, "reference": reference,
+               "manifest": manifest, "first": first, "replay": losses(tmp / "dump")[len(first):], "resume": resume,
+               "pinned": pinned, "out": out}
+    finally:
+        hub.close()
+        mp.undo()
+
+
+def test_a_2x2_job_resolves_each_source_once_and_its_resume_lists_nothing(hub_job):
+    # the whole first start (2 ranks, 4 loader workers, training and validation) asks the Hub for what one
+    # resolution in one process asks, and nothing more: every other process read the files from the manifest
+    assert hub_job["first_start"] == hub_job["one_resolution"]
+    assert sum("/tree/" in p for p in hub_job["first_start"]) >= 7  # the listings happened, once
+    assert api_requests(hub_job["resume"]) == []  # the resume lists nothing: only file bytes are read
+    assert [r for r in hub_job["resume"] if r["path"].endswith((".parquet", ".json.gz"))]
+    # two resolutions of the same config give the same manifest: the run's equals the one made here
+    assert hub_job["manifest"] == hub_job["reference"]
+    assert [e["name"] for e in hub_job["manifest"]["validation"]] == ["c4"]
+    assert len(hub_job["manifest"]["data"]) == 6 and all(len(e["commit"]) == 40 for e in hub_job["manifest"]["data"])
+
+
+def test_a_commit_pushed_between_save_and_resume_is_not_read(hub_job):
+    """The resume reads the pinned commit: steps 3-4 are the uninterrupted run's, bit for bit."""
+    assert [s for s, _ in hub_job["first"]] == [1, 2, 3, 4]
+    assert hub_job["replay"] == hub_job["first"][2:]
+    reads = [r["path"] for r in hub_job["resume"]]
+    assert {repo for repo in hub_job["pinned"] if any(f"/{repo}/resolve/" in p for p in reads)} == \
+        {"allenai/c4", "Zyphra/Zyda-2", "HuggingFaceTB/finemath"}
+    assert all(f"/{repo}/resolve/{sha}/" in p for p in reads for repo, sha in hub_job["pinned"].items() if f"/{repo}/" in p)
+    assert "new file" not in hub_job["out"]  # hub repos are not listed again, so not counted
+
+
+# ---------------------------------------------------------------------------------------------------
+# Local folders, a manifest made by data.py on a "login node", HF_HUB_OFFLINE=1
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def offline_job(tmp_path_factory):
+    """`data.py --manifest` over copies of the bundled folders, then a 1-process run that uses it with
+    HF_HUB_OFFLINE=1: 4 steps, checkpoints at 2 and 4."""
+    tmp = tmp_path_factory.mktemp("offline_job")
+    shutil.copytree(os.path.join(ROOT, "assets", "data"), tmp / "data")
+    text = open(os.path.join(ROOT, "configs", "debug_model.toml")).read().replace('"assets/data/', f'"{tmp}/data/')
+    (tmp / "local.toml").write_text(text)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing to reach
+    made = subprocess.run([sys.executable, "data.py", "--config", str(tmp / "local.toml"), "--manifest",
+                           str(tmp / "pinned.json")], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert made.returncode == 0, made.stderr
+    args = ("--data.manifest", tmp / "pinned.json", "--training.steps", 4, "--validation.freq", 4)
+    out = train(tmp / "local.toml", tmp / "dump", *args, env={"HF_HUB_OFFLINE": "1"})
+    return tmp, args, out, made.stdout
+
+
+def test_data_py_manifest_then_an_offline_run_trains_and_resumes_exactly_with_a_new_shard(offline_job):
+    tmp, args, out, made = offline_job
+    assert "wrote" in made and "sha256" in made and "c4:" in made
+    assert not os.path.exists(tmp / "dump" / "data_manifest.json")  # the given manifest is the run's
+    first = losses(tmp / "dump")
+    assert [s for s, _ in first] == [1, 2, 3, 4]
+    # a shard whose name sorts first lands in the C4 folder: not read, and said once at start
+    c4 = tmp / "data" / "c4" / "en"
+    shutil.copy(c4 / "c4-train.00001-of-00002.json.gz", c4 / "c4-train.00000-of-00000.json.gz")
+    out = train(tmp / "local.toml", tmp / "dump", *args, "--checkpoint.load_step", 2, env={"HF_HUB_OFFLINE": "1"})
+    assert losses(tmp / "dump")[len(first):] == first[2:]
+    assert "data source 'c4': 1 new file(s)" in out and "checkpoint.initial_load_path" in out
+    os.remove(c4 / "c4-train.00000-of-00000.json.gz")
+
+
+@pytest.mark.parametrize("same_size", [False, True])
+def test_a_shard_replaced_by_other_bytes_is_one_line_and_nothing_is_written(offline_job, same_size, tmp_path):
+    tmp, args, _, _ = offline_job
+    dump = tmp_path / "dump"
+    shutil.copytree(tmp / "dump", dump)
+    shard = tmp / "data" / "finemath" / "finemath-3plus" / "train-00001-of-00002.parquet"
+    original = shard.read_bytes()
+    try:
+        if same_size:  # other bytes in the middle of the file: the same size, the same modification time
+            stat = os.stat(shard)
+            middle = len(original) // 2
+            shard.write_bytes(original[:middle] + bytes(b ^ 0xFF for b in original[middle:middle + 16]) +
+                              original[middle + 16:])
+            os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        else:
+            shard.write_bytes(original + b"\0")
+        before = sorted(os.listdir(dump / "checkpoint")), (dump / "metrics.jsonl").read_bytes()
+        out = train(tmp / "local.toml", dump, *args, "--training.steps", 6, env={"HF_HUB_OFFLINE": "1"}, expect=2)
+    finally:
+        shard.write_bytes(original)
+    errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in out
+    assert f"data source 'finemath': {shard} changed" in errors[0], out
+    assert ("same size" in errors[0]) == same_size and ("bytes)" in errors[0]) != same_size
+    assert (sorted(os.listdir(dump / "checkpoint")), (dump / "metrics.jsonl").read_bytes()) == before
+
+
+# ---------------------------------------------------------------------------------------------------
+# In-process: the manifest's own rules (no training)
+# ---------------------------------------------------------------------------------------------------
+
+def test_manifest_of_local_folders_is_deterministic_and_readers_use_only_its_files(tmp_path, monkeypatch):
+    shutil.copytree(os.path.join(ROOT, "assets", "data", "c4"), tmp_path / "c4")
+    src = DataSource(name="c4", path=str(tmp_path / "c4"), data_files="en/c4-train.*.json.gz")
+    a, b = data.make_manifest([src]), data.make_manifest([src])
+    assert a == b and data.manifest_sha256(a) == data.manifest_sha256(b)
+    assert [f[0] for f in a["data"][0]["files"]] == ["en/c4-train.00000-of-00002.json.gz",
+                                                     "en/c4-train.00001-of-00002.json.gz"]
+    data.write_manifest(a, str(tmp_path / "m.json"))
+    assert json.load(open(tmp_path / "m.json")) == a
+    # with a manifest, nothing is resolved again: not by the loader, nor its workers, nor the held-out reader
+    monkeypatch.setattr(data, "resolve_files", lambda *args: pytest.fail("resolved again"))
+    tok = data.Tokenizer(os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model"))
+    loader = data.DataLoader([src], tok, 64, 2, 0, 1, 1, num_workers=1, manifest=a)
+    next(loader)
+    loader.close()
+    assert data.heldout_windows(src, tok, 64, 2, {"validation": a["data"]})
+
+
+def test_manifest_errors_are_one_line(tmp_path):
+    src = DataSource(name="c4", path=os.path.join(ROOT, "assets", "data", "c4"), data_files="en/c4-train.*.json.gz")
+    with pytest.raises(DataError, match=r"data manifest .*missing.json cannot be used: .*data.py --config C --manifest"):
+        data.pinned_manifest(str(tmp_path / "missing.json"), str(tmp_path), [src], [])
+    data.write_manifest(data.make_manifest([src]), str(tmp_path / data.MANIFEST))
+    other = DataSource(name="c4", path=src.path, data_files="en/c4-validation.*.json.gz")
+    with pytest.raises(DataError, match="has no data source 'c4' as configured .* made for other sources") as e:
+        data.pinned_manifest("", str(tmp_path), [other], [])
+    assert "\n" not in str(e.value)
+    manifest = data.pinned_manifest("", str(tmp_path), [src], [])
+    assert data.verify_manifest(manifest) == ""
+    manifest["data"][0]["files"][0][0] = "en/gone.json.gz"
+    assert re.match(r"data source 'c4': .*en/gone.json.gz is missing since this run's data manifest",
+                    data.verify_manifest(manifest))
+    assert data.verify_manifest(manifest, part=0, parts=2) == ""  # the other rank's share is intact
+
+
+def test_the_changed_check_reads_only_the_ends_of_a_big_file(tmp_path):
+    """The "changed" check reads the first and the last MiB, whatever the file's size."""
+    big = tmp_path / "big.json.gz"
+    big.write_bytes(gzip.compress(os.urandom(3 << 20), compresslevel=0))
+    size = os.path.getsize(big)
+    base = data._ends_sha256(str(big), size)
+    raw = bytearray(big.read_bytes())
+    raw[size // 2] ^= 0xFF  # the middle is not read: not seen (the size is, and a hub file is immutable)
+    big.write_bytes(bytes(raw))
+    assert data._ends_sha256(str(big), size) == base
+    raw[-10] ^= 0xFF
+    big.write_bytes(bytes(raw))
+    assert data._ends_sha256(str(big), size) != base
