@@ -10,11 +10,11 @@
 Config precedence: --section.key value on the command line > the TOML file > the defaults below.
 One flat main(cfg), top to bottom: config, mesh, model, parallelize, optimizer, data, checkpoint, loop.
 Beside it: model.py (the model), data.py (tokenizer, sources, mixture), checkpoint.py (what a checkpoint
-holds, atomic saves, resume), metrics.py (the log line, metrics.jsonl, TensorBoard, W&B).
+holds, atomic saves, resume), metrics.py (the log line, metrics.jsonl, TensorBoard, W&B), config.py (reads
+TOML files and --section.key options into the dataclasses below).
 """
 
-import argparse, ast, contextlib, ctypes, dataclasses, difflib, fcntl, gc, hashlib, inspect, io, json, logging  # noqa: E401
-import math, os, signal, sys, textwrap, threading, time, tokenize, tomllib, typing  # noqa: E401
+import contextlib, ctypes, dataclasses, fcntl, gc, hashlib, logging, math, os, signal, sys, threading, time  # noqa: E401
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -28,9 +28,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
+import config
 from checkpoint import Checkpointer, CheckpointError, SaveError
-from data import (DataError, DataLoader, Tokenizer, heldout_windows, manifest_sha256, pinned_manifest, sources_from_toml,
-                  verify_manifest)
+from config import ConfigError, to_toml, unknown
+from data import DataError, DataLoader, Tokenizer, heldout_windows, manifest_sha256, pinned_manifest, verify_manifest
 from metrics import MetricsLogger, memory_stats, peak_tflops
 from model import Transformer, flavors, keyed_normal_
 
@@ -38,7 +39,7 @@ logger = logging.getLogger("train")
 
 
 # -------------------------------------------------------------------------------------------------
-# Config: each field is `name: type = default  # one-line doc` (the doc is what --help prints)
+# Config: each field is `name: type = default  # one-line doc` (the doc is what --help prints; config.py reads them)
 # -------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -168,128 +169,13 @@ class Config:
     validation: Validation = field(default_factory=Validation)
 
 
-class ConfigError(ValueError):
-    """A user mistake in the config, the command line or an input file: one line, exit code 2."""
-
-
 class RunError(RuntimeError):
     """The run had to stop (a non-finite loss or gradient norm): one line, exit 3."""
 
 
-def _docs(cls) -> dict:
-    """Each field's one-line doc: the `# comment` on its line (or on the lines of a default that spans several),
-    else a comment line just above it. A field without one gets "" (--help then shows just its default)."""
-    try:
-        src = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):  # no source file (a class made in a notebook cell, say): no docs, no crash
-        return {}
-    lines = src.splitlines()
-    comments = {t.start[0]: t.string.lstrip("#").strip()
-                for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type == tokenize.COMMENT}
-    docs = {}
-    for node in ast.parse(src).body[0].body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            own = [comments[i] for i in range(node.lineno, node.end_lineno + 1) if i in comments]
-            above = node.lineno - 1 if lines[node.lineno - 2].lstrip().startswith("#") else None
-            docs[node.target.id] = own[-1] if own else comments.get(above, "")
-    return docs
-
-
-def _convert(value, typ, where: str):
-    """Check/convert a TOML value or a CLI string to the field's type."""
-    if isinstance(value, str) and typ is not str:  # from the command line
-        try:
-            value = {"true": True, "false": False}[value.lower()] if typ is bool else typ(value)
-        except (KeyError, ValueError):
-            raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}")
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if typ is str and isinstance(value, int) and not isinstance(value, bool):  # selective_ac_option = 2
-        value = str(value)
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}")
-    return value
-
-
-def _unknown(kind: str, name: str, known) -> ConfigError:
-    close = difflib.get_close_matches(name, list(known), n=3)
-    hint = f"; did you mean {', '.join(close)}?" if close else f"; valid: {', '.join(known)}"
-    return ConfigError(f"unknown {kind} {name!r}{hint}")
-
-
-def _set(cfg: Config, section: str, key: str, value, where: str):
-    sections = {f.name: f for f in dataclasses.fields(Config)}
-    if section not in sections:
-        raise _unknown("config section", section, sections)
-    obj = getattr(cfg, section)
-    keys = {f.name: f for f in dataclasses.fields(obj)}
-    if key not in keys:
-        raise _unknown(f"key in [{section}]", key, keys)
-    if key == "sources":  # [[data.sources]] tables: data.py checks them (its CLI reads them too)
-        try:
-            value = sources_from_toml(value, where, section)
-        except DataError as e:
-            raise ConfigError(str(e))
-    else:
-        value = _convert(value, typing.get_type_hints(type(obj))[key], f"{where} {section}.{key}")
-    setattr(obj, key, value)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """--section.key for every config field (generated from the dataclasses), plus --config."""
-    parser = argparse.ArgumentParser(usage="%(prog)s [--config TOML] [--section.key VALUE ...]", description=__doc__,
-                                     allow_abbrev=False, exit_on_error=False, formatter_class=(
-        lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=60, width=200)))
-    parser.add_argument("--config", "--job.config_file", action="append", metavar="TOML", help="the TOML config file")
-    for sec in dataclasses.fields(Config):
-        cls = type(getattr(Config(), sec.name))
-        docs = _docs(cls)
-        group = parser.add_argument_group(f"[{sec.name}]", f"[[{sec.name}.sources]] (TOML only): {docs.get('sources', '')}"
-                                          if any(f.name == "sources" for f in dataclasses.fields(cls)) else None)
-        for f in dataclasses.fields(cls):
-            if f.name == "sources":
-                continue  # tables: TOML only
-            typ = typing.get_type_hints(cls)[f.name]
-            group.add_argument(f"--{sec.name}.{f.name}", default=argparse.SUPPRESS, metavar=typ.__name__.upper(),
-                               **({"nargs": "?", "const": "true"} if typ is bool else {}),  # bare --checkpoint.enable
-                               help=f"{docs.get(f.name, '')} (default: {getattr(cls(), f.name)!r})".lstrip())
-    return parser
-
-
 def load_config(argv) -> Config:
-    """Defaults, then the TOML file (--config), then --section.key value overrides."""
-    try:
-        args, unknown = build_parser().parse_known_args(argv)
-    except argparse.ArgumentError as e:
-        raise ConfigError(str(e))
-    for arg in unknown:  # argparse would say "unrecognized arguments": name the close matches instead
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}; options look like --section.key value")
-        section, dot, key = arg[2:].partition("=")[0].partition(".")
-        if not dot:
-            raise ConfigError(f"option {arg}: expected --section.key (e.g. --training.steps)")
-        _set(Config(), section, key, None, "command line")  # raises: unknown section or key, or a TOML table
-    cfg, files = Config(), args.config or []
-    if len(files) > 1:
-        raise ConfigError(f"--config given {len(files)} times ({', '.join(files)}); give one file and "
-                          "override single keys with --section.key value")
-    for path in files:
-        try:
-            with open(path, "rb") as f:
-                toml = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path!r} not found")
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path!r} is not valid TOML: {e}")
-        for section, table in toml.items():
-            if not isinstance(table, dict):
-                raise ConfigError(f"{path}: {section!r} must be a [section] table")
-            for key, value in table.items():
-                _set(cfg, section, key, value, path)
-    for name, value in vars(args).items():
-        if name != "config":
-            _set(cfg, *name.split(".", 1), value, "command line")
-    return cfg
+    """Defaults, then the TOML file (--config), then --section.key value overrides (config.py parses)."""
+    return config.load(Config, argv, __doc__)
 
 
 def flavor_args(cfg: Config, vocab_size: int = 0):
@@ -303,7 +189,7 @@ def validate(cfg: Config, world_size: int) -> dict:
     """Reject configs that cannot work, before any process group or model exists. Returns derived sizes."""
     t, p, v = cfg.training, cfg.parallelism, cfg.validation
     if cfg.model.flavor not in flavors:
-        raise _unknown("model.flavor", cfg.model.flavor, flavors)
+        raise unknown("model.flavor", cfg.model.flavor, flavors)
     pos, nonneg, prob = (lambda x: x >= 1, ">= 1"), (lambda x: x >= 0, ">= 0"), (lambda x: 0 <= x < 1, "in [0, 1)")
     minus1_or = (lambda x: x == -1 or x >= 1, "-1 or >= 1")
     positive = (lambda x: 0 < x < math.inf, "a positive number")
@@ -391,22 +277,6 @@ def run_keys(cfg: Config, model_args, sizes: dict, manifest: dict) -> dict:
     keys.update({"model.n_layers": model_args.n_layers, "training.global_batch_size": sizes["global_batch_size"],
                  "data.num_streams": cfg.data.num_streams or sizes["dp"], "data.manifest_sha256": manifest_sha256(manifest)})
     return keys
-
-
-def to_toml(cfg: Config) -> str:
-    """The resolved config as TOML that --config accepts back (None values are left out)."""
-    def fmt(v):
-        return json.dumps(v) if not isinstance(v, bool) else str(v).lower()
-    out = []
-    for f in dataclasses.fields(cfg):
-        sec = getattr(cfg, f.name)
-        out.append(f"[{f.name}]")
-        out += [f"{k} = {fmt(v)}" for k, v in dataclasses.asdict(sec).items() if k != "sources" and v is not None]
-        for s in getattr(sec, "sources", []):
-            out.append(f"\n[[{f.name}.sources]]")
-            out += [f"{k} = {fmt(v)}" for k, v in dataclasses.asdict(s).items() if v is not None]
-        out.append("")
-    return "\n".join(out)
 
 
 # -------------------------------------------------------------------------------------------------

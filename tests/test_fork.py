@@ -14,6 +14,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import config  # noqa: E402
 import model  # noqa: E402
 import train  # noqa: E402
 
@@ -79,7 +80,7 @@ def test_docs_come_from_comments_in_any_layout_and_a_field_may_have_none():
         multi: list = dataclasses.field(
             default_factory=list)  # on the default's last line
         tail: str = "x#y"  # after a '#' inside a string
-    assert train._docs(Knobs) == {"plain": "", "above": "the comment line above", "multi": "on the default's last line",
+    assert config._docs(Knobs) == {"plain": "", "above": "the comment line above", "multi": "on the default's last line",
                                   "tail": "after a '#' inside a string"}
 
 
