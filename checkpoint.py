@@ -65,10 +65,12 @@ def checkpoints(folder: str, warn: bool = False) -> list:
 
 class Checkpointer:
     """Saves and resumes one run. `cfg` is train.py's [checkpoint] section; `run_keys` are the values a resume
-    must not change (a resume with others is refused); `steps` is training.steps."""
+    must not change (a resume with others is refused); `steps` is training.steps; `notes` are values a resume
+    may change, saved so that the log can say when one did (model.converters: float8 on or off)."""
 
-    def __init__(self, cfg, folder: str, run_keys: dict, steps: int, model, optimizer, scheduler, loader):
+    def __init__(self, cfg, folder: str, run_keys: dict, steps: int, model, optimizer, scheduler, loader, notes=None):
         self.cfg, self.folder, self.run_keys, self.steps, self.rank = cfg, folder, run_keys, steps, dist.get_rank()
+        self.notes = notes or {}
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
         self.sd_options = StateDictOptions(flatten_optimizer_state_dict=True)
         # Async saves write from a background thread on their own gloo group, apart from training's collectives.
@@ -85,7 +87,8 @@ class Checkpointer:
         # param_groups (lr, betas) come from the config and the scheduler, not the checkpoint
         state["optimizer"] = {k: v for k, v in opt.items() if k.startswith("state.")}
         state["train"].update(tokens_seen=torch.tensor(tokens_seen), steps=torch.tensor(self.steps),
-                              config=json_tensor(self.run_keys), lr_scheduler=json_tensor(self.scheduler.state_dict()))
+                              config=json_tensor(self.run_keys), lr_scheduler=json_tensor(self.scheduler.state_dict()),
+                              notes=json_tensor(self.notes))
         state["data"] = {f"stream{s}": json_tensor(sd) for s, sd in self.loader.state_dict().items()}
         state["rng"] = {f"rank{self.rank}": torch.get_rng_state()}
         return state
@@ -165,6 +168,9 @@ class Checkpointer:
             torch.set_rng_state(state["rng"][rank_key])
         step, steps = int(train["step"]), int(train.get("steps", self.steps))
         logger.info(f"resumed from {path} at step {step}")
+        saved = json_from(train["notes"]) if "notes" in train else {}  # older checkpoints have none
+        if changed := [f"{k} {saved[k]!r} -> {v!r}" for k, v in self.notes.items() if k in saved and saved[k] != v]:
+            logger.info(f"this resume changes {'; '.join(changed)} (allowed: the checkpoint's weights are the same)")
         if steps != self.steps and self.rank == 0:  # allowed, but the lr schedule is a function of training.steps
             logger.warning(f"training.steps changed {steps} -> {self.steps}: the lr schedule now ends at "
                            f"step {self.steps} instead of {steps}, and the lr from here on follows it")
