@@ -58,6 +58,8 @@ def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
       outputs); full bd (the block input). With AC one block's full set comes back during its backward.
     The loss keeps fp32 log-probs (tokens x vocab) and its backward holds two more such tensors.
     CPU adds the process's resident memory before the model exists (Python, torch, tokenizer).
+    float8 with enable_fsdp_float8_all_gather gathers the blocks' Linear weights in 1 byte each; activations
+    stay as counted (torchao keeps each Float8Linear's input in high precision for backward).
     """
     a, t, p = model.args, cfg.training, cfg.parallelism
     tp, shards = p.tensor_parallel_degree, sizes["dp_shard"] * p.tensor_parallel_degree
@@ -79,8 +81,11 @@ def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
         all_blocks = n_ac * saved["full"] + (a.n_layers - n_ac) * full_block
     else:
         all_blocks = a.n_layers * saved[mode]
+    n_linear = sum(q.numel() for q in model.layers[0].parameters() if q.ndim == 2)  # wq wk wv wo w1 w2 w3
+    float8_gather = "float8" in cfg.model.converters and cfg.float8.enable_fsdp_float8_all_gather
     parts = {"weights": 4 * n_total / shards, "optimizer": 8 * n_total / shards, "gradients": 4 * n_total / shards,
-             "gathered": b * (n_total - (a.n_layers - 1) * n_block) / tp,  # the root and the last block
+             "gathered": (b * (n_total - (a.n_layers - 1) * n_block)  # the root and the last block
+                          - (b - 1) * n_linear * float8_gather) / tp,  # float8 all-gather: 1 byte per Linear weight
              "activations": tokens * (all_blocks + (4 * d + b * d) / tp),  # + the final norm
              "loss": tokens * 12 * a.vocab_size / tp,  # vocab-sharded under TP (loss parallel)
              "runtime": 0 if cuda else resident_bytes()}

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -35,6 +36,18 @@ def json_tensor(obj) -> torch.Tensor:
 
 def json_from(t: torch.Tensor):
     return json.loads(bytes(t.tolist()))
+
+
+def plain(t):
+    """The plain tensor inside a tensor subclass (torchao's float8 all-gather wraps each weight shard in one,
+    around the same fp32 values), sharing its memory: checkpoints hold plain tensors, loadable with float8
+    off and without torchao, and a load into the plain view fills the parameter."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    if type(local) in (torch.Tensor, torch.nn.Parameter) or not hasattr(local, "__tensor_flatten__"):
+        return t
+    inner = getattr(local, local.__tensor_flatten__()[0][0])
+    return DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride()) if isinstance(t, DTensor) else inner
 
 
 def incomplete(path: str):
@@ -65,10 +78,12 @@ def checkpoints(folder: str, warn: bool = False) -> list:
 
 class Checkpointer:
     """Saves and resumes one run. `cfg` is train.py's [checkpoint] section; `run_keys` are the values a resume
-    must not change (a resume with others is refused); `steps` is training.steps."""
+    must not change (a resume with others is refused); `steps` is training.steps; `notes` are values a resume
+    may change, saved so that the log can say when one did (model.converters: float8 on or off)."""
 
-    def __init__(self, cfg, folder: str, run_keys: dict, steps: int, model, optimizer, scheduler, loader):
+    def __init__(self, cfg, folder: str, run_keys: dict, steps: int, model, optimizer, scheduler, loader, notes=None):
         self.cfg, self.folder, self.run_keys, self.steps, self.rank = cfg, folder, run_keys, steps, dist.get_rank()
+        self.notes = notes or {}
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
         self.sd_options = StateDictOptions(flatten_optimizer_state_dict=True)
         # Async saves write from a background thread on their own gloo group, apart from training's collectives.
@@ -77,15 +92,17 @@ class Checkpointer:
 
     def state(self, step: int, tokens_seen: int, model_only: bool = False) -> dict:
         """Everything a resume needs, as tensors only: DCP then never unpickles anything on load."""
-        state = {"model": get_model_state_dict(self.model), "train": {"step": torch.tensor(step)}}
+        state = {"model": {k: plain(v) for k, v in get_model_state_dict(self.model).items()},
+                 "train": {"step": torch.tensor(step)}}
         if model_only:  # the export at the end of training
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.cfg.export_dtype]
             return {**state, "model": {k: v.to(dtype) for k, v in state["model"].items()}}
         opt = get_optimizer_state_dict(self.model, self.optimizer, options=self.sd_options)
         # param_groups (lr, betas) come from the config and the scheduler, not the checkpoint
-        state["optimizer"] = {k: v for k, v in opt.items() if k.startswith("state.")}
+        state["optimizer"] = {k: plain(v) for k, v in opt.items() if k.startswith("state.")}
         state["train"].update(tokens_seen=torch.tensor(tokens_seen), steps=torch.tensor(self.steps),
-                              config=json_tensor(self.run_keys), lr_scheduler=json_tensor(self.scheduler.state_dict()))
+                              config=json_tensor(self.run_keys), lr_scheduler=json_tensor(self.scheduler.state_dict()),
+                              notes=json_tensor(self.notes))
         state["data"] = {f"stream{s}": json_tensor(sd) for s, sd in self.loader.state_dict().items()}
         state["rng"] = {f"rank{self.rank}": torch.get_rng_state()}
         return state
@@ -134,7 +151,8 @@ class Checkpointer:
 
     def load(self, path: str, model_only: bool):
         meta, rank_key = self.metadata(path), f"rank{self.rank}"
-        state = {"model": get_model_state_dict(self.model)} if model_only else self.state(0, 0)
+        model = {k: plain(v) for k, v in get_model_state_dict(self.model).items()}
+        state = {"model": model} if model_only else self.state(0, 0)
         for key in meta if not model_only else ():  # JSON blobs: allocate what was saved
             section, _, name = key.partition(".")
             if section in ("train", "data") and meta[key].properties.dtype == torch.uint8:
@@ -165,6 +183,9 @@ class Checkpointer:
             torch.set_rng_state(state["rng"][rank_key])
         step, steps = int(train["step"]), int(train.get("steps", self.steps))
         logger.info(f"resumed from {path} at step {step}")
+        saved = json_from(train["notes"]) if "notes" in train else {}  # older checkpoints have none
+        if changed := [f"{k} {saved[k]!r} -> {v!r}" for k, v in self.notes.items() if k in saved and saved[k] != v]:
+            logger.info(f"this resume changes {'; '.join(changed)} (allowed: the checkpoint's weights are the same)")
         if steps != self.steps and self.rank == 0:  # allowed, but the lr schedule is a function of training.steps
             logger.warning(f"training.steps changed {steps} -> {self.steps}: the lr schedule now ends at "
                            f"step {self.steps} instead of {steps}, and the lr from here on follows it")

@@ -45,7 +45,9 @@ def _docs(cls) -> dict:
 
 def _convert(value, typ, where: str):
     """Check/convert a TOML value or a CLI string to the field's type."""
-    if isinstance(value, str) and typ is not str:  # from the command line
+    if typ is list and isinstance(value, str):  # --model.converters float8 (commas between items; [] for none)
+        value = [s.strip(" '\"") for s in value.strip("[]").split(",") if s.strip(" '\"")]
+    elif isinstance(value, str) and typ is not str:  # from the command line
         try:
             value = {"true": True, "false": False}[value.lower()] if typ is bool else typ(value)
         except (KeyError, ValueError):
@@ -54,7 +56,8 @@ def _convert(value, typ, where: str):
         value = float(value)
     if typ is str and isinstance(value, int) and not isinstance(value, bool):  # selective_ac_option = 2
         value = str(value)
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)) or (
+            typ is list and not all(isinstance(s, str) for s in value)):
         raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}")
     return value
 

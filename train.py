@@ -14,7 +14,8 @@ holds, atomic saves, resume), metrics.py (the log line, metrics.jsonl, TensorBoa
 TOML files and --section.key options into the dataclasses below).
 """
 
-import contextlib, ctypes, dataclasses, fcntl, gc, hashlib, logging, math, os, signal, sys, threading, time  # noqa: E401
+import contextlib, ctypes, dataclasses, fcntl, gc, hashlib, importlib.util, logging, math, os, re, signal, sys  # noqa: E401
+import threading, time  # noqa: E401
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -54,6 +55,7 @@ class Model:
     flavor: str = "debugmodel"  # debugmodel, 1B, 3B, 8B, 70B or 405B (see model.py)
     n_layers: int = 0  # 0: the flavor's; N: the flavor's width with N blocks (e.g. an 8B-wide model on one GPU)
     tokenizer_path: str = "assets/tokenizer/tokenizer.model"  # Llama 3 tokenizer.model (tiktoken); sets vocab_size
+    converters: list = field(default_factory=list)  # ["float8"]: the blocks' Linear layers train in float8 with torchao (H100 and newer; see [float8])
 
 
 @dataclass
@@ -120,6 +122,14 @@ class Compile:
 
 
 @dataclass
+class Float8:  # used when model.converters has "float8"
+    recipe_name: str = "tensorwise"  # tensorwise (fastest), rowwise or rowwise_with_gw_hp (more accurate)
+    enable_fsdp_float8_all_gather: bool = False  # FSDP all-gathers the weights in float8 (1 byte instead of 2); tensorwise only
+    precompute_float8_dynamic_scale_for_fsdp: bool = False  # one all-reduce after optimizer.step computes every weight's scale (needs the float8 all-gather)
+    filter_fqns: list = field(default_factory=lambda: ["output"])  # Linear layers whose name contains one of these stay in high precision
+
+
+@dataclass
 class Metrics:
     log_freq: int = 10  # log every this many steps
     enable_tensorboard: bool = False  # also write TensorBoard events to dump_folder/tb
@@ -139,7 +149,7 @@ class Data:
     seed: int = 1234  # seeds the file order of every source (a new order each epoch)
     num_streams: int = 0  # logical data streams (a multiple of the DP degree); 0: the DP degree
     num_workers: int = 0  # loader processes per rank that read and tokenize ahead; 0: in the training process
-    manifest: str = ""  # the run's data manifest (python data.py --config C --manifest PATH); empty: dump_folder/data_manifest.json, made at the first start
+    manifest: str = ""  # a manifest from `data.py --manifest PATH`; empty: dump_folder/data_manifest.json, made at the first start
     sources: list = field(default_factory=list)  # [[data.sources]] tables: name, path, config, data_files, split, revision, text_column, weight
 
 
@@ -163,6 +173,7 @@ class Config:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
     data: Data = field(default_factory=Data)
@@ -212,6 +223,10 @@ def validate(cfg: Config, world_size: int) -> dict:
         "lr_scheduler.decay_type": one_of("linear", "cosine", "sqrt"),
         "training.mixed_precision_param": one_of("bfloat16", "float32"),
         "training.mixed_precision_reduce": one_of("bfloat16", "float32"), "optimizer.name": one_of("AdamW"),
+        "float8.recipe_name": one_of("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+        "model.converters": (lambda x: set(x) <= {"float8"}, '[] or ["float8"]'),
+        "float8.enable_fsdp_float8_all_gather": (lambda x: not x or cfg.float8.recipe_name == "tensorwise",
+                                                 "false unless float8.recipe_name is tensorwise (torchao's rule)"),
         "checkpoint.async_mode": one_of("disabled", "async"), "checkpoint.export_dtype": one_of("float32", "bfloat16"),
         "activation_checkpoint.selective_ac_option": (lambda x: x == "op" or (x.isdigit() and int(x) > 0),
                                                       "'op' or a positive integer"),
@@ -220,6 +235,13 @@ def validate(cfg: Config, world_size: int) -> dict:
         value = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
         if not ok(value):
             raise ConfigError(f"{key} = {value!r}: must be {allowed}")
+    if "float8" in cfg.model.converters:  # needs torchao, and float8 matmuls: CUDA SM 8.9+ or ROCm MI300+ (gfx942: 9.4)
+        if importlib.util.find_spec("torchao") is None:
+            raise ConfigError("model.converters = [\"float8\"] needs torchao: pip install torchao==0.18.0")
+        gpu = int(os.environ.get("LOCAL_RANK", 0))
+        if torch.cuda.is_available() and torch.cuda.get_device_capability(gpu) < ((9, 4) if torch.version.hip else (8, 9)):
+            raise ConfigError(f"float8 needs float8 matmuls (H100, H200, B200, MI300 or newer), which this "
+                              f"{torch.cuda.get_device_name(gpu)} lacks: remove \"float8\" from model.converters")
     args = flavor_args(cfg)
     if t.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {t.seq_len} exceeds the {cfg.model.flavor} model's "
@@ -254,15 +276,15 @@ def validate(cfg: Config, world_size: int) -> dict:
 
 # A resume must keep every key of these sections (a forker's new hyperparameter is checked with no edit here)...
 RESUME_CHECKED = ("model", "training", "optimizer", "lr_scheduler", "data")
-# ...except these, which a resume may change: how long and how fast to train, clipping, precision, the
-# layout's batch split, workers, and where the tokenizer and the data manifest live (their sha256 is
-# checked). The other sections (job, parallelism, checkpoint, activation_checkpoint, compile, metrics, comm,
-# validation) may always change.
+# ...except these, which a resume may change: how long and how fast to train, clipping, precision (float8
+# included: the weights are the same), the layout's batch split, workers, and where the tokenizer and the data
+# manifest live (their sha256 is checked). The other sections (job, parallelism, checkpoint,
+# activation_checkpoint, compile, float8, metrics, comm, validation) may always change.
 RESUME_MAY_CHANGE = {
     "training.steps", "training.local_batch_size", "training.max_norm", "training.seed", "training.deterministic",
     "training.mixed_precision_param", "training.mixed_precision_reduce", "optimizer.lr", "lr_scheduler.warmup_steps",
     "lr_scheduler.decay_ratio", "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor", "model.tokenizer_path",
-    "data.num_workers", "data.manifest",
+    "data.num_workers", "data.manifest", "model.converters",
 }
 
 
@@ -283,9 +305,33 @@ def run_keys(cfg: Config, model_args, sizes: dict, manifest: dict) -> dict:
 # Parallelism: TP plan, activation checkpointing, compile, FSDP2, and a layout-independent init
 # -------------------------------------------------------------------------------------------------
 
+def convert_float8(model: Transformer, cfg: Config, device):
+    """Swap the Linear layers for torchao's Float8Linear: the same weights under the same names, so checkpoints do
+    not change. On the meta device, before parallelize. Returns the per-step weight-scale precompute if asked for."""
+    f8 = cfg.float8
+    logging.disable(logging.WARNING)  # torchao's CUDA kernels fail to load on a CPU machine: not for the training log
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+    logging.disable(logging.NOTSET)
+    # CPU: torch._scaled_mm takes ~1000x an fp32 matmul there, so the float8 values are multiplied in fp32
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(f8.recipe_name), emulate=device.type == "cpu",
+                                 enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: not any(  # float8 matmul dims:
+        f in fqn for f in f8.filter_fqns) and m.in_features % 16 == 0 and m.out_features % 16 == 0)  # multiples of 16
+    high = sorted({re.sub(r"layers\.\d+\.", "layers.*.", n) for n, m in model.named_modules() if type(m) is torch.nn.Linear})
+    logger.info(f"float8 {f8.recipe_name} (torchao); Linear layers kept in high precision: {', '.join(high) or 'none'}"
+                + ("; on CPU the matmuls are emulated in fp32: for correctness, not speed" if device.type == "cpu" else ""))
+    return precompute_float8_dynamic_scale_for_fsdp if f8.precompute_float8_dynamic_scale_for_fsdp else None
+
+
 def parallelize(model: Transformer, mesh, cfg: Config):
     tp_mesh = mesh["tp"]
     if tp_mesh.size() > 1:
+        col, row, prepare = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+        if mesh.device_type == "cuda" and cfg.float8.recipe_name == "tensorwise" and all(  # (gloo has no float8)
+                type(m).__name__ == "Float8Linear" for m in model.layers.modules() if isinstance(m, torch.nn.Linear)):
+            # torchao's styles cast to float8 before the all-gathers, so they move 1 byte per value
+            from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel as col, Float8RowwiseParallel as row,
+                                                               PrepareFloat8ModuleInput as prepare)
         # Sequence parallel between blocks: activations are sharded on seq (Shard(1)) for norms and
         # residual adds, gathered before attention / FFN, and reduce-scattered after wo / w2.
         root_plan = {
@@ -296,16 +342,16 @@ def parallelize(model: Transformer, mesh, cfg: Config):
         }
         block_plan = {
             "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "attention": prepare(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": col(),
+            "attention.wk": col(),
+            "attention.wv": col(),
+            "attention.wo": row(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward": prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": col(),
+            "feed_forward.w2": row(output_layouts=Shard(1)),
+            "feed_forward.w3": col(),
         }
         parallelize_module(model, tp_mesh, root_plan)
         for block in model.layers:
@@ -317,7 +363,8 @@ def parallelize(model: Transformer, mesh, cfg: Config):
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
         from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
         # Keep matmul and attention outputs (expensive to recompute), recompute cheap elementwise ops.
-        save = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
+        save = {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default,  # _scaled_mm: float8 on a GPU
+                torch.ops.aten._scaled_dot_product_flash_attention.default,
                 torch.ops.aten._scaled_dot_product_efficient_attention.default,
                 torch.ops.aten._scaled_dot_product_cudnn_attention.default}
 
@@ -559,6 +606,7 @@ def main(cfg: Config):
                 f"{os.path.join(cfg.job.dump_folder, 'config.toml')}")
 
     # --- 4. parallelize, then materialise this rank's shards --------------------------------------------------
+    float8_scales = convert_float8(model, cfg, device) if "float8" in cfg.model.converters else None
     parallelize(model, mesh, cfg)
     model.to_empty(device=device)
     model.init_weights(normal_=layout_independent_normal(cfg.training.seed), buffer_device=device)
@@ -580,7 +628,8 @@ def main(cfg: Config):
 
     # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path -----------
     checkpointer = Checkpointer(cfg.checkpoint, os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder),
-                                run_keys(cfg, model_args, sizes, manifest), cfg.training.steps, model, optimizer, scheduler, loader)
+                                run_keys(cfg, model_args, sizes, manifest), cfg.training.steps, model, optimizer, scheduler, loader,
+                                notes={"model.converters": cfg.model.converters})  # float8 on/off: the log says so
     step, tokens_seen = checkpointer.resume()
     error, heldout = "", {}
     try:  # every rank opens every source where it resumes: a bad one stops all ranks alike before step 1
@@ -636,6 +685,8 @@ def main(cfg: Config):
                            f"nothing was saved from this step. Last good checkpoint: {checkpointer.newest()}")
         lr = scheduler.get_last_lr()[0]  # the lr this step used
         optimizer.step()
+        if float8_scales:  # every float8 weight's scale in one all-reduce, for the next step's float8 all-gathers
+            float8_scales(model)
         scheduler.step()
         tokens_seen += tokens_per_step
         log_steps, last = log_steps + 1, step == cfg.training.steps
