@@ -502,10 +502,12 @@ def preflight(args, extra):
         data.RETRY_DELAYS = (1, 4)  # a blip is retried; a dead link fails in seconds, not minutes
         for kind, src in sources:
             name = f"{kind} source {src.name!r} ({src.path})"
-            r["data"][name] = offline if src.path in hub else ""  # "": no error (yet)
+            r["data"][name] = offline if src.path in hub and not cfg.data.manifest else ""  # "": no error (yet)
             try:
-                if not r["data"][name]:
-                    data.SourceReader(src, 0, 1, 0, ordered=True).next_text()
+                if not r["data"][name]:  # the run's files: its given manifest's, else resolved here as a run would
+                    srcs = ([src], []) if kind == "data" else ([], [src])
+                    m = data.pinned_manifest(cfg.data.manifest, "", *srcs) if cfg.data.manifest else data.make_manifest(*srcs)
+                    data.SourceReader(src, data.source_files(m, src, kind), 0, 1, 0, ordered=True).next_text()
             except data.DataError as e:
                 r["data"][name] = str(e)
     sizes_b = [2**20, 2**24, 2**28, 2**30] if device.type == "cuda" else [2**18, 2**22]  # small on CPU (gloo)

@@ -24,6 +24,7 @@ from conftest import DEVICES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import config  # noqa: E402
 import train as T  # noqa: E402
 
 BOUND = 0.02  # largest allowed |loss(float8) - loss(fp32)| per step over 20 steps (measured: <= 0.0052)
@@ -198,7 +199,7 @@ def test_config_lists_and_the_conversion_keep_meta_names():
     assert T.load_config(["--float8.filter_fqns", "[]"]).float8.filter_fqns == []
     assert T.Config().float8.filter_fqns == ["output"] and T.Config().model.converters == []
     with pytest.raises(T.ConfigError, match="filter_fqns: expected list"):
-        T._set(T.Config(), "float8", "filter_fqns", [1], "x.toml")
+        config._set(T.Config(), "float8", "filter_fqns", [1], "x.toml")
     with torch.device("meta"):
         model = T.Transformer(T.flavor_args(cfg, vocab_size=2048))
     names = list(model.state_dict())

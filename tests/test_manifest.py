@@ -59,10 +59,16 @@ def hub_job(tmp_path_factory):
     hub = Hub(repos)
     point_libraries_at(hub.endpoint, mp, str(tmp / "cache"))
     try:
-        sources = data.sources_from_toml(SHIPPED["data"]["sources"], "8b")
-        validation = data.sources_from_toml(SHIPPED["validation"]["sources"], "8b", "validation")
-        reference = data.make_manifest(sources, validation)  # one resolution, in this process
-        one_resolution = sorted(api_requests(hub.log))
+        # One resolution in a fresh process (this one has caches of earlier tests: the Hub client's one-time
+        # lookups, dataset cards), with its own empty HF_HOME, as a rank starts.
+        code = ("import json, sys, tomllib, data; t = tomllib.load(open(sys.argv[1], 'rb')); print(json.dumps("
+                "data.make_manifest(data.sources_from_toml(t['data']['sources'], '8b'), "
+                "data.sources_from_toml(t['validation']['sources'], '8b', 'validation'))))")
+        ref = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "configs", "llama3_8b.toml")], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HOME": str(tmp / "hf_ref"),
+                                                                               "HF_HUB_OFFLINE": "0"})
+        assert ref.returncode == 0, ref.stderr[-3000:]
+        reference, one_resolution = json.loads(ref.stdout), sorted(api_requests(hub.log))
         hub.log.clear()
         config = tmp / "hub.toml"
         debug = open(os.path.join(ROOT, "configs", "debug_model.toml")).read()
