@@ -54,8 +54,9 @@ def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
     holds the root's weights (embedding, norm, output) and the last block gathered in the param dtype. Per
     block and token, backward keeps (counted from model.py's ops; b: bytes of the param dtype, d: dim,
     kv: kv heads x head_dim, f: FFN hidden; the fp32 copies in RMSNorm and rope are 4 bytes each):
-      AC none 7bd + 12d + 4kv + 4bf + 4 n_heads; selective op b(5d + 2kv + 2f) (the matmul and attention
-      outputs); full bd (the block input). With AC one block's full set comes back during its backward.
+      AC none 5bd + 2b kv' + 12d + 4kv + 4bf + 4 n_heads, where kv' (the k and v attention keeps) is kv, or
+      d on CUDA in fp32 (model.causal_attention copies the kv heads there); selective op b(5d + 2kv + 2f)
+      (the matmul and attention outputs); full bd (the block input). With AC one block's full set comes back during its backward.
     The loss keeps fp32 log-probs (tokens x vocab) and its backward holds two more such tensors.
     CPU adds the process's resident memory before the model exists (Python, torch, tokenizer).
     float8 with enable_fsdp_float8_all_gather gathers the blocks' Linear weights in 1 byte each; activations
@@ -71,7 +72,9 @@ def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
     # hidden units over all tokens; the inputs gathered for wq/wk/wv and w1/w3 and the partial sums out of
     # wo and w2 are full size.
     norm = 2 * (b * d + 4 * d) / tp
-    full_block = norm + (5 * b * d + 4 * d + 4 * kv + 4 * b * f + 4 * a.n_heads) / tp + (2 * b * d if tp > 1 else 0)
+    kv_kept = d if cuda and b == 4 else kv
+    full_block = (norm + (3 * b * d + 2 * b * kv_kept + 4 * d + 4 * kv + 4 * b * f + 4 * a.n_heads) / tp
+                  + (2 * b * d if tp > 1 else 0))
     saved = {"none": full_block, "full": b * d / tp,  # op: wq, attention, wk, wv, w1, w3 | input | wo, w2
              "op": b * (2 * d + 2 * kv + 2 * f) / tp + b * d / tp + 2 * b * d}
     ac = cfg.activation_checkpoint

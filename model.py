@@ -145,6 +145,22 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
         bs, seqlen, n_kv_heads * n_rep, head_dim)
 
 
+def causal_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA with grouped kv heads: (bs, seqlen, heads, head_dim) in, (bs, seqlen, n_heads * head_dim) out."""
+    bs, seqlen, n_heads, _ = xq.shape
+    n_rep = n_heads // xk.shape[2]
+    # The flash kernels (the CPU's, and CUDA's in bf16/fp16) read each kv head in place for its n_rep query
+    # heads (enable_gqa), which saves copying k and v and summing their gradients back. CUDA's fp32 kernel
+    # (memory-efficient) cannot, and SDPA would fall back to the O(seqlen^2)-memory math path: copy there.
+    copy_kv = n_rep > 1 and xq.is_cuda and xq.dtype == torch.float32
+    if copy_kv:
+        xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
+    # SDPA wants (bs, n_heads, seqlen, head_dim)
+    out = F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2),
+                                         is_causal=True, enable_gqa=n_rep > 1 and not copy_kv)
+    return out.transpose(1, 2).reshape(bs, seqlen, -1)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -161,16 +177,7 @@ class Attention(nn.Module):
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_kv_heads, head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
-
-        # Materialise the shared kv heads so every SDPA backend (flash, cuDNN, efficient) applies.
-        n_rep = xq.shape[2] // xk.shape[2]
-        xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
-
-        # SDPA wants (bs, n_heads, seqlen, head_dim)
-        out = F.scaled_dot_product_attention(
-            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), is_causal=True)
-        out = out.transpose(1, 2).reshape(bs, seqlen, -1)  # (bs, seqlen, n_heads * head_dim)
-        return self.wo(out)
+        return self.wo(causal_attention(xq, xk, xv))
 
 
 class FeedForward(nn.Module):

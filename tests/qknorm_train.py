@@ -4,8 +4,6 @@ model subclass here. Launched like train.py: python tests/qknorm_train.py --conf
 import os
 import sys
 
-import torch.nn.functional as F
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model  # noqa: E402
 import train  # noqa: E402
@@ -23,10 +21,7 @@ class QKNormAttention(model.Attention):
         xk = self.k_norm(self.wk(x).view(bs, seqlen, -1, self.head_dim))
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = model.apply_rotary_emb(xq, xk, freqs_cis)
-        n_rep = xq.shape[2] // xk.shape[2]
-        xk, xv = model.repeat_kv(xk, n_rep), model.repeat_kv(xv, n_rep)
-        out = F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+        return self.wo(model.causal_attention(xq, xk, xv))
 
 
 model.Attention = QKNormAttention  # TransformerBlock builds its attention from this name

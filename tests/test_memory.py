@@ -43,7 +43,8 @@ def measure(configs):
         sizes = train.validate(cfg, dist.get_world_size())
         with torch.device("meta"):
             model = Transformer(train.flavor_args(cfg))
-        estimate = bench.estimate_memory(model, cfg, sizes, cuda=True)["total"]  # without the process itself
+        parts = bench.estimate_memory(model, cfg, sizes, cuda=False)
+        estimate = parts["total"] - parts["runtime"]  # without the process itself
         mesh = init_device_mesh("cpu", (1, sizes["dp_shard"], cfg.parallelism.tensor_parallel_degree),
                                 mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
         train.parallelize(model, mesh, cfg)

@@ -21,6 +21,7 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import model as M  # noqa: E402
+from conftest import DEVICES  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -544,6 +545,41 @@ def test_attention_head_sharding_sums_to_full():
         assert (part - full).abs().max() > 1e-2  # each shard alone is not the answer
         total += part
     torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_kv_heads_are_read_in_place(device, dtype, monkeypatch):
+    """GQA: SDPA reads each kv head for its query heads in place (enable_gqa), with the values and gradients of
+    copying the heads first. Only CUDA's fp32 kernel cannot, and there the heads are copied (else: math path)."""
+    args = M.ModelArgs(dim=128, n_heads=8, n_kv_heads=2, max_seq_len=64, rope_theta=100.0)
+    torch.manual_seed(0)
+    attn = M.Attention(args).to(device, dtype)
+    x = torch.randn(2, 64, args.dim, device=device, dtype=dtype, requires_grad=True)
+    freqs_cis = M.precompute_freqs_cis(args, device)
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(q, k, v, **kw):
+        calls.append((k.shape[1], kw.get("enable_gqa", False)))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    out = attn(x, freqs_cis)
+    copied = device == "cuda" and dtype == torch.float32
+    assert calls == ([(8, False)] if copied else [(2, True)])
+
+    def copy_heads(q, k, v, **kw):  # what the model did before: k and v repeated for every query head
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        return sdpa(q, k, v, **{**kw, "enable_gqa": False})
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", copy_heads)
+    ref = attn(x, freqs_cis)
+    grads = torch.autograd.grad(out.float().square().sum(), [x, *attn.parameters()])
+    ref_grads = torch.autograd.grad(ref.float().square().sum(), [x, *attn.parameters()])
+    # bf16: copying sums each kv head's gradient over its query heads in bf16, the GQA kernel in fp32
+    bound = 1e-6 if dtype == torch.float32 else 2e-2  # measured on the CPU: 1.1e-7 and 5.3e-3
+    for a, b in zip([out, *grads], [ref, *ref_grads]):
+        assert (a.float() - b.float()).norm() <= bound * b.float().norm()
 
 
 # ----------------------------------------------------------------------------------------------
