@@ -57,7 +57,9 @@ def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
       AC none 5bd + 2b kv' + 12d + 4kv + 4bf + 4 n_heads, where kv' (the k and v attention keeps) is kv, or
       d on CUDA in fp32 (model.causal_attention copies the kv heads there); selective op b(5d + 2kv + 2f)
       (the matmul and attention outputs); full bd (the block input). With AC one block's full set comes back during its backward.
-    The loss keeps fp32 log-probs (tokens x vocab) and its backward holds two more such tensors.
+    The loss keeps fp32 log-probs (tokens x vocab) and its backward holds two more such tensors; under TP
+    (loss parallel) the sharded log-softmax keeps its input, the fp32 logits, too, and the output layer keeps
+    its all-gathered input whole.
     CPU adds the process's resident memory before the model exists (Python, torch, tokenizer).
     float8 with enable_fsdp_float8_all_gather gathers the blocks' Linear weights in 1 byte each; activations
     stay as counted (torchao keeps each Float8Linear's input in high precision for backward).
@@ -89,8 +91,8 @@ def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
     parts = {"weights": 4 * n_total / shards, "optimizer": 8 * n_total / shards, "gradients": 4 * n_total / shards,
              "gathered": (b * (n_total - (a.n_layers - 1) * n_block)  # the root and the last block
                           - (b - 1) * n_linear * float8_gather) / tp,  # float8 all-gather: 1 byte per Linear weight
-             "activations": tokens * (all_blocks + (4 * d + b * d) / tp),  # + the final norm
-             "loss": tokens * 12 * a.vocab_size / tp,  # vocab-sharded under TP (loss parallel)
+             "activations": tokens * (all_blocks + 4 * d / tp + b * d),  # + the final norm, the output's input
+             "loss": tokens * (16 if tp > 1 else 12) * a.vocab_size / tp,  # vocab-sharded under TP (loss parallel)
              "runtime": 0 if cuda else resident_bytes()}
     # Two candidate peaks. (1) The loss's backward: every block's activations and the loss tensors (and
     # the gradients under accumulation; otherwise zero_grad(set_to_none) freed them). (2) A block's

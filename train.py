@@ -366,7 +366,8 @@ def parallelize(model: Transformer, mesh, cfg: Config):
         save = {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default,  # _scaled_mm: float8 on a GPU
                 torch.ops.aten._scaled_dot_product_flash_attention.default,
                 torch.ops.aten._scaled_dot_product_efficient_attention.default,
-                torch.ops.aten._scaled_dot_product_cudnn_attention.default}
+                torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
 
         def policy(ctx, op, *args, **kwargs):
             return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE

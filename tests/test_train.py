@@ -45,6 +45,52 @@ def test_activation_checkpointing_does_not_change_the_math(baseline, tmp_path, m
         assert a == pytest.approx(b, rel=1e-6)
 
 
+# One forward + backward of the trainer's parallelized model per AC mode, counting the matmuls and attention
+# calls that run (recomputation runs them again). A process of its own: it opens a 1-rank process group.
+COUNT_OPS = r"""
+import collections, json
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
+import train
+from model import Transformer
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+result = {}
+for mode in ("none", "selective", "full"):
+    cfg = train.load_config(["--config", "configs/debug_model.toml", "--training.seq_len", "32",
+                             "--training.local_batch_size", "2", "--activation_checkpoint.mode", mode])
+    with torch.device("meta"):
+        model = Transformer(train.flavor_args(cfg))
+    train.parallelize(model, init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp_replicate", "dp_shard", "tp")), cfg)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    counts = collections.Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        model(torch.zeros(2, 32, dtype=torch.long)).sum().backward()
+    result[mode] = {op: n for op, n in counts.items() if op == "mm" or "dot_product" in op}
+print(json.dumps(result))
+"""
+
+
+def test_selective_ac_recomputes_no_matmul_and_no_attention():
+    """Selective AC (op) keeps every matmul's and attention's output, whichever SDPA kernel the device runs (the
+    CPU's too): the same calls as without AC. Full AC runs each block's forward again."""
+    proc = subprocess.run([sys.executable, "-c", COUNT_OPS], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.splitlines()[-1])
+    attention = [op for op in counts["none"] if "dot_product" in op and "backward" not in op]
+    assert attention and counts["none"][attention[0]] == 6  # one call per block
+    assert counts["selective"] == counts["none"]
+    assert counts["full"][attention[0]] == 12 and counts["full"]["mm"] > counts["none"]["mm"]
+
+
 def test_compile_per_block(baseline, tmp_path):
     _, records = train(tmp_path, "--training.steps", 3, "--compile.enable")
     for a, b in zip(losses(records), losses(baseline)):
