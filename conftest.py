@@ -32,18 +32,18 @@ def _train_2proc(dump, *args):
            "--training.steps", "10", *map(str, args)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return dump, proc.stdout
+    return dump, proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="session")
 def fsdp_reference(tmp_path_factory):
-    """(dump folder, stdout) of 10 steps on 2 ranks, FSDP, global batch 8, checkpoints at 5 and 10."""
+    """(dump folder, stdout + stderr) of 10 steps on 2 ranks, FSDP, global batch 8, checkpoints at 5 and 10."""
     return _train_2proc(tmp_path_factory.mktemp("ref_fsdp"), "--training.local_batch_size", 4,
                         "--checkpoint.enable", "--checkpoint.interval", 5)
 
 
 @pytest.fixture(scope="session")
 def tp_reference(tmp_path_factory):
-    """(dump folder, stdout) of 10 steps on 2 ranks, tensor parallel 2, selective AC, global batch 8."""
+    """(dump folder, stdout + stderr) of 10 steps on 2 ranks, tensor parallel 2, selective AC, global batch 8."""
     return _train_2proc(tmp_path_factory.mktemp("ref_tp"), "--parallelism.tensor_parallel_degree", 2,
                         "--activation_checkpoint.mode", "selective")
