@@ -56,7 +56,8 @@ def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
     kv: kv heads x head_dim, f: FFN hidden; the fp32 copies in RMSNorm and rope are 4 bytes each):
       AC none 5bd + 2b kv' + 12d + 4kv + 4bf + 4 n_heads, where kv' (the k and v attention keeps) is kv, or
       d on CUDA in fp32 (model.causal_attention copies the kv heads there); selective op b(5d + 2kv + 2f)
-      (the matmul and attention outputs); full bd (the block input). With AC one block's full set comes back during its backward.
+      (the matmul and attention outputs); full bd (the block input). With AC one block's full set comes back
+      during its backward.
     The loss keeps fp32 log-probs (tokens x vocab) and its backward holds two more such tensors; under TP
     (loss parallel) the sharded log-softmax keeps its input, the fp32 logits, too, and the output layer keeps
     its all-gathered input whole.

@@ -558,8 +558,8 @@ def init_distributed(cfg: Config, sizes: dict):
     else:  # plain `python train.py`: a one-process group, no ports needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     p = cfg.parallelism
-    mesh = init_device_mesh(device.type, (p.data_parallel_replicate_degree, sizes["dp_shard"], p.tensor_parallel_degree),
-                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    mesh = init_device_mesh(device.type, (p.data_parallel_replicate_degree, sizes["dp_shard"],
+                                          p.tensor_parallel_degree), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     if p.tensor_parallel_degree > 1:
         # The gradient norm is a sum over FSDP and TP shards: with this mesh DTensor does it in one all-reduce,
         # not one per dimension in sequence (which can differ between ranks, and which it warns about).
