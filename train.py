@@ -14,8 +14,21 @@ holds, atomic saves, resume), metrics.py (the log line, metrics.jsonl, TensorBoa
 TOML files and --section.key options into the dataclasses below).
 """
 
-import contextlib, ctypes, dataclasses, fcntl, gc, hashlib, importlib.util, logging, math, os, re, signal, sys  # noqa: E401
-import threading, time  # noqa: E401
+import contextlib
+import ctypes
+import dataclasses
+import fcntl
+import gc
+import hashlib
+import importlib.util
+import logging
+import math
+import os
+import re
+import signal
+import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -26,8 +39,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 import config
 from checkpoint import Checkpointer, CheckpointError, SaveError
@@ -239,7 +252,8 @@ def validate(cfg: Config, world_size: int) -> dict:
         if importlib.util.find_spec("torchao") is None:
             raise ConfigError("model.converters = [\"float8\"] needs torchao: pip install torchao==0.18.0")
         gpu = int(os.environ.get("LOCAL_RANK", 0))
-        if torch.cuda.is_available() and torch.cuda.get_device_capability(gpu) < ((9, 4) if torch.version.hip else (8, 9)):
+        needs = (9, 4) if torch.version.hip else (8, 9)
+        if torch.cuda.is_available() and torch.cuda.get_device_capability(gpu) < needs:
             raise ConfigError(f"float8 needs float8 matmuls (H100, H200, B200, MI300 or newer), which this "
                               f"{torch.cuda.get_device_name(gpu)} lacks: remove \"float8\" from model.converters")
     args = flavor_args(cfg)
@@ -274,7 +288,7 @@ def validate(cfg: Config, world_size: int) -> dict:
     return {"dp_shard": shard, "dp": dp, "global_batch_size": gbs, "grad_accum": gbs // (t.local_batch_size * dp)}
 
 
-# A resume must keep every key of these sections (a forker's new hyperparameter is checked with no edit here)...
+# A resume must keep every key of these sections (a new hyperparameter is checked with no edit here)...
 RESUME_CHECKED = ("model", "training", "optimizer", "lr_scheduler", "data")
 # ...except these, which a resume may change: how long and how fast to train, clipping, precision (float8
 # included: the weights are the same), the layout's batch split, workers, and where the tokenizer and the data
@@ -297,7 +311,8 @@ def run_keys(cfg: Config, model_args, sizes: dict, manifest: dict) -> dict:
     with open(cfg.model.tokenizer_path, "rb") as f:
         keys["model.tokenizer_sha256"] = hashlib.sha256(f.read()).hexdigest()
     keys.update({"model.n_layers": model_args.n_layers, "training.global_batch_size": sizes["global_batch_size"],
-                 "data.num_streams": cfg.data.num_streams or sizes["dp"], "data.manifest_sha256": manifest_sha256(manifest)})
+                 "data.num_streams": cfg.data.num_streams or sizes["dp"],
+                 "data.manifest_sha256": manifest_sha256(manifest)})
     return keys
 
 
@@ -317,77 +332,104 @@ def convert_float8(model: Transformer, cfg: Config, device):
                                  enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: not any(  # float8 matmul dims:
         f in fqn for f in f8.filter_fqns) and m.in_features % 16 == 0 and m.out_features % 16 == 0)  # multiples of 16
-    high = sorted({re.sub(r"layers\.\d+\.", "layers.*.", n) for n, m in model.named_modules() if type(m) is torch.nn.Linear})
+    high = sorted({re.sub(r"layers\.\d+\.", "layers.*.", n) for n, m in model.named_modules()
+                   if type(m) is torch.nn.Linear})
     logger.info(f"float8 {f8.recipe_name} (torchao); Linear layers kept in high precision: {', '.join(high) or 'none'}"
-                + ("; on CPU the matmuls are emulated in fp32: for correctness, not speed" if device.type == "cpu" else ""))
+                + ("; on CPU the matmuls are emulated in fp32: for correctness, not speed"
+                   if device.type == "cpu" else ""))
     return precompute_float8_dynamic_scale_for_fsdp if f8.precompute_float8_dynamic_scale_for_fsdp else None
 
 
 def parallelize(model: Transformer, mesh, cfg: Config):
-    tp_mesh = mesh["tp"]
-    if tp_mesh.size() > 1:
-        col, row, prepare = ColwiseParallel, RowwiseParallel, PrepareModuleInput
-        if mesh.device_type == "cuda" and cfg.float8.recipe_name == "tensorwise" and all(  # (gloo has no float8)
-                type(m).__name__ == "Float8Linear" for m in model.layers.modules() if isinstance(m, torch.nn.Linear)):
-            # torchao's styles cast to float8 before the all-gathers, so they move 1 byte per value
-            from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel as col, Float8RowwiseParallel as row,
-                                                               PrepareFloat8ModuleInput as prepare)
-        # Sequence parallel between blocks: activations are sharded on seq (Shard(1)) for norms and
-        # residual adds, gathered before attention / FFN, and reduce-scattered after wo / w2.
-        root_plan = {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            # Logits stay sharded on the vocab (loss parallel): no rank ever holds (tokens x vocab) whole.
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-        }
-        block_plan = {
-            "attention_norm": SequenceParallel(),
-            "attention": prepare(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-            "attention.wq": col(),
-            "attention.wk": col(),
-            "attention.wv": col(),
-            "attention.wo": row(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": col(),
-            "feed_forward.w2": row(output_layouts=Shard(1)),
-            "feed_forward.w3": col(),
-        }
-        parallelize_module(model, tp_mesh, root_plan)
-        for block in model.layers:
-            parallelize_module(block, tp_mesh, block_plan)
-        replicate_unplanned(model, tp_mesh)
-
-    ac = cfg.activation_checkpoint
-    if ac.mode != "none":
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-        # Keep matmul and attention outputs (expensive to recompute), recompute cheap elementwise ops.
-        save = {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default,  # _scaled_mm: float8 on a GPU
-                torch.ops.aten._scaled_dot_product_flash_attention.default,
-                torch.ops.aten._scaled_dot_product_efficient_attention.default,
-                torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
-
-        def policy(ctx, op, *args, **kwargs):
-            return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
-
-        for i, block in enumerate(model.layers):
-            if ac.mode == "selective" and ac.selective_ac_option == "op":
-                context_fn = partial(create_selective_checkpoint_contexts, policy)
-                model.layers[i] = checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
-            elif ac.mode == "full" or i % int(ac.selective_ac_option) == 0:
-                model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
-
+    """torchtitan's order: tensor parallel, activation checkpointing, compile, then FSDP2 (which must wrap
+    the modules the steps before produced). Each step takes only what it needs."""
+    if mesh["tp"].size() > 1:
+        float8_tp = mesh.device_type == "cuda" and cfg.float8.recipe_name == "tensorwise" and all(  # gloo: no float8
+            type(m).__name__ == "Float8Linear" for m in model.layers.modules() if isinstance(m, torch.nn.Linear))
+        apply_tp(model, mesh["tp"], float8_tp)
+    if cfg.activation_checkpoint.mode != "none":
+        apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable:
-        for block in model.layers:
-            block.compile(fullgraph=True)  # in place, so parameter names stay Meta's
-
+        apply_compile(model)
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-    mp = MixedPrecisionPolicy(param_dtype=dtypes[cfg.training.mixed_precision_param],
-                              reduce_dtype=dtypes[cfg.training.mixed_precision_reduce])
     # HSDP: shard within dp_shard, replicate across dp_replicate.
     dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+    apply_fsdp(model, dp_mesh, dtypes[cfg.training.mixed_precision_param], dtypes[cfg.training.mixed_precision_reduce])
+
+
+def apply_tp(model: Transformer, tp_mesh, float8: bool):
+    """The tensor-parallel plan, keyed by Meta's weight names, with sequence parallel between blocks:
+    activations are sharded on seq (Shard(1)) for norms and residual adds, gathered before attention and
+    the FFN, and reduce-scattered after wo and w2. float8: torchao's styles cast to float8 before the
+    all-gathers, so they move 1 byte per value."""
+    col, row, prepare = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    if float8:
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel as col
+        from torchao.float8.float8_tensor_parallel import Float8RowwiseParallel as row
+        from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput as prepare
+    root_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        # Logits stay sharded on the vocab (loss parallel): no rank ever holds (tokens x vocab) whole.
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    block_plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": prepare(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": col(),
+        "attention.wk": col(),
+        "attention.wv": col(),
+        "attention.wo": row(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": col(),
+        "feed_forward.w2": row(output_layouts=Shard(1)),
+        "feed_forward.w3": col(),
+    }
+    parallelize_module(model, tp_mesh, root_plan)
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, block_plan)
+    replicate_unplanned(model, tp_mesh)
+
+
+# Selective AC keeps these ops' outputs (expensive to recompute) and recomputes the cheap elementwise rest.
+AC_SAVE = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_mm.default,  # float8 matmuls on a GPU
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def apply_ac(model: Transformer, mode: str, selective_ac_option: str):
+    """Activation checkpointing per block: "full", or "selective" with option "op" (keep AC_SAVE's outputs)
+    or N (full AC on every Nth block)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import CheckpointPolicy
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in AC_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+    for i, block in enumerate(model.layers):
+        if mode == "selective" and selective_ac_option == "op":
+            context_fn = partial(create_selective_checkpoint_contexts, policy)
+            model.layers[i] = checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
+        elif mode == "full" or i % int(selective_ac_option) == 0:
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_compile(model: Transformer):
+    """torch.compile each block: the blocks are alike, so one compiled graph serves them all."""
+    for block in model.layers:
+        block.compile(fullgraph=True)  # in place, so parameter names stay Meta's
+
+
+def apply_fsdp(model: Transformer, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype):
+    """FSDP2 per block, then the root (embeddings, final norm, output)."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for i, block in enumerate(model.layers):
         # The last block's parameters are needed again right away by backward: don't free them.
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(model.layers) - 1)
@@ -476,7 +518,8 @@ def load_heldout(cfg: Config, tokenizer, dp_rank: int, dp: int, manifest: dict) 
     v, seq_len = cfg.validation, cfg.training.seq_len
     heldout = {}
     for src in v.sources:
-        windows = heldout_windows(src, tokenizer, seq_len, None if v.steps == -1 else v.steps * v.local_batch_size * dp, manifest)
+        limit = None if v.steps == -1 else v.steps * v.local_batch_size * dp
+        windows = heldout_windows(src, tokenizer, seq_len, limit, manifest)
         n = -(-len(windows) // (dp * v.local_batch_size)) * v.local_batch_size  # rows per rank, whole batches
         mine = torch.tensor(windows[dp_rank::dp], dtype=torch.long).reshape(-1, seq_len + 1)  # (rows, seq_len + 1)
         inputs = torch.zeros(n, seq_len, dtype=torch.long)
@@ -544,6 +587,22 @@ def open_dump_folder(cfg: Config, rank: int, device):
     return lock
 
 
+def share_manifest(cfg: Config, rank: int, world_size: int, device) -> dict:
+    """The files of every source: rank 0 alone resolves them (or reads the run's pinned manifest) and sends
+    them to every rank; then each rank checks its share of the local files, before a resume reads one."""
+    result = [None]
+    if rank == 0:
+        try:
+            result[0] = pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources,
+                                        cfg.validation.sources)
+        except DataError as e:
+            result[0] = str(e)  # every rank raises it below
+    dist.broadcast_object_list(result)
+    manifest = result[0]
+    agree(manifest if isinstance(manifest, str) else verify_manifest(manifest, rank, world_size), device)
+    return manifest
+
+
 def init_distributed(cfg: Config, sizes: dict):
     """This rank's device (its GPU, else the CPU), the process group and the (dp_replicate, dp_shard, tp)
     mesh. bench.py preflight starts the same way, so it checks what training will use."""
@@ -605,7 +664,8 @@ def main(cfg: Config):
         model = Transformer(model_args)
     # FLOPs per token, forward + backward: 6 per non-embedding weight plus attention scores (causal
     # attention counted as full, as in the PaLM/torchtitan MFU convention).
-    flops_per_token = 6 * model.num_params(exclude_embedding=True) + 12 * model_args.n_layers * model_args.dim * cfg.training.seq_len
+    flops_per_token = (6 * model.num_params(exclude_embedding=True)
+                       + 12 * model_args.n_layers * model_args.dim * cfg.training.seq_len)
     logger.info(f"{cfg.job.description + ': ' if cfg.job.description else ''}model {cfg.model.flavor} "
                 f"({model.num_params():,} parameters, vocab {model_args.vocab_size:,}), world {world_size} = "
                 f"dp_replicate {p.data_parallel_replicate_degree} x dp_shard {sizes['dp_shard']} x tp "
@@ -621,21 +681,14 @@ def main(cfg: Config):
 
     # --- 5. optimizer, lr schedule, data (each dp rank reads its own streams; TP ranks the same ones) ----------
     optimizer, scheduler = build_optimizer(model, cfg, device)
-    box = [None]  # the files of every source: rank 0 alone resolves them (or reads the run's pinned ones)
-    if rank == 0:
-        try:
-            box[0] = pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, cfg.validation.sources)
-        except DataError as e:
-            box[0] = str(e)
-    dist.broadcast_object_list(box)
-    manifest = box[0]  # or rank 0's error; then each rank checks a share of the local files, before a resume reads one
-    agree(manifest if isinstance(manifest, str) else verify_manifest(manifest, rank, world_size), device)
+    manifest = share_manifest(cfg, rank, world_size, device)
     loader = DataLoader(cfg.data.sources, tokenizer, cfg.training.seq_len, cfg.training.local_batch_size,
                         dp_rank, dp, cfg.data.num_streams, cfg.data.seed, cfg.data.num_workers, manifest)
 
     # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path -----------
     checkpointer = Checkpointer(cfg.checkpoint, os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder),
-                                run_keys(cfg, model_args, sizes, manifest), cfg.training.steps, model, optimizer, scheduler, loader,
+                                run_keys(cfg, model_args, sizes, manifest), cfg.training.steps,
+                                model, optimizer, scheduler, loader,
                                 notes={"model.converters": cfg.model.converters})  # float8 on/off: the log says so
     step, tokens_seen = checkpointer.resume()
     error, heldout = "", {}
@@ -688,8 +741,9 @@ def main(cfg: Config):
         if data_failed:
             agree(data_error, device)
         if diverged:
-            raise RunError(f"step {step}: the loss or the gradient norm is not finite (grad_norm {grad_norm.item():.4g}); "
-                           f"nothing was saved from this step. Last good checkpoint: {checkpointer.newest()}")
+            raise RunError(f"step {step}: the loss or the gradient norm is not finite (grad_norm "
+                           f"{grad_norm.item():.4g}); nothing was saved from this step. "
+                           f"Last good checkpoint: {checkpointer.newest()}")
         lr = scheduler.get_last_lr()[0]  # the lr this step used
         optimizer.step()
         if float8_scales:  # every float8 weight's scale in one all-reduce, for the next step's float8 all-gathers
