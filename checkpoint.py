@@ -7,7 +7,13 @@ leaves only complete step-N folders behind, and the previous one stays until the
 Everything is a tensor (plain state travels as JSON bytes), so loading never unpickles anything.
 """
 
-import dataclasses, json, logging, os, re, shutil, time  # noqa: E401
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import time
 
 import torch
 import torch.distributed as dist
@@ -63,7 +69,8 @@ def incomplete(path: str):
     for name, size in sorted(need.items()):
         have = os.path.getsize(os.path.join(path, name)) if os.path.exists(os.path.join(path, name)) else None
         if have is None or have < size:
-            return f"{os.path.join(path, name)} is {'missing' if have is None else f'{have} bytes, the metadata needs {size}'}"
+            what = "missing" if have is None else f"{have} bytes, the metadata needs {size}"
+            return f"{os.path.join(path, name)} is {what}"
 
 
 def checkpoints(folder: str, warn: bool = False) -> list:
@@ -117,8 +124,9 @@ class Checkpointer:
         done = checkpoints(self.folder, warn=self.rank == 0) if cfg.enable else []
         if cfg.load_step >= 0 and cfg.load_step not in done:
             path = os.path.join(self.folder, f"step-{cfg.load_step}")
-            raise CheckpointError(f"checkpoint.load_step = {cfg.load_step}: {path} cannot be loaded "
-                                  f"({incomplete(path) if os.path.isdir(path) else 'no such folder'}); complete: {done}")
+            why = incomplete(path) if os.path.isdir(path) else "no such folder"
+            raise CheckpointError(f"checkpoint.load_step = {cfg.load_step}: {path} cannot be loaded ({why}); "
+                                  f"complete: {done}")
         if done:
             step = cfg.load_step if cfg.load_step >= 0 else done[-1]
             path = os.path.join(self.folder, f"step-{step}")
@@ -142,7 +150,8 @@ class Checkpointer:
             raise CheckpointError(f"{path} is not a complete DCP checkpoint: {reason}")
         meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         ours = {f"model.{k}": tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
-        bad = [f"{k} {tuple(meta[k].size)} vs ours {s}" for k, s in ours.items() if k in meta and tuple(meta[k].size) != s]
+        bad = [f"{k} {tuple(meta[k].size)} vs ours {s}" for k, s in ours.items()
+               if k in meta and tuple(meta[k].size) != s]
         bad += [f"{k} missing" for k in ours if k not in meta]
         if bad:
             raise CheckpointError(f"checkpoint {path} does not fit this model: {'; '.join(bad[:5])}"
@@ -170,7 +179,9 @@ class Checkpointer:
         if model_only:
             return 0, 0
         train, saved = state["train"], json_from(state["train"]["config"])
-        if diff := [f"{k}: {saved[k]!r} -> {self.run_keys[k]!r}" for k in saved if saved[k] != self.run_keys.get(k, saved[k])]:
+        diff = [f"{k}: {saved[k]!r} -> {self.run_keys[k]!r}" for k in saved
+                if saved[k] != self.run_keys.get(k, saved[k])]
+        if diff:
             raise CheckpointError(f"refusing to resume from {path}: the run changed {'; '.join(diff)} (use a new "
                                   "dump_folder, or take only the weights with checkpoint.initial_load_path)")
         opt = get_optimizer_state_dict(self.model, self.optimizer, options=self.sd_options)
@@ -229,7 +240,7 @@ class Checkpointer:
         if self.rank == 0:
             tmp, final = os.path.join(self.folder, f".step-{step}.tmp"), os.path.join(self.folder, f"step-{step}")
             with open(os.path.join(tmp, "params.json"), "w") as f:  # what checkpoint_convert.py needs
-                json.dump(dataclasses.asdict(self.model.args), f, indent=2)
+                json.dump(self.model.args.params(), f, indent=2)
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
             dir_fd = os.open(self.folder, os.O_RDONLY)

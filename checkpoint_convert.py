@@ -136,7 +136,7 @@ def save_meta(dcp_dir: str, out: str, dtype: str = None):
         sd[k] = sd[k].to(getattr(torch, dtype))
     torch.save(sd, os.path.join(out, "consolidated.00.pth"))
     # Meta's keys: no max_seq_len, and no rope_scaling_factor where it is Meta's 8
-    write_json(out, "params.json", {k: v for k, v in dataclasses.asdict(args).items()
+    write_json(out, "params.json", {k: v for k, v in args.params().items()
                                     if k != "max_seq_len" and (k, v) != ("rope_scaling_factor", 8.0)})
 
 
@@ -166,7 +166,7 @@ def load_dcp(dir: str, model: dict) -> dict:
 
 def save_dcp(args: ModelArgs, sd: dict, dir: str):
     dcp.save({"model": sd}, checkpoint_id=dir, no_dist=True)  # keys "model.<Meta key>", as the trainer's
-    write_json(dir, "params.json", dataclasses.asdict(args))
+    write_json(dir, "params.json", args.params())
 
 
 # --- Hugging Face: config.json + safetensors shards ------------------------------------------------------

@@ -28,8 +28,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
 
 def _train_2proc(dump, *args):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-           "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump), "--metrics.log_freq", "1", "--validation.enable", "false",
-           "--training.steps", "10", *map(str, args)]
+           "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump), "--metrics.log_freq", "1",
+           "--validation.enable", "false", "--training.steps", "10", *map(str, args)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return dump, proc.stdout + proc.stderr

@@ -3,7 +3,13 @@ sends to the console (torchtitan's log line, so existing parsers work), metrics.
 a new scalar is one more key in the record. Plus the device figures a record carries: peak memory and the
 peak FLOP/s that MFU is measured against."""
 
-import dataclasses, json, logging, math, os, resource, sys  # noqa: E401
+import dataclasses
+import json
+import logging
+import math
+import os
+import resource
+import sys
 
 import torch
 
@@ -29,7 +35,8 @@ def memory_stats(device: torch.device):
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.reset_peak_memory_stats(device)
         return peak / 2**30, 100 * peak / total, allocated / 2**30
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB on Linux
+    unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is in KiB on Linux
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return peak / 2**30, 100 * peak / total, None
 
@@ -38,7 +45,8 @@ class MetricsLogger:
     """Rank 0 sends each record (a flat dict) to the console, metrics.jsonl, TensorBoard and W&B: a new
     scalar is one more key in the record. Other ranks drop everything."""
 
-    HIDDEN = {"step", "tokens_seen", "source_tokens", "memory_allocated_gib", "memory_pct", "validation_tokens"}
+    HIDDEN = {"step", "tokens_seen", "source_tokens", "memory_allocated_gib", "memory_pct", "validation_tokens",
+              "loss_tokens", "loss_tokens_pct"}
 
     def __init__(self, cfg, rank: int):  # cfg: train.py's Config
         self.jsonl = self.tb = self.wandb = None
@@ -55,9 +63,11 @@ class MetricsLogger:
             run_id = open(id_file).read().strip() if os.path.exists(id_file) else os.urandom(4).hex()
             with open(id_file, "w") as f:
                 f.write(run_id)
-            name = cfg.metrics.wandb_run_name or os.environ.get("WANDB_RUN_NAME") or os.path.basename(os.path.abspath(dump))
-            self.wandb = wandb.init(project=cfg.metrics.wandb_project or os.environ.get("WANDB_PROJECT") or "llama3-pretrain",
-                                    name=name, id=run_id, resume="allow", dir=dump, config=dataclasses.asdict(cfg))
+            name = (cfg.metrics.wandb_run_name or os.environ.get("WANDB_RUN_NAME")
+                    or os.path.basename(os.path.abspath(dump)))
+            project = cfg.metrics.wandb_project or os.environ.get("WANDB_PROJECT") or "llama3-pretrain"
+            self.wandb = wandb.init(project=project, name=name, id=run_id, resume="allow", dir=dump,
+                                    config=dataclasses.asdict(cfg))
 
     def log(self, r: dict):
         if self.jsonl is None:
@@ -67,11 +77,14 @@ class MetricsLogger:
             line = (f"step: {r['step']}  loss: {r['loss']:.4f}  grad_norm: {r['grad_norm']:.4f}  lr: {r['lr']:.1e}  "
                     f"memory: {r['memory_gib']:.2f}GiB({r['memory_pct']:.1f}%)  tps: {r['tps']:,.0f}  "
                     f"tflops: {r['tflops']:.1f}  mfu: {mfu}  data_wait: {r['data_wait_pct']:.1f}%")
+            if r.get("loss_tokens_pct", 100) < 100:  # block_causal leaves document boundaries out of the loss
+                line += f"  loss_tokens: {r['loss_tokens_pct']:.1f}%"
             shown = {"loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu", "data_wait_pct"}
         else:  # a validation round
             per = ", ".join(f"{k} {v:.4f}" for k, v in r["validation_source_loss"].items())
-            line = (f"validate: step {r['step']}  loss {r['validation_loss']:.4f}  ppl {math.exp(min(r['validation_loss'], 50)):.2f}"
-                    f"  ({per})  {r['validation_seconds']:.1f}s")
+            ppl = math.exp(min(r["validation_loss"], 50))
+            line = (f"validate: step {r['step']}  loss {r['validation_loss']:.4f}  ppl {ppl:.2f}  ({per})  "
+                    f"{r['validation_tokens']:,} tokens  {r['validation_seconds']:.1f}s")
             shown = {"validation_loss", "validation_source_loss", "validation_seconds"}
         extra = [f"{k}: {v:.4g}" for k, v in r.items() if k not in shown | self.HIDDEN and isinstance(v, (int, float))]
         logger.info("  ".join([line, *extra]))

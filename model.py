@@ -20,6 +20,7 @@ This file imports nothing from torch.distributed: attention infers its (possibly
 sharded) head count from tensor shapes, so TP can shard heads without editing the model.
 """
 
+import functools
 import hashlib
 import math
 import re
@@ -29,6 +30,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
 
 @dataclass
@@ -47,6 +49,11 @@ class ModelArgs:
     # params.json; the 1B/3B flavors below have it).
     rope_scaling_factor: float = 8.0
     max_seq_len: int = 2048  # length of the precomputed rope table
+    # How training runs the model, not its shape: never in params.json (see params()), and a checkpoint loads
+    # under either. block_causal: attention stays inside each document of a packed sequence, as Llama 3 was
+    # pretrained; a document starts at each bos_id token (the tokenizer's <|begin_of_text|>).
+    attn_mask_type: str = "causal"  # causal or block_causal
+    bos_id: Optional[int] = None  # needed by block_causal
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -59,6 +66,12 @@ class ModelArgs:
             )
         if (self.dim // self.n_heads) % 2 != 0:
             raise ValueError(f"ModelArgs: head_dim={self.dim // self.n_heads} must be even for rope")
+        if self.attn_mask_type not in ("causal", "block_causal"):
+            raise ValueError(f"ModelArgs: attn_mask_type={self.attn_mask_type!r} must be causal or block_causal")
+
+    def params(self) -> dict:
+        """The model's shape as params.json holds it: every field but how training runs it."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("attn_mask_type", "bos_id")}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelArgs":
@@ -145,10 +158,51 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
         bs, seqlen, n_kv_heads * n_rep, head_dim)
 
 
-def causal_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA with grouped kv heads: (bs, seqlen, heads, head_dim) in, (bs, seqlen, n_heads * head_dim) out."""
+def document_mask_mod(tokens: torch.Tensor, bos_id: int) -> Callable:
+    """Block-causal attention as a FlexAttention mask_mod: query position q sees key position kv when kv <= q
+    and both lie in the same document. A document starts at each bos_id; the tokens before a window's first
+    BOS (a document cut by the packing) are a document of their own. The one definition both paths use."""
+    doc = (tokens == bos_id).cumsum(1)  # (bs, seqlen): each position's document number within its window
+
+    def mask_mod(b, h, q, kv):
+        return (kv <= q) & (doc[b, q] == doc[b, kv])
+
+    return mask_mod
+
+
+@functools.cache
+def compiled_flex_attention():
+    """FlexAttention is fast only compiled (eager, it materialises the scores): compiled once per process."""
+    return torch.compile(flex_attention)
+
+
+def attention_mask(tokens: torch.Tensor, args: ModelArgs):
+    """What every layer's attention takes for this batch, built once per forward: None for causal; for
+    block_causal a FlexAttention BlockMask on CUDA, else a boolean SDPA mask (bs, 1, seqlen, seqlen) (the
+    CPU has no FlexAttention backward). Both come from document_mask_mod."""
+    if args.attn_mask_type == "causal":
+        return None
+    if args.bos_id is None:
+        raise ValueError("ModelArgs: attn_mask_type='block_causal' needs bos_id (the token that starts a document)")
+    bs, seqlen = tokens.shape
+    mask_mod = document_mask_mod(tokens, args.bos_id)
+    if tokens.is_cuda:
+        return create_block_mask(mask_mod, bs, None, seqlen, seqlen, device=tokens.device, _compile=True)
+    return create_mask(mask_mod, bs, None, seqlen, seqlen, device=tokens.device)
+
+
+def causal_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask=None) -> torch.Tensor:
+    """Causal attention with grouped kv heads, within documents when given attention_mask()'s mask:
+    (bs, seqlen, heads, head_dim) in, (bs, seqlen, n_heads * head_dim) out."""
     bs, seqlen, n_heads, _ = xq.shape
     n_rep = n_heads // xk.shape[2]
+    if isinstance(mask, BlockMask):  # FlexAttention reads each kv head in place for its n_rep query heads
+        # Inside a compiled block the compiler captures flex_attention itself; eager CUDA calls the compiled one
+        # (the CPU, forward only, runs it eagerly).
+        eager = torch.compiler.is_compiling() or not xq.is_cuda
+        flex = flex_attention if eager else compiled_flex_attention()
+        out = flex(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), block_mask=mask, enable_gqa=n_rep > 1)
+        return out.transpose(1, 2).reshape(bs, seqlen, -1)  # (bs, seqlen, n_heads * head_dim)
     # The flash kernels (the CPU's, and CUDA's in bf16/fp16) read each kv head in place for its n_rep query
     # heads (enable_gqa), which saves copying k and v and summing their gradients back. CUDA's fp32 kernel
     # (memory-efficient) cannot, and SDPA would fall back to the O(seqlen^2)-memory math path: copy there.
@@ -157,8 +211,9 @@ def causal_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> to
         xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
     # SDPA wants (bs, n_heads, seqlen, head_dim)
     out = F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2),
-                                         is_causal=True, enable_gqa=n_rep > 1 and not copy_kv)
-    return out.transpose(1, 2).reshape(bs, seqlen, -1)
+                                         attn_mask=mask, is_causal=mask is None,
+                                         enable_gqa=n_rep > 1 and not copy_kv)
+    return out.transpose(1, 2).reshape(bs, seqlen, -1)  # (bs, seqlen, n_heads * head_dim)
 
 
 class Attention(nn.Module):
@@ -170,14 +225,14 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask=None) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         # -1 instead of n_heads: under tensor parallelism each rank holds only its share of heads.
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_heads, head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_kv_heads, head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
-        return self.wo(causal_attention(xq, xk, xv))
+        return self.wo(causal_attention(xq, xk, xv, mask))
 
 
 class FeedForward(nn.Module):
@@ -204,8 +259,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask=None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -235,8 +290,9 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {seqlen} exceeds max_seq_len={self.args.max_seq_len}")
         h = self.tok_embeddings(tokens)  # (bs, seqlen, dim)
         freqs_cis = self.freqs_cis[:seqlen]
+        mask = attention_mask(tokens, self.args)  # one for all layers
         for layer in self.layers:
-            h = layer(h, freqs_cis)
+            h = layer(h, freqs_cis, mask)
         h = self.norm(h)
         return self.output(h).float()  # (bs, seqlen, vocab_size); fp32 for a stable loss
 

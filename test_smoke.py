@@ -11,14 +11,15 @@ import sys
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 LOG_LINE = re.compile(r"^step: +(\d+)  loss: +[\d.]+  grad_norm: +[\d.]+  lr: [\d.]+e[-+]\d+  "
-                      r"memory: [\d.]+GiB\([\d.]+%\)  tps: [\d,]+  tflops: [\d.]+  mfu: (n/a|[\d.]+%)  data_wait: [\d.]+%$", re.M)
+                      r"memory: [\d.]+GiB\([\d.]+%\)  tps: [\d,]+  tflops: [\d.]+  mfu: (n/a|[\d.]+%)  "
+                      r"data_wait: [\d.]+%$", re.M)
 
 
 def train(dump, *args, nproc=1):
     cmd = [sys.executable, "train.py"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
-    cmd += ["--config", "configs/debug_model.toml", "--job.dump_folder", str(dump), "--metrics.log_freq", "1", "--validation.enable", "false",
-            *map(str, args)]
+    cmd += ["--config", "configs/debug_model.toml", "--job.dump_folder", str(dump), "--metrics.log_freq", "1",
+            "--validation.enable", "false", *map(str, args)]
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return proc.stdout

@@ -68,6 +68,7 @@ class Model:
     flavor: str = "debugmodel"  # debugmodel, 1B, 3B, 8B, 70B or 405B (see model.py)
     n_layers: int = 0  # 0: the flavor's; N: the flavor's width with N blocks (e.g. an 8B-wide model on one GPU)
     tokenizer_path: str = "assets/tokenizer/tokenizer.model"  # Llama 3 tokenizer.model (tiktoken); sets vocab_size
+    attn_mask_type: str = "causal"  # causal, or block_causal: attention stays inside each document (Llama 3's recipe)
     converters: list = field(default_factory=list)  # ["float8"]: the blocks' Linear layers train in float8 with torchao (H100 and newer; see [float8])
 
 
@@ -202,11 +203,13 @@ def load_config(argv) -> Config:
     return config.load(Config, argv, __doc__)
 
 
-def flavor_args(cfg: Config, vocab_size: int = 0):
-    """The flavor's ModelArgs with model.n_layers applied, and the tokenizer's vocab_size when given."""
+def flavor_args(cfg: Config, vocab_size: int = 0, bos_id=None):
+    """The flavor's ModelArgs with model.n_layers and attn_mask_type applied, and the tokenizer's vocab_size
+    and document-start token when given."""
     args = flavors[cfg.model.flavor]
     return dataclasses.replace(args, n_layers=cfg.model.n_layers or args.n_layers,
-                               vocab_size=vocab_size or args.vocab_size)
+                               vocab_size=vocab_size or args.vocab_size,
+                               attn_mask_type=cfg.model.attn_mask_type, bos_id=bos_id)
 
 
 def validate(cfg: Config, world_size: int) -> dict:
@@ -233,6 +236,7 @@ def validate(cfg: Config, world_size: int) -> dict:
         "metrics.peak_tflops": nonneg, "data.num_streams": nonneg, "data.num_workers": nonneg, "model.n_layers": nonneg,
         "validation.freq": pos, "validation.steps": minus1_or, "validation.local_batch_size": pos,
         "activation_checkpoint.mode": one_of("none", "full", "selective"),
+        "model.attn_mask_type": one_of("causal", "block_causal"),
         "lr_scheduler.decay_type": one_of("linear", "cosine", "sqrt"),
         "training.mixed_precision_param": one_of("bfloat16", "float32"),
         "training.mixed_precision_reduce": one_of("bfloat16", "float32"), "optimizer.name": one_of("AdamW"),
@@ -375,7 +379,8 @@ def apply_tp(model: Transformer, tp_mesh, float8: bool):
     }
     block_plan = {
         "attention_norm": SequenceParallel(),
-        "attention": prepare(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        # (x, freqs_cis, mask): the mask (None, or one for the whole sequence) stays as it is
+        "attention": prepare(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
         "attention.wq": col(),
         "attention.wk": col(),
         "attention.wv": col(),
@@ -400,6 +405,7 @@ AC_SAVE = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.higher_order.flex_attention,  # block_causal on CUDA
 }
 
 
@@ -481,18 +487,28 @@ def build_optimizer(model, cfg: Config, device: torch.device):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
 
 
-def forward_backward(model, inputs, labels, grad_accum: int, tp: int) -> torch.Tensor:
-    """One micro-batch: forward, loss, backward. Returns the loss for the log (detached, a plain tensor; the
-    loop sums it over micro-batches). The place to change the objective (masking, z-loss, another loss):
-    the loop around it only accumulates, clips and steps."""
+def forward_backward(model, inputs, labels, global_tokens: torch.Tensor, dp: int, tp: int) -> torch.Tensor:
+    """One micro-batch: forward, loss, backward. The loss is this micro-batch's share of the global batch's
+    mean: its summed cross-entropy over the positions that count (label != -100) divided by global_tokens,
+    the positions that count in the whole global batch (every micro-batch on every dp rank). So 1 process,
+    FSDP, TP and accumulation give the same loss, whatever each micro-batch holds. Returns the share
+    (detached, a plain tensor) for the log. The place to change the objective (z-loss, another loss): the
+    loop around it only accumulates, clips and steps."""
     with loss_parallel() if tp > 1 else contextlib.nullcontext():
         logits = model(inputs)  # (local_batch_size, seq_len, vocab_size), vocab-sharded under TP
-        # Every position is a real token (packed data), so the mean per micro-batch divided by the
-        # number of micro-batches is the mean over the global batch once FSDP averages over dp.
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten()) / grad_accum
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / global_tokens
         del logits
-        loss.backward()
+        (loss * dp).backward()  # FSDP averages the gradients over the dp ranks: undo its division by dp
     return loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()  # replicated over TP
+
+
+def ignore_boundaries(labels: torch.Tensor, args) -> torch.Tensor:
+    """Labels with the positions that carry no signal set to -100 (ignored by the loss). Under block_causal
+    that is each position whose label is a document's BOS: the token before it is the previous document's
+    last one, and the mask hides everything of the new document from it. Causal keeps every position."""
+    if args.attn_mask_type != "block_causal":
+        return labels
+    return labels.masked_fill(labels == args.bos_id, -100)
 
 
 def lr_factor(step: int, cfg: Config) -> float:
@@ -511,10 +527,11 @@ def lr_factor(step: int, cfg: Config) -> float:
     return s.min_lr_factor + (1 - s.min_lr_factor) * shape
 
 
-def load_heldout(cfg: Config, tokenizer, dp_rank: int, dp: int, manifest: dict) -> dict:
+def load_heldout(cfg: Config, tokenizer, model_args, dp_rank: int, dp: int, manifest: dict) -> dict:
     """Per validation source, this rank's (inputs, labels): the first steps x local_batch_size x dp held-out
     sequences (all of them for steps = -1), row i on rank i % dp. Ranks with fewer rows are padded with
-    label -100 (ignored), so every rank runs the same number of forwards (FSDP's collectives)."""
+    label -100 (ignored), so every rank runs the same number of forwards (FSDP's collectives); the positions
+    training leaves out (ignore_boundaries) are left out here too."""
     v, seq_len = cfg.validation, cfg.training.seq_len
     heldout = {}
     for src in v.sources:
@@ -524,7 +541,7 @@ def load_heldout(cfg: Config, tokenizer, dp_rank: int, dp: int, manifest: dict) 
         mine = torch.tensor(windows[dp_rank::dp], dtype=torch.long).reshape(-1, seq_len + 1)  # (rows, seq_len + 1)
         inputs = torch.zeros(n, seq_len, dtype=torch.long)
         labels = torch.full((n, seq_len), -100, dtype=torch.long)
-        inputs[:len(mine)], labels[:len(mine)] = mine[:, :-1], mine[:, 1:]
+        inputs[:len(mine)], labels[:len(mine)] = mine[:, :-1], ignore_boundaries(mine[:, 1:], model_args)
         heldout[src.name] = (inputs, labels)
     return heldout
 
@@ -659,7 +676,7 @@ def main(cfg: Config):
     torch.manual_seed(cfg.training.seed)
 
     # --- 3. model: on the meta device, so no rank ever holds the full unsharded weights ---------------------
-    model_args = flavor_args(cfg, vocab_size=tokenizer.n_words)  # the vocabulary follows the tokenizer
+    model_args = flavor_args(cfg, tokenizer.n_words, tokenizer.bos_id)  # the vocabulary follows the tokenizer
     with torch.device("meta"):
         model = Transformer(model_args)
     # FLOPs per token, forward + backward: 6 per non-embedding weight plus attention scores (causal
@@ -694,7 +711,7 @@ def main(cfg: Config):
     error, heldout = "", {}
     try:  # every rank opens every source where it resumes: a bad one stops all ranks alike before step 1
         loader.check()
-        heldout = load_heldout(cfg, tokenizer, dp_rank, dp, manifest) if cfg.validation.enable else {}
+        heldout = load_heldout(cfg, tokenizer, model_args, dp_rank, dp, manifest) if cfg.validation.enable else {}
     except DataError as e:
         error = str(e)
     agree(error, device)
@@ -711,21 +728,27 @@ def main(cfg: Config):
     peak_gib = peak_allocated = 0.0  # the largest figures logged, reported at the end
     log_t0, log_steps, data_time = time.perf_counter(), 0, 0.0
     loss_sum = torch.zeros((), device=device)  # summed on the device; read at log time only
+    counted_sum = torch.zeros((), device=device)  # positions whose loss counted, over the logged steps
 
     while step < cfg.training.steps:
         step += 1
         optimizer.zero_grad(set_to_none=True)
-        data_error = ""
-        for _ in range(grad_accum):
+        data_error, batches = "", []
+        for _ in range(grad_accum):  # every micro-batch first: the loss divides by the global batch's count
             t0 = time.perf_counter()
             try:
-                inputs, labels = next(loader)
+                inputs, labels = next(loader)  # (local_batch_size, seq_len) each
             except DataError as e:  # keep in step with the other ranks' collectives; all stop below
                 data_error = data_error or str(e)
                 inputs = labels = torch.zeros(cfg.training.local_batch_size, cfg.training.seq_len, dtype=torch.long)
             data_time += time.perf_counter() - t0
-            inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            loss_sum += forward_backward(model, inputs, labels, grad_accum, tp)
+            batches.append((inputs.to(device, non_blocking=True),
+                            ignore_boundaries(labels, model_args).to(device, non_blocking=True)))
+        counted = sum((y != -100).sum() for _, y in batches).float()
+        dist.all_reduce(counted, group=dp_mesh.get_group())  # over the global batch (TP ranks hold the same)
+        counted_sum += counted
+        for inputs, labels in batches:
+            loss_sum += forward_backward(model, inputs, labels, counted.clamp(min=1), dp, tp)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.training.max_norm or math.inf, foreach=True)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
 
@@ -760,13 +783,16 @@ def main(cfg: Config):
             tps = log_steps * tokens_per_step / dt / world_size
             mem_gib, mem_pct, allocated = memory_stats(device)
             peak_gib, peak_allocated = max(peak_gib, mem_gib), max(peak_allocated, allocated or 0.0)
-            metrics.log({"step": step, "loss": sums[-1].item() / dp / log_steps, "grad_norm": grad_norm.item(),
+            metrics.log({"step": step, "loss": sums[-1].item() / log_steps, "grad_norm": grad_norm.item(),
                          "lr": lr, "memory_gib": mem_gib, "memory_pct": mem_pct, "memory_allocated_gib": allocated,
                          "tps": tps, "tflops": flops_per_token * tps / 1e12,
                          "mfu": 100 * flops_per_token * tps / 1e12 / peak if peak else None,
                          "data_wait_pct": 100 * data_time / dt, "tokens_seen": tokens_seen,
-                         "source_tokens": dict(zip(loader.names, [int(x) for x in sums[:-1].tolist()]))})
+                         "source_tokens": dict(zip(loader.names, [int(x) for x in sums[:-1].tolist()])),
+                         "loss_tokens": int(counted_sum.item()), "loss_tokens_pct": 100 * counted_sum.item()
+                         / (log_steps * tokens_per_step)})
             loss_sum.zero_()
+            counted_sum.zero_()
             log_t0, log_steps, data_time = time.perf_counter(), 0, 0.0
 
         if cfg.validation.enable and (step % cfg.validation.freq == 0 or last):

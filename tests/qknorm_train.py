@@ -15,13 +15,13 @@ class QKNormAttention(model.Attention):
         self.q_norm = model.RMSNorm(self.head_dim, args.norm_eps)  # new parameters the TP plan does not name
         self.k_norm = model.RMSNorm(self.head_dim, args.norm_eps)
 
-    def forward(self, x, freqs_cis):
+    def forward(self, x, freqs_cis, mask=None):
         bs, seqlen, _ = x.shape
         xq = self.q_norm(self.wq(x).view(bs, seqlen, -1, self.head_dim))  # (bs, seqlen, n_heads, head_dim)
         xk = self.k_norm(self.wk(x).view(bs, seqlen, -1, self.head_dim))
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = model.apply_rotary_emb(xq, xk, freqs_cis)
-        return self.wo(model.causal_attention(xq, xk, xv))
+        return self.wo(model.causal_attention(xq, xk, xv, mask))
 
 
 model.Attention = QKNormAttention  # TransformerBlock builds its attention from this name

@@ -149,7 +149,8 @@ def test_torch2dcp_dcp2torch_bitwise(meta, dcp_dir, tmp_path):
     out = convert("dcp2torch", dcp_dir, tmp_path / "back")
     assert_bitwise_equal(torch.load(out / "consolidated.00.pth", weights_only=True), sd)
     assert json.load(open(out / "params.json")) == params  # Meta's keys, no max_seq_len
-    assert json.load(open(dcp_dir / "params.json")) == dataclasses.asdict(M.ModelArgs(**params))
+    saved = json.load(open(dcp_dir / "params.json"))
+    assert saved == M.ModelArgs(**params).params() and "attn_mask_type" not in saved  # Meta's keys only
 
 
 def test_dcp2torch_dtype(meta, dcp_dir, tmp_path):
@@ -272,7 +273,7 @@ def test_trainer_step_folder_exports_model_only(meta, ascii_tokenizer, tmp_path)
               "train": {"step": torch.tensor(3), "lr_scheduler": torch.zeros(17, dtype=torch.uint8)},
               "data_dp0": torch.zeros(9, dtype=torch.uint8), "rng_rank0": torch.get_rng_state()},
              checkpoint_id=str(step), no_dist=True)
-    json.dump(dataclasses.asdict(args), open(step / "params.json", "w"))
+    json.dump(args.params(), open(step / "params.json", "w"))
     back = convert("dcp2torch", step, tmp_path / "meta") / "consolidated.00.pth"
     assert_bitwise_equal(torch.load(back, weights_only=True), fp32)
     with pytest.raises(SystemExit):  # without config.toml: train.py's default tokenizer, 2048 tokens
@@ -388,7 +389,7 @@ def test_readme_sampling_snippet_on_debug_export(tmp_path, monkeypatch, capsys):
     model.init_weights()
     step = tmp_path / "outputs" / "debug_model" / "checkpoint" / "step-50"
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(step), no_dist=True)
-    json.dump(dataclasses.asdict(args), open(step / "params.json", "w"))
+    json.dump(args.params(), open(step / "params.json", "w"))
     (step.parent.parent / "config.toml").write_text(T.to_toml(T.Config()))  # tokenizer_path assets/...
     monkeypatch.chdir(tmp_path)  # the README's paths; assets/ is found in the repo
     convert("dcp2hf", step.relative_to(tmp_path), "hf_out")
@@ -459,7 +460,7 @@ def error_case(name, tmp_path):
     if name == "optimizer_only":
         dcp.save({"optimizer": {"state.w.exp_avg": torch.zeros(3)}}, checkpoint_id=str(tmp_path / "o"),
                  no_dist=True)
-        json.dump(dataclasses.asdict(M.ModelArgs(**params)), open(tmp_path / "o" / "params.json", "w"))
+        json.dump(M.ModelArgs(**params).params(), open(tmp_path / "o" / "params.json", "w"))
         return "dcp2hf", tmp_path / "o", out, ["no model.* tensors", "step-N"]
     if name == "missing_params":
         dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "p"), no_dist=True)
@@ -478,7 +479,7 @@ def error_case(name, tmp_path):
                                        "(384, 128) params.json implies"]
     if name == "tokenizer_vocab":
         dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "t"), no_dist=True)
-        json.dump(dataclasses.asdict(M.ModelArgs(**params)), open(tmp_path / "t" / "params.json", "w"))
+        json.dump(M.ModelArgs(**params).params(), open(tmp_path / "t" / "params.json", "w"))
         return "dcp2hf", tmp_path / "t", out, ["tokenizer.model has 2,048 tokens but the model 384",
                                                "--tokenizer_path"]
     if name == "params_mismatch":

@@ -460,6 +460,88 @@ def test_causality():
 
 
 # ----------------------------------------------------------------------------------------------
+# 7b. Block-causal attention: each document of a packed window attends only to itself
+# ----------------------------------------------------------------------------------------------
+
+BOS = 1
+
+
+def packed_windows(seqlen=96, vocab=256):
+    """Two packed windows (2, seqlen) and each one's documents: the first starts mid-document (no BOS: a
+    document of its own), the second with a BOS; documents of 1 to 40 tokens, as data.py packs them."""
+    g = torch.Generator().manual_seed(1)
+    rows, docs = [], []
+    for lengths in ((13, 1, 40, 17, 25), (30, 9, 2, 55)):
+        parts = [torch.randint(2, vocab, (n,), generator=g) for n in lengths]
+        for i, p in enumerate(parts):
+            if i or len(rows) == 1:
+                p[0] = BOS
+        rows.append(torch.cat(parts))
+        docs.append(parts)
+    return torch.stack(rows), docs
+
+
+@torch.no_grad()
+def test_block_causal_logits_are_each_documents_logits_run_alone():
+    """RoPE is relative, so a document's logits do not depend on where it starts in the window: under block_causal
+    the packed window's logits equal its documents' logits run one by one; under causal they do not."""
+    torch.manual_seed(0)
+    model = M.Transformer(small_default_args()).eval()  # the trainer's init: logits of order 1
+    model.init_weights()
+    tokens, docs = packed_windows(vocab=model.args.vocab_size)
+    alone = [torch.cat([model(d[None])[0] for d in row]) for row in docs]  # (seqlen, vocab) per row
+    model.args = dataclasses.replace(model.args, attn_mask_type="block_causal", bos_id=BOS)
+    packed = model(tokens)
+    for row in range(2):
+        assert (packed[row] - alone[row]).abs().max() <= 1e-5
+    model.args = dataclasses.replace(model.args, attn_mask_type="causal")
+    causal = model(tokens)
+    first = len(docs[0][0])  # a window's first document is the same either way; the later ones are not
+    assert (causal[0, :first] - alone[0][:first]).abs().max() <= 1e-5
+    assert (causal[0, first:] - alone[0][first:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flex_attention_block_mask_matches_the_sdpa_mask(device):
+    """One mask definition (document_mask_mod), two paths: FlexAttention with a BlockMask (what CUDA trains with)
+    and SDPA with a boolean mask (what the CPU trains with) give the same attention. The CPU has no FlexAttention
+    backward: forward only there; on CUDA (python -m pytest -m gpu) forward and backward, flex compiled."""
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
+    tokens, _ = packed_windows(seqlen=96)
+    tokens = torch.cat([tokens, tokens.flip(1)], dim=1).to(device)  # (2, 192): not a multiple of flex's 128 blocks
+    bs, seqlen = tokens.shape
+    args = M.ModelArgs(dim=128, n_heads=8, n_kv_heads=2, attn_mask_type="block_causal", bos_id=BOS)
+    assert isinstance(M.attention_mask(tokens, args), BlockMask if device == "cuda" else torch.Tensor)
+    mask_mod = M.document_mask_mod(tokens, BOS)
+    sdpa_mask = create_mask(mask_mod, bs, None, seqlen, seqlen, device=device)  # (bs, 1, seqlen, seqlen)
+    block_mask = create_block_mask(mask_mod, bs, None, seqlen, seqlen, device=device)
+    grad = device == "cuda"
+    torch.manual_seed(0)
+    q = torch.randn(bs, seqlen, 8, 16, device=device, requires_grad=grad)  # (bs, seqlen, n_heads, head_dim)
+    k, v = (torch.randn(bs, seqlen, 2, 16, device=device, requires_grad=grad) for _ in range(2))
+    ref = M.causal_attention(q, k, v, sdpa_mask)
+    out = M.causal_attention(q, k, v, block_mask)
+    assert out.shape == ref.shape == (bs, seqlen, 8 * 16)
+    # fp32; CUDA's kernels may use TF32 matmuls (the bound there is not measured on this CPU-only project)
+    bound = 1e-6 if device == "cpu" else 1e-3
+    assert (out - ref).norm() <= bound * ref.norm()
+    if grad:
+        for a, b in zip(torch.autograd.grad(out.square().sum(), [q, k, v]),
+                        torch.autograd.grad(ref.square().sum(), [q, k, v])):
+            assert (a - b).norm() <= bound * b.norm()
+    causal = M.causal_attention(q, k, v)
+    assert (causal - ref).norm() > 1e-2 * ref.norm()  # the mask does something
+
+
+def test_block_causal_settings_stay_out_of_params_json():
+    args = M.ModelArgs(attn_mask_type="block_causal", bos_id=128000)
+    assert "attn_mask_type" not in args.params() and "bos_id" not in args.params()
+    assert M.ModelArgs.from_dict(args.params()) == M.ModelArgs()
+    with pytest.raises(ValueError, match="needs bos_id"):
+        M.attention_mask(torch.zeros(1, 4, dtype=torch.long), M.ModelArgs(attn_mask_type="block_causal"))
+
+
+# ----------------------------------------------------------------------------------------------
 # 8. bf16
 # ----------------------------------------------------------------------------------------------
 

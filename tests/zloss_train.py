@@ -14,12 +14,13 @@ import train  # noqa: E402
 Z = float(os.environ.get("ZLOSS", "1e-4"))
 
 
-def forward_backward(model, inputs, labels, grad_accum, tp):
-    logits = model(inputs)  # (bs, seqlen, vocab)
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-    z = torch.logsumexp(logits, dim=-1).pow(2).mean()  # keeps the softmax normaliser near 1
-    loss = (ce + Z * z) / grad_accum
-    loss.backward()
+def forward_backward(model, inputs, labels, global_tokens, dp, tp):
+    logits = model(inputs).flatten(0, 1)  # (bs * seqlen, vocab)
+    counted = labels.flatten() != -100
+    ce = F.cross_entropy(logits, labels.flatten(), reduction="sum")
+    z = torch.logsumexp(logits[counted], dim=-1).pow(2).sum()  # keeps the softmax normaliser near 1
+    loss = (ce + Z * z) / global_tokens  # a share of the global batch's mean, as train.forward_backward's
+    (loss * dp).backward()
     return loss.detach()
 
 
