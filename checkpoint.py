@@ -1,13 +1,9 @@
 """train.py's checkpoints: what one holds, atomic saves (sync or async), which folders are complete, resume.
+A checkpoint is <dump_folder>/<checkpoint.folder>/step-N/: DCP files, .metadata and params.json (for
+checkpoint_convert.py). A save is written to .step-N.tmp and renamed to step-N once every rank has written, so a
+crash at any moment leaves only complete step-N folders behind, and the previous one stays until the new one is
+in place. Everything is a tensor (plain state travels as JSON bytes), so loading never unpickles anything."""
 
-    <dump_folder>/<checkpoint.folder>/step-N/     DCP files + .metadata + params.json (for checkpoint_convert.py)
-
-A save is written to .step-N.tmp and renamed to step-N once every rank has written, so a crash at any moment
-leaves only complete step-N folders behind, and the previous one stays until the new one is in place.
-Everything is a tensor (plain state travels as JSON bytes), so loading never unpickles anything.
-"""
-
-import dataclasses
 import json
 import logging
 import os
@@ -20,9 +16,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 logger = logging.getLogger("checkpoint")
 

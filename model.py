@@ -8,16 +8,9 @@ FeedForward, TransformerBlock, Transformer. A Meta checkpoint loads with strict=
     model.load_state_dict(torch.load("consolidated.00.pth", weights_only=True))
     logits = model(tokens)  # (batch, seq, vocab), float32
 
-For training, build on the meta device (no memory), shard, then materialise:
-
-    with torch.device("meta"):
-        model = Transformer(flavors["8B"])
-    ...parallelize...
-    model.to_empty(device="cuda")
-    model.init_weights()
-
-This file imports nothing from torch.distributed: attention infers its (possibly tensor-parallel
-sharded) head count from tensor shapes, so TP can shard heads without editing the model.
+For training, build on the meta device (no memory), shard, then `model.to_empty(device=...)` and
+`model.init_weights()`. This file imports nothing from torch.distributed: attention infers its (possibly
+tensor-parallel sharded) head count from tensor shapes, so TP can shard heads without editing the model.
 """
 
 import functools
@@ -49,11 +42,10 @@ class ModelArgs:
     # params.json; the 1B/3B flavors below have it).
     rope_scaling_factor: float = 8.0
     max_seq_len: int = 2048  # length of the precomputed rope table
-    # How training runs the model, not its shape: never in params.json (see params()), and a checkpoint loads
-    # under either. block_causal: attention stays inside each document of a packed sequence, as Llama 3 was
-    # pretrained; a document starts at each bos_id token (the tokenizer's <|begin_of_text|>).
+    # How training runs the model, not its shape (never in params.json): block_causal keeps attention inside each
+    # document of a packed sequence, as Llama 3 was pretrained; a document starts at each bos_id token.
     attn_mask_type: str = "causal"  # causal or block_causal
-    bos_id: Optional[int] = None  # needed by block_causal
+    bos_id: Optional[int] = None  # the tokenizer's <|begin_of_text|>; needed by block_causal
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -61,16 +53,13 @@ class ModelArgs:
         if self.dim % self.n_heads != 0:
             raise ValueError(f"ModelArgs: dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(
-                f"ModelArgs: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
-            )
+            raise ValueError(f"ModelArgs: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if (self.dim // self.n_heads) % 2 != 0:
             raise ValueError(f"ModelArgs: head_dim={self.dim // self.n_heads} must be even for rope")
         if self.attn_mask_type not in ("causal", "block_causal"):
             raise ValueError(f"ModelArgs: attn_mask_type={self.attn_mask_type!r} must be causal or block_causal")
 
-    def params(self) -> dict:
-        """The model's shape as params.json holds it: every field but how training runs it."""
+    def params(self) -> dict:  # what params.json holds: the model's shape
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("attn_mask_type", "bos_id")}
 
     @classmethod

@@ -9,9 +9,7 @@
 
 Config precedence: --section.key value on the command line > the TOML file > the defaults below.
 One flat main(cfg), top to bottom: config, mesh, model, parallelize, optimizer, data, checkpoint, loop.
-Beside it: model.py (the model), data.py (tokenizer, sources, mixture), checkpoint.py (what a checkpoint
-holds, atomic saves, resume), metrics.py (the log line, metrics.jsonl, TensorBoard, W&B), config.py (reads
-TOML files and --section.key options into the dataclasses below).
+What the files beside it do: the README's table.
 """
 
 import contextlib
@@ -20,11 +18,9 @@ import dataclasses
 import fcntl
 import gc
 import hashlib
-import importlib.util
 import logging
 import math
 import os
-import re
 import signal
 import sys
 import threading
@@ -43,6 +39,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 import config
+import float8
 from checkpoint import Checkpointer, CheckpointError, SaveError
 from config import ConfigError, to_toml, unknown
 from data import DataError, DataLoader, Tokenizer, heldout_windows, manifest_sha256, pinned_manifest, verify_manifest
@@ -252,14 +249,7 @@ def validate(cfg: Config, world_size: int) -> dict:
         value = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
         if not ok(value):
             raise ConfigError(f"{key} = {value!r}: must be {allowed}")
-    if "float8" in cfg.model.converters:  # needs torchao, and float8 matmuls: CUDA SM 8.9+ or ROCm MI300+ (gfx942: 9.4)
-        if importlib.util.find_spec("torchao") is None:
-            raise ConfigError("model.converters = [\"float8\"] needs torchao: pip install torchao==0.18.0")
-        gpu = int(os.environ.get("LOCAL_RANK", 0))
-        needs = (9, 4) if torch.version.hip else (8, 9)
-        if torch.cuda.is_available() and torch.cuda.get_device_capability(gpu) < needs:
-            raise ConfigError(f"float8 needs float8 matmuls (H100, H200, B200, MI300 or newer), which this "
-                              f"{torch.cuda.get_device_name(gpu)} lacks: remove \"float8\" from model.converters")
+    float8.check(cfg.model.converters)
     args = flavor_args(cfg)
     if t.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {t.seq_len} exceeds the {cfg.model.flavor} model's "
@@ -324,33 +314,11 @@ def run_keys(cfg: Config, model_args, sizes: dict, manifest: dict) -> dict:
 # Parallelism: TP plan, activation checkpointing, compile, FSDP2, and a layout-independent init
 # -------------------------------------------------------------------------------------------------
 
-def convert_float8(model: Transformer, cfg: Config, device):
-    """Swap the Linear layers for torchao's Float8Linear: the same weights under the same names, so checkpoints do
-    not change. On the meta device, before parallelize. Returns the per-step weight-scale precompute if asked for."""
-    f8 = cfg.float8
-    logging.disable(logging.WARNING)  # torchao's CUDA kernels fail to load on a CPU machine: not for the training log
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
-    logging.disable(logging.NOTSET)
-    # CPU: torch._scaled_mm takes ~1000x an fp32 matmul there, so the float8 values are multiplied in fp32
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(f8.recipe_name), emulate=device.type == "cpu",
-                                 enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather)
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: not any(  # float8 matmul dims:
-        f in fqn for f in f8.filter_fqns) and m.in_features % 16 == 0 and m.out_features % 16 == 0)  # multiples of 16
-    high = sorted({re.sub(r"layers\.\d+\.", "layers.*.", n) for n, m in model.named_modules()
-                   if type(m) is torch.nn.Linear})
-    logger.info(f"float8 {f8.recipe_name} (torchao); Linear layers kept in high precision: {', '.join(high) or 'none'}"
-                + ("; on CPU the matmuls are emulated in fp32: for correctness, not speed"
-                   if device.type == "cpu" else ""))
-    return precompute_float8_dynamic_scale_for_fsdp if f8.precompute_float8_dynamic_scale_for_fsdp else None
-
-
 def parallelize(model: Transformer, mesh, cfg: Config):
     """torchtitan's order: tensor parallel, activation checkpointing, compile, then FSDP2 (which must wrap
     the modules the steps before produced). Each step takes only what it needs."""
     if mesh["tp"].size() > 1:
-        float8_tp = mesh.device_type == "cuda" and cfg.float8.recipe_name == "tensorwise" and all(  # gloo: no float8
-            type(m).__name__ == "Float8Linear" for m in model.layers.modules() if isinstance(m, torch.nn.Linear))
-        apply_tp(model, mesh["tp"], float8_tp)
+        apply_tp(model, mesh["tp"], float8.tp_styles(model, mesh.device_type, cfg.float8.recipe_name))
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable:
@@ -361,16 +329,11 @@ def parallelize(model: Transformer, mesh, cfg: Config):
     apply_fsdp(model, dp_mesh, dtypes[cfg.training.mixed_precision_param], dtypes[cfg.training.mixed_precision_reduce])
 
 
-def apply_tp(model: Transformer, tp_mesh, float8: bool):
+def apply_tp(model: Transformer, tp_mesh, float8_styles=None):
     """The tensor-parallel plan, keyed by Meta's weight names, with sequence parallel between blocks:
     activations are sharded on seq (Shard(1)) for norms and residual adds, gathered before attention and
-    the FFN, and reduce-scattered after wo and w2. float8: torchao's styles cast to float8 before the
-    all-gathers, so they move 1 byte per value."""
-    col, row, prepare = ColwiseParallel, RowwiseParallel, PrepareModuleInput
-    if float8:
-        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel as col
-        from torchao.float8.float8_tensor_parallel import Float8RowwiseParallel as row
-        from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput as prepare
+    the FFN, and reduce-scattered after wo and w2. float8_styles: torchao's (float8.tp_styles)."""
+    col, row, prepare = float8_styles or (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
     root_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
@@ -690,7 +653,7 @@ def main(cfg: Config):
                 f"{os.path.join(cfg.job.dump_folder, 'config.toml')}")
 
     # --- 4. parallelize, then materialise this rank's shards --------------------------------------------------
-    float8_scales = convert_float8(model, cfg, device) if "float8" in cfg.model.converters else None
+    float8_scales = float8.convert(model, cfg.float8, device) if "float8" in cfg.model.converters else None
     parallelize(model, mesh, cfg)
     model.to_empty(device=device)
     model.init_weights(normal_=layout_independent_normal(cfg.training.seed), buffer_device=device)

@@ -1,6 +1,6 @@
 """float8 training with torchao (`[model] converters = ["float8"]`), checked for correctness on the CPU.
 
-On a CPU torchao's float8 matmuls are emulated in fp32 (train.py sets `emulate`): the values are still rounded
+On a CPU torchao's float8 matmuls are emulated in fp32 (float8.py sets `emulate`): the values are still rounded
 to float8 with torchao's scales, the casts, the FSDP float8 all-gather and the scale precompute are the real
 code, so the loss moves away from the fp32 run by float8's rounding, and by no more. Speed is not measured here.
 
@@ -25,6 +25,7 @@ from conftest import DEVICES
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import config  # noqa: E402
+import float8  # noqa: E402
 import train as T  # noqa: E402
 
 BOUND = 0.02  # largest allowed |loss(float8) - loss(fp32)| per step over 20 steps (measured: <= 0.0052)
@@ -203,7 +204,7 @@ def test_config_lists_and_the_conversion_keep_meta_names():
     with torch.device("meta"):
         model = T.Transformer(T.flavor_args(cfg, vocab_size=2048))
     names = list(model.state_dict())
-    T.convert_float8(model, cfg, torch.device("cpu"))
+    float8.convert(model, cfg.float8, torch.device("cpu"))
     assert list(model.state_dict()) == names  # checkpoints, converters and the HF export see the same keys
     kinds = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert kinds["output"] == kinds["layers.0.feed_forward.w2"] == "Linear"

@@ -1,0 +1,66 @@
+"""float8 training with torchao, as torchtitan v0.2 does it: `[model] converters = ["float8"]` and the `[float8]`
+keys. train.py calls these three: check() before any process group exists, convert() on the meta-device model
+before parallelize(), tp_styles() for the tensor-parallel plan. Checkpoints keep plain weights under Meta's names
+(checkpoint.plain unwraps torchao's all-gather wrapper), so float8 may be turned on or off on a resume."""
+
+import dataclasses
+import importlib.util
+import logging
+import os
+import re
+
+import torch
+
+from config import ConfigError
+
+logger = logging.getLogger("train")
+
+
+def check(converters: list) -> None:
+    """float8 needs torchao, and on a GPU float8 matmuls: CUDA SM 8.9+ or ROCm MI300+ (gfx942 reports 9.4)."""
+    if "float8" not in converters:
+        return
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("model.converters = [\"float8\"] needs torchao: pip install torchao==0.18.0")
+    gpu = int(os.environ.get("LOCAL_RANK", 0))
+    needs = (9, 4) if torch.version.hip else (8, 9)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability(gpu) < needs:
+        raise ConfigError(f"float8 needs float8 matmuls (H100, H200, B200, MI300 or newer), which this "
+                          f"{torch.cuda.get_device_name(gpu)} lacks: remove \"float8\" from model.converters")
+
+
+def convert(model: torch.nn.Module, f8, device: torch.device):
+    """Swap the Linear layers for torchao's Float8Linear: the same weights under the same names, so checkpoints
+    do not change. `f8` is train.py's [float8] section. Returns the per-step weight-scale precompute if asked for
+    (one all-reduce after optimizer.step for every weight's scale), else None."""
+    logging.disable(logging.WARNING)  # torchao's CUDA kernels fail to load on a CPU machine: not for the log
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    logging.disable(logging.NOTSET)
+    # CPU: torch._scaled_mm takes ~1000x an fp32 matmul there, so the float8 values are multiplied in fp32
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(f8.recipe_name), emulate=device.type == "cpu",
+                                 enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather)
+
+    def convertible(m: torch.nn.Linear, fqn: str) -> bool:  # float8 matmuls need both dims multiples of 16
+        return not any(f in fqn for f in f8.filter_fqns) and m.in_features % 16 == 0 and m.out_features % 16 == 0
+
+    convert_to_float8_training(model, config=config, module_filter_fn=convertible)
+    high = sorted({re.sub(r"layers\.\d+\.", "layers.*.", n) for n, m in model.named_modules()
+                   if type(m) is torch.nn.Linear})
+    cpu = "; on CPU the matmuls are emulated in fp32: for correctness, not speed" if device.type == "cpu" else ""
+    logger.info(f"float8 {f8.recipe_name} (torchao); Linear layers kept in high precision: "
+                f"{', '.join(high) or 'none'}{cpu}")
+    return precompute_float8_dynamic_scale_for_fsdp if f8.precompute_float8_dynamic_scale_for_fsdp else None
+
+
+def tp_styles(model: torch.nn.Module, device_type: str, recipe_name: str):
+    """torchao's (colwise, rowwise, prepare-input) TP styles when every Linear of the blocks is float8 with the
+    tensorwise recipe on CUDA: they cast to float8 before the all-gathers, so they move 1 byte per value. None
+    otherwise (gloo has no float8), and the plan uses the plain styles."""
+    linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    if device_type != "cuda" or recipe_name != "tensorwise" or not all(
+            type(m).__name__ == "Float8Linear" for m in linears):
+        return None
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput

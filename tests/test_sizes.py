@@ -1,0 +1,54 @@
+"""The code stays readable as written: each file within its size budget from DESIGN.md (a file far over it is
+usually doing two jobs), the tools' lines of at most 120 characters, one module per `import` line, train.main()
+in one sitting, and a README read in ten minutes."""
+
+import ast
+import glob
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Lines at most, from DESIGN.md's file table.
+BUDGETS = {"train.py": 800, "model.py": 350, "data.py": 550, "sources.py": 300, "bench.py": 450, "preflight.py": 450,
+           "checkpoint.py": 260, "checkpoint_convert.py": 450, "download_tokenizer.py": 80, "metrics.py": 120,
+           "config.py": 200}
+TOOLS = sorted(glob.glob(os.path.join(ROOT, "*.py")))  # what a user reads and forks
+CODE = TOOLS + sorted(glob.glob(os.path.join(ROOT, "tests", "*.py")) + glob.glob(os.path.join(ROOT, "assets", "*.py")))
+# A config dataclass field with its --help doc may run longer: `    name: type = default  # doc`.
+FIELD_DOC = re.compile(r"^\s+\w+: [^=]+ = .*  # ")
+
+
+def read(path):
+    with open(os.path.join(ROOT, path)) as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("name", sorted(BUDGETS))
+def test_each_file_within_its_budget(name):
+    if not os.path.exists(os.path.join(ROOT, name)):
+        pytest.skip(f"{name} does not exist")
+    assert len(read(name).splitlines()) <= BUDGETS[name]
+
+
+def test_code_lines_are_short_and_imports_one_per_line():
+    long, multi = [], []
+    for path in CODE:
+        for n, line in enumerate(read(path).splitlines(), 1):
+            where = f"{os.path.relpath(path, ROOT)}:{n}"
+            if path in TOOLS and len(line) > 120 and not FIELD_DOC.match(line):
+                long.append(where)
+            if re.match(r"\s*import \w[\w.]*( as \w+)?,", line):
+                multi.append(where)
+    assert not long, f"lines over 120 characters: {long}"
+    assert not multi, f"several modules on one import line: {multi}"
+
+
+def test_train_main_reads_in_one_sitting():
+    main = next(n for n in ast.parse(read("train.py")).body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    assert main.end_lineno - main.lineno + 1 <= 180
+
+
+def test_readme_reads_in_ten_minutes():
+    assert len(read("README.md").split()) <= 2000
