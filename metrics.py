@@ -21,9 +21,10 @@ PEAK_TFLOPS = [("GB200", 2500.0), ("B200", 2250.0), ("H100 PCIe", 756.0), ("H100
                ("H800", 989.0), ("A100", 312.0), ("MI300X", 1307.0), ("MI250X", 191.5)]
 
 
-def peak_tflops(device: torch.device, configured: float = 0.0) -> float:
-    """For MFU: `configured` (metrics.peak_tflops) if set, else the GPU's; 0 on CPU (MFU prints n/a)."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+def peak_tflops(device, configured: float = 0.0) -> float:
+    """For MFU: `configured` (metrics.peak_tflops) if set, else the GPU's; 0 on CPU (MFU prints n/a). `device` is a
+    torch.device or a device's name (preflight.py has the names its ranks gathered)."""
+    name = device if isinstance(device, str) else torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     return configured or next((p for key, p in PEAK_TFLOPS if key in name), 0.0)
 
 

@@ -585,7 +585,7 @@ def share_manifest(cfg: Config, rank: int, world_size: int, device) -> dict:
 
 def init_distributed(cfg: Config, sizes: dict):
     """This rank's device (its GPU, else the CPU), the process group and the (dp_replicate, dp_shard, tp)
-    mesh. bench.py preflight starts the same way, so it checks what training will use."""
+    mesh. preflight.py check starts the same way, so it checks what training will use."""
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))), "nccl"
         torch.cuda.set_device(device)

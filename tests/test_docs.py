@@ -17,7 +17,7 @@ sys.path.insert(0, ROOT)
 import train  # noqa: E402
 
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
-TOOLS = ("bench", "data", "checkpoint_convert")
+TOOLS = ("bench", "data", "checkpoint_convert", "preflight")
 # Not in the repo, made by a documented command (python download_tokenizer.py ... --tokenizer_path original).
 MADE_BY_USER = {"assets/tokenizer/original/tokenizer.model"}
 # Wrong on purpose: docs/internals.md's example of an abbreviation argparse refuses.
@@ -44,7 +44,7 @@ def tool_parser(tool: str) -> argparse.ArgumentParser:
     argparse.ArgumentParser.parse_args = argparse.ArgumentParser.parse_known_args = grab
     try:
         module = __import__(tool)
-        {"bench": lambda: module.main([]), "data": lambda: module.load_config([]),
+        {"bench": lambda: module.main([]), "preflight": lambda: module.main([]), "data": lambda: module.load_config([]),
          "checkpoint_convert": lambda: module.main([])}[tool]()
     except _Parsed as got:
         return got.parser

@@ -1,4 +1,4 @@
-"""bench.py preflight on 2 CPU processes (gloo): a healthy job is all OK; a job whose second "node" is slow, lacks
+"""preflight.py check on 2 CPU processes (gloo): a healthy job is all OK; a job whose second "node" is slow, lacks
 a data mirror, cannot reach the Hub, has an unwritable dump folder and another tokenizer gets a WARN or FAIL
 naming each, and exit 1.
 
@@ -39,8 +39,8 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory):
     dump = tmp_path_factory.mktemp("dump")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "bench.py",
-           "preflight", "--config", CONFIG, "--job.dump_folder", str(dump)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "preflight.py",
+           "check", "--config", CONFIG, "--job.dump_folder", str(dump)]
     proc = subprocess.run(cmd, cwd=ROOT, env=CPU, capture_output=True, text=True, timeout=300)
     return proc, dump
 
@@ -63,7 +63,7 @@ def test_healthy_job_prints_the_table_and_every_check_ok(healthy):
 
 
 def test_bad_config_is_one_line_exit_2():
-    proc = subprocess.run([sys.executable, "bench.py", "preflight", "--config", CONFIG, "--training.sequence_len", "64"],
+    proc = subprocess.run([sys.executable, "preflight.py", "check", "--config", CONFIG, "--training.sequence_len", "64"],
                           cwd=ROOT, env=CPU, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("error: unknown key in [training] 'sequence_len'; did you mean seq_len?"), proc.stderr
@@ -93,7 +93,7 @@ def faulty(tmp_path_factory):
                LOCAL_WORLD_SIZE="1", PREFLIGHT_TEST_SLOW_RANK="1", OMP_NUM_THREADS="1")
     hub = Hub(make_repos())
     try:
-        procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "bench.py"), "preflight", "--config",
+        procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "preflight.py"), "check", "--config",
                                    str(tmp / "hub.toml"), "--job.dump_folder", "dump"], cwd=cwd, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   env={**env, "RANK": str(rank), "SLURMD_NODENAME": cwd.name, "HF_HOME": str(cwd / "hf"),
@@ -131,10 +131,10 @@ def test_faults_are_named_and_exit_1(faulty):
 
 
 def test_gpu_thresholds_on_a_made_up_cluster(capsys):
-    """preflight_report with what 2 nodes x 2 H100s would gather: the GPU thresholds, without GPUs. A slow
+    """preflight.report with what 2 nodes x 2 H100s would gather: the GPU thresholds, without GPUs. A slow
     GPU, PCIe-class bandwidth within a node and TCP-class bandwidth across nodes."""
     sys.path.insert(0, ROOT)
-    import bench
+    import preflight
     import train
     cfg = train.load_config(["--config", CONFIG, "--job.dump_folder", "/shared/run"])
     sha, sizes = "ab" * 32, [2**20, 2**24, 2**28, 2**30]
@@ -145,7 +145,7 @@ def test_gpu_thresholds_on_a_made_up_cluster(capsys):
                 "intra": {"all-reduce": [10, 80, 200, intra], "all-gather": [8, 60, 150, intra]}, "data": {}}
     ranks = [rank("gpu-a", 720.0, 300.0), rank("gpu-a", 700.0, 300.0), rank("gpu-b", 510.0, 40.0), rank("gpu-b", 715.0, 40.0)]
     inter = {"all-reduce": [1, 3, 9, 11.0], "all-gather": [1, 3, 8, 10.0]}
-    code = bench.preflight_report(cfg, ranks, {"gpu-a": [0, 1], "gpu-b": [2, 3]}, inter, sizes, 2**30, True, 1.0)
+    code = preflight.report(cfg, ranks, {"gpu-a": [0, 1], "gpu-b": [2, 3]}, inter, sizes, 2**30, True, 1.0)
     got = verdicts(capsys.readouterr().out)
     assert code == 1
     level, text = got["matmul"]  # 510 < 80% of the median 707.5; 72% of the H100's 989

@@ -1,6 +1,6 @@
 """slurm/multinode.sbatch on a real Slurm: a 2-node CPU job, and a job that hits its time limit, checkpoints on
 the warning signal, requeues itself and resumes with bitwise the same losses as an uninterrupted run; and
-slurm/preflight.sbatch (bench.py preflight through multinode.sbatch) on the same two nodes.
+slurm/preflight.sbatch (preflight.py check through multinode.sbatch) on the same two nodes.
 
     bash .ci/install_slurm.sh          # munge slurmctld slurmd slurm-client shellcheck (Debian, as root)
     python -m pytest tests/test_slurm.py -v
@@ -368,11 +368,11 @@ def test_time_limit_checkpoints_requeues_and_resumes_exactly(jobs):
 
 
 def test_preflight_job_checks_both_nodes(jobs):
-    """sbatch slurm/preflight.sbatch: multinode.sbatch's launch with bench.py preflight on the two nodes."""
+    """sbatch slurm/preflight.sbatch: multinode.sbatch's launch with preflight.py check on the two nodes."""
     job_id, info, dump, log = jobs["preflight"]
     out = read(log)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out[-4000:]}"
-    assert "rank(s) per node, rendezvous" in out and "bench.py preflight, config configs/debug_model.toml" in out
+    assert "rank(s) per node, rendezvous" in out and "preflight.py check, config configs/debug_model.toml" in out
     rows = re.findall(r"^\d: +([01])  (n[12]) +CPU ", out, re.M)  # srun's label, then the rank's row
     assert sorted(r for r, _ in rows) == ["0", "1"] and sorted(n for _, n in rows) == ["n1", "n2"], out[-4000:]
     checks = {c: lv for lv, c in re.findall(r"^\d: (OK|WARN|FAIL) +([^:]+):", out, re.M)}

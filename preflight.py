@@ -1,0 +1,290 @@
+"""Before a big job: check the nodes it was given, in a minute, launched like train.py.
+
+    torchrun --nproc_per_node 8 preflight.py check --config configs/llama3_8b.toml    # one node
+    CLUSTER_ENV=aws-efa sbatch --nodes 4 slurm/preflight.sbatch                      # every node of an allocation
+    python preflight.py check --help                                                 # its options
+
+`check` starts as the trainer does (train.init_distributed: device, process group, mesh) and prints a row per
+rank (node, device, versions, matmul TFLOP/s), then one line per check, OK, WARN or FAIL, each with its threshold:
+software versions, matmul speed, bus bandwidth within and across nodes, every data source from every node, the
+dump folder (writable, shared), free space for checkpoints, the tokenizer. Exit 1 on a FAIL.
+Other `--section.key value` arguments set train.py's config, as for the training job."""
+
+import argparse
+import hashlib
+import os
+import platform
+import re
+import shutil
+import statistics
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import torch
+import torch.distributed as dist
+
+import data
+import train
+from bench import estimate_memory, fail, model_and_sizes
+from metrics import peak_tflops
+
+SLOW_RANK = "PREFLIGHT_TEST_SLOW_RANK"  # FOR TESTS ONLY: that rank sleeps inside its matmul timing (20x slower)
+
+
+def matmul_tflops(device, rank: int) -> float:
+    """A dense matmul's TFLOP/s, median of 10 after 3 warm-ups: bf16 8192^2 on GPU, fp32 1024^2 on CPU."""
+    gpu = device.type == "cuda"
+    n, dtype = (8192, torch.bfloat16) if gpu else (1024, torch.float32)
+    a, b, times = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype), []
+    for _ in range(13):
+        t0 = time.perf_counter()
+        a @ b
+        torch.cuda.synchronize() if gpu else None
+        if os.environ.get(SLOW_RANK) == str(rank):
+            time.sleep(19 * (time.perf_counter() - t0))
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times[3:]) / 1e12
+
+
+def bus_bandwidth(group, device, sizes) -> dict:
+    """{op: [GB/s per size]} as nccl-tests computes it from the slowest rank's time: algbw = bytes of the
+    result / time; all-reduce busbw = algbw x 2(n-1)/n, all-gather busbw = algbw x (n-1)/n."""
+    gather, n, out = getattr(dist, "all_gather_single", dist.all_gather_into_tensor), dist.get_world_size(group), {}
+    for size in sizes:
+        part = torch.ones(size // 4 // n, device=device)
+        full = torch.ones(len(part) * n, device=device)  # all-gather's output: n parts
+        for op, run, factor in (("all-reduce", lambda: dist.all_reduce(full, group=group), 2 * (n - 1) / n),
+                                ("all-gather", lambda: gather(full, part, group=group), (n - 1) / n)):
+            run(), run(), dist.barrier(group=group)  # warm-up: connections, buffers
+            t0 = time.perf_counter()
+            for _ in range(5):
+                run()
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            dt = torch.tensor([time.perf_counter() - t0], device=device)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
+            out.setdefault(op, []).append(full.nbytes * 5 / dt.item() * factor / 1e9)
+    return out
+
+
+def rank_checks(cfg, device, rank: int, token: str) -> dict:
+    """What this rank sees: node, device, versions, matmul speed, tokenizer sha256, dump folder."""
+    gpu = device.type == "cuda"
+    runtime = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}" if torch.version.hip \
+        else "-"
+    r = {"node": os.environ.get("SLURMD_NODENAME") or platform.node(),  # CI's Slurm nodes share one host
+         "device": torch.cuda.get_device_name(device) if gpu else f"CPU {platform.machine()}",
+         "versions": (torch.__version__, runtime, ".".join(map(str, torch.cuda.nccl.version())) if gpu else "-"),
+         # GPUs that torch does not see: a CPU-only torch build in the VENV
+         "hidden_gpus": not gpu and bool(shutil.which("nvidia-smi") or shutil.which("rocm-smi"))
+         and os.environ.get("CUDA_VISIBLE_DEVICES") != "",
+         "tflops": matmul_tflops(device, rank), "dump": "", "free": None}
+    try:
+        with open(cfg.model.tokenizer_path, "rb") as f:
+            r["tokenizer"] = hashlib.sha256(f.read()).hexdigest()
+    except OSError as e:
+        r["tokenizer"] = f"missing: {type(e).__name__}"
+    try:
+        os.makedirs(cfg.job.dump_folder, exist_ok=True)
+        with open(os.path.join(cfg.job.dump_folder, f".preflight-{token}-{rank}"), "w") as f:
+            f.write(token)
+        os.remove(f.name)
+        r["free"] = shutil.disk_usage(cfg.job.dump_folder).free
+    except OSError as e:
+        r["dump"] = f"not writable ({type(e).__name__}: {e})"
+    return r
+
+
+def hub_unreachable() -> str:
+    """Why this node cannot reach the Hub (HF_ENDPOINT), or "": one request, so that a node without a route out
+    fails in seconds rather than after every library's retries for every hub source."""
+    from huggingface_hub import constants
+    try:
+        urllib.request.urlopen(constants.ENDPOINT, timeout=15).close()
+    except urllib.error.HTTPError:  # it answered
+        pass
+    except OSError as e:
+        why = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+        return f"this node cannot reach the Hub at {constants.ENDPOINT} ({why})"
+    return ""
+
+
+def read_sources(cfg) -> dict:
+    """{source: "" or why this node cannot use it}: every source's files resolve (from the given manifest, else as
+    a run would resolve them) and its first document reads."""
+    sources = [("data", s) for s in cfg.data.sources] + [("validation", s) for s in cfg.validation.sources]
+    # Hub ids look like org/name and are not local folders; one request says whether this node reaches the Hub.
+    hub = {src.path for _, src in sources
+           if not os.path.exists(src.path) and re.fullmatch(r"[\w.-]+/[\w.-]+", src.path)}
+    offline, errors = hub_unreachable() if hub else "", {}
+    for kind, src in sources:
+        name = f"{kind} source {src.name!r} ({src.path})"
+        errors[name] = offline if src.path in hub and not cfg.data.manifest else ""
+        if errors[name]:
+            continue
+        srcs = ([src], []) if kind == "data" else ([], [src])
+        try:
+            m = data.pinned_manifest(cfg.data.manifest, "", *srcs) if cfg.data.manifest else data.make_manifest(*srcs)
+            data.SourceReader(src, data.source_files(m, src, kind), 0, 1, 0, ordered=True).next_text()
+        except data.DataError as e:
+            errors[name] = str(e)
+    return errors
+
+
+def check(args, extra):
+    t0, world, rank = time.perf_counter(), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    cfg, model, sizes = model_and_sizes(extra, world)
+    parts = estimate_memory(model, cfg, sizes, cuda=True)  # a checkpoint: fp32 weights and AdamW's two moments
+    ckpt = (parts["weights"] + parts["optimizer"]) * sizes["dp_shard"] * cfg.parallelism.tensor_parallel_degree
+    device, _ = train.init_distributed(cfg, sizes)  # the trainer's device choice, process group and mesh
+
+    def gather(obj):
+        out = [None] * world
+        dist.all_gather_object(out, obj)
+        return out
+
+    token = gather(os.urandom(8).hex())[0]
+    r = rank_checks(cfg, device, rank, token)
+    shared = os.path.join(cfg.job.dump_folder, f".preflight-{token}")  # rank 0 writes it, every rank reads it
+    if rank == 0 and not r["dump"]:
+        with open(shared, "w") as f:
+            f.write(token)
+    dist.barrier()
+    r["shared"] = os.path.isfile(shared) and open(shared).read() == token
+    nodes = {}
+    for i, x in enumerate(gather(r)):
+        nodes.setdefault(x["node"], []).append(i)
+    if rank == 0 and not r["dump"]:
+        os.remove(shared)
+    if rank == nodes[r["node"]][0]:  # one rank per node
+        r["data"] = read_sources(cfg)
+    sizes_b = [2**20, 2**24, 2**28, 2**30] if device.type == "cuda" else [2**18, 2**22]  # small on CPU (gloo)
+    groups = {name: dist.new_group(members) for name, members in nodes.items()}  # every rank makes every group
+    r["intra"] = bus_bandwidth(groups[r["node"]], device, sizes_b) if len(nodes[r["node"]]) > 1 else None
+    inter = bus_bandwidth(None, device, sizes_b) if len(nodes) > 1 else None
+    ranks, code = gather(r), [0]
+    if rank == 0:
+        code = [report(cfg, ranks, nodes, inter, sizes_b, ckpt, device.type == "cuda", time.perf_counter() - t0)]
+    dist.broadcast_object_list(code)
+    dist.barrier()  # no rank tears down its process group while another still uses it
+    dist.destroy_process_group()
+    sys.exit(code[0])
+
+
+def report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> int:
+    """Rank 0: one table, then one verdict line per check (with its threshold); 1 if any FAILs, else 0."""
+    levels, gib = [], 2**30
+    print(f"preflight: {len(ranks)} ranks on {len(nodes)} node(s), {'NCCL' if gpu else 'gloo'}")
+    print(f"{'rank':>4}  {'node':<12} {'device':<22} {'torch':<13} {'cuda/rocm':<11} {'nccl':<8} {'TFLOP/s':>8}  "
+          f"{'tokenizer':<10} {'dump':<10} free GiB")
+    for i, x in enumerate(ranks):
+        dump = "FAIL" if x["dump"] else "shared" if x["shared"] else "NOT SHARED"
+        free = f"{x['free'] / gib:.1f}" if x["free"] is not None else "-"
+        torch_v, runtime, nccl = x["versions"]
+        print(f"{i:>4}  {x['node'][:12]:<12} {x['device'][:22]:<22} {torch_v[:13]:<13} {runtime:<11} {nccl:<8} "
+              f"{x['tflops']:>8.3f}  {x['tokenizer'][:10]:<10} {dump:<10} {free}")
+
+    def verdict(level, check, text):
+        levels.append(level)
+        print(f"{level:<4} {check}: {text}")
+
+    versions, hidden = {x["versions"] for x in ranks}, [i for i, x in enumerate(ranks) if x["hidden_gpus"]]
+    if hidden:
+        text = f"ranks {hidden} have GPUs (nvidia-smi or rocm-smi) that torch does not see: a CPU-only torch build?"
+    elif len(versions) > 1:
+        text = f"{len(versions)} different torch/CUDA/NCCL versions: {sorted(versions)}"
+    else:
+        text = "torch {}, CUDA/ROCm {}, NCCL {} on every rank (threshold: all alike)".format(*ranks[0]["versions"])
+    verdict("FAIL" if len(versions) > 1 or hidden else "OK", "software", text)
+
+    tf = [x["tflops"] for x in ranks]
+    slow, med = min(range(len(tf)), key=tf.__getitem__), statistics.median(tf)
+    peak = peak_tflops(ranks[0]["device"], cfg.metrics.peak_tflops)  # 0 on CPU: no datasheet peak
+    low, why = (0.8, "80% of the median rank: one slow GPU sets every rank's pace") if gpu else \
+        (0.25, "25% of the median rank: CPU has no datasheet peak, and shared machines are noisy")
+    bad = [i for i, t in enumerate(tf) if t < low * med or t < 0.35 * peak]
+    of_peak = f", {100 * med / peak:.0f}% of the datasheet peak {peak:.0f}" if peak else ""
+    peak_rule = ("; or below 35% of the peak: metrics.peak_tflops, else the datasheet table in metrics.py"
+                 if peak else "")
+    verdict("WARN" if bad else "OK", "matmul", f"median {med:.3f} TFLOP/s ({'bf16' if gpu else 'fp32'}){of_peak}; "
+            f"slowest rank {slow} on {ranks[slow]['node']}: {tf[slow]:.3f}{f'; too slow: ranks {bad}' if bad else ''} "
+            f"(threshold: WARN below {why}{peak_rule})")
+
+    at = "/".join(f"{s >> 20} MiB" if s >= 2**20 else f"{s >> 10} KiB" for s in sizes_b)
+    within = {n: ranks[m[0]]["intra"] for n, m in nodes.items() if ranks[m[0]]["intra"]}
+    across = {f"{len(nodes)} nodes": inter} if inter else {}
+    for check, meas in (("bandwidth within nodes", within), ("bandwidth across nodes", across)):
+        inside = "within" in check
+        if not meas:
+            verdict("OK", check, f"n/a ({'one rank per node' if inside else 'one node'})")
+            continue
+        worst = min(meas, key=lambda n: meas[n]["all-reduce"][-1])  # the slowest node: by its largest all-reduce
+        big = meas[worst]["all-reduce"][-1]
+        if not gpu:
+            fail_below, warn_below, rule = 0, 0, "none on CPU (gloo): no line rate to compare with"
+        elif inside:
+            fail_below, warn_below, rule = 0, 50, "WARN below 50 GB/s, less than PCIe 5 x16's 64: no NVLink/xGMI"
+        else:
+            fail_below, warn_below, rule = 12.5, 25, ("FAIL below 12.5 GB/s = 100 Gbit/s, TCP sockets rather than "
+                                                      "EFA/InfiniBand; WARN below 25 GB/s = 200 Gbit/s, one HDR "
+                                                      "InfiniBand link")
+        level = "FAIL" if big < fail_below else "WARN" if big < warn_below else "OK"
+        rates = "; ".join(f"{op} {' '.join(f'{v:.2f}' for v in meas[worst][op])} GB/s" for op in meas[worst])
+        verdict(level, check, f"{'slowest node ' if inside else ''}{worst}: busbw at {at}: {rates} "
+                f"(threshold, at the largest size: {rule})")
+
+    for name in {k: 0 for x in ranks if "data" in x for k in x["data"]}:  # the config's order
+        errors = {x["node"]: x["data"][name] for x in ranks if "data" in x and x["data"][name]}
+        verdict("FAIL" if errors else "OK", name,
+                f"unreadable on node(s) {', '.join(errors)}: {next(iter(errors.values()))}" if errors
+                else f"files resolve and the first document reads on every node ({len(nodes)})")
+
+    bad = {i: x["dump"] for i, x in enumerate(ranks) if x["dump"]}
+    unshared = [i for i, x in enumerate(ranks) if not x["shared"]]
+    if bad:
+        text = f"rank {min(bad)} on {ranks[min(bad)]['node']} (of {len(bad)} ranks): {bad[min(bad)]}"
+    elif unshared:
+        text = f"ranks {unshared} do not see the file rank 0 wrote: not a shared filesystem"
+    else:
+        text = f"writable from every rank, and shared: rank 0's file seen by all {len(ranks)}"
+    verdict("FAIL" if bad or unshared else "OK", f"dump folder {cfg.job.dump_folder}", text)
+
+    free = min((x["free"] for x in ranks if x["free"] is not None), default=0)
+    verdict("FAIL" if free < ckpt else "WARN" if free < 2 * ckpt else "OK", "free space",
+            f"{free / gib:.1f} GiB for {ckpt / gib:.2f} GiB per checkpoint (bench.py memory's fp32 weights + AdamW "
+            "moments; threshold: FAIL below one checkpoint, WARN below two: a save is written beside the previous one)")
+
+    shas = {}
+    for i, x in enumerate(ranks):
+        shas.setdefault(x["tokenizer"], []).append(i)
+    if len(shas) > 1:
+        text = "; ".join(f"ranks {v} (node {ranks[v[0]]['node']}): {k[:16]}" for k, v in shas.items())
+    else:
+        text = f"sha256 {ranks[0]['tokenizer'][:16]} on all {len(ranks)} ranks"
+    verdict("FAIL" if len(shas) > 1 or "missing" in ranks[0]["tokenizer"] else "OK",
+            f"tokenizer {cfg.model.tokenizer_path}", text + " (threshold: present, and one sha256 on every rank)")
+    print(f"preflight: {levels.count('FAIL')} FAIL, {levels.count('WARN')} WARN of {len(levels)} checks "
+          f"in {seconds:.1f} s")
+    return 1 if "FAIL" in levels else 0
+
+
+def main(argv: list):
+    p = argparse.ArgumentParser(prog="preflight.py", description=__doc__.split("\n")[0],
+                                epilog="python preflight.py WHAT --help lists its options")
+    sub = p.add_subparsers(dest="what", required=True, metavar="WHAT")
+    doc = ("launched like train.py (torchrun, srun): devices, bandwidth, data, dump folder, tokenizer on every node; "
+           "exit 1 on a FAIL")
+    job = sub.add_parser("check", help=doc, description=doc, epilog="Other --section.key value arguments set "
+                         "train.py's config (python train.py --help lists them).")
+    job.add_argument("--config", action="append", help="train.py's TOML config (e.g. configs/llama3_8b.toml)")
+    a, rest = p.parse_known_args(argv)
+    rest = [arg for path in a.config or [] for arg in ("--config", path)] + rest  # train.py refuses two
+    try:
+        check(a, rest)
+    except train.ConfigError as e:  # a bad key or value: one line
+        fail(str(e))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
