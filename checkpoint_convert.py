@@ -10,7 +10,6 @@ trainer's step-N only the model.* tensors are read.
 """
 
 import argparse
-import dataclasses
 import glob
 import itertools
 import json
@@ -26,7 +25,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from data import LLAMA3_PAT, NUM_SPECIAL, DataError, Tokenizer
+from data import LLAMA3_PAT, NUM_SPECIAL, Tokenizer
+from sources import DataError
 from model import ModelArgs, Transformer
 
 MAX_SHARD_BYTES = 5 * 10**9  # per safetensors file, as Hugging Face does by default; tests lower it

@@ -17,7 +17,6 @@ import tokenize
 import tomllib
 import typing
 
-from data import DataError, sources_from_toml
 
 
 class ConfigError(ValueError):
@@ -63,9 +62,12 @@ def _convert(value, typ, where: str):
 
 
 def unknown(kind: str, name: str, known) -> ConfigError:
+    return ConfigError(f"unknown {kind} {name!r}{_hint(name, known)}")
+
+
+def _hint(name: str, known) -> str:
     close = difflib.get_close_matches(name, list(known), n=3)
-    hint = f"; did you mean {', '.join(close)}?" if close else f"; valid: {', '.join(known)}"
-    return ConfigError(f"unknown {kind} {name!r}{hint}")
+    return f"; did you mean {', '.join(close)}?" if close else f"; valid: {', '.join(known)}"
 
 
 def _set(cfg, section: str, key: str, value, where: str):
@@ -76,31 +78,56 @@ def _set(cfg, section: str, key: str, value, where: str):
     keys = {f.name: f for f in dataclasses.fields(obj)}
     if key not in keys:
         raise unknown(f"key in [{section}]", key, keys)
-    if key == "sources":  # [[data.sources]] tables: data.py checks them (its CLI reads them too)
-        try:
-            value = sources_from_toml(value, where, section)
-        except DataError as e:
-            raise ConfigError(str(e))
+    typ = typing.get_type_hints(type(obj))[key]
+    if _table_type(typ):
+        value = _tables(value, _table_type(typ), where, f"{section}.{key}")
     else:
-        value = _convert(value, typing.get_type_hints(type(obj))[key], f"{where} {section}.{key}")
+        value = _convert(value, typ, f"{where} {section}.{key}")
     setattr(obj, key, value)
+
+
+def _table_type(typ):
+    """The dataclass of a field annotated list[SomeDataclass] (an array of TOML tables), else None."""
+    args = typing.get_args(typ)
+    return args[0] if typing.get_origin(typ) is list and args and dataclasses.is_dataclass(args[0]) else None
+
+
+def _tables(value, cls, where: str, name: str) -> list:
+    """[[section.key]] tables -> instances of cls, each key checked against cls's fields and their types."""
+    if not isinstance(value, list) or not value or not all(isinstance(t, dict) for t in value):
+        raise ConfigError(f"{where}: {name} must be one or more [[{name}]] tables")
+    hints, out = typing.get_type_hints(cls), []
+    for n, table in enumerate(value):
+        for k, v in table.items():
+            if k not in hints:
+                raise ConfigError(f"{where}: unknown key {k!r} in [[{name}]] {n}{_hint(k, hints)}")
+            typ = next((t for t in typing.get_args(hints[k]) if t is not type(None)), hints[k])  # Optional[str]: str
+            table = {**table, k: _convert(v, typ, f"{where} {name}[{n}].{k}")}
+        try:
+            out.append(cls(**table))
+        except (TypeError, ValueError) as e:  # the dataclass's own checks
+            raise ConfigError(f"{where}: [[{name}]] {n}: {e}")
+    return out
 
 
 def build_parser(config_cls, description: str) -> argparse.ArgumentParser:
     """--section.key for every config field (generated from the dataclasses), plus --config."""
-    parser = argparse.ArgumentParser(usage="%(prog)s [--config TOML] [--section.key VALUE ...]", description=description,
-                                     allow_abbrev=False, exit_on_error=False, formatter_class=(
-        lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=60, width=200)))
+    def wide(prog):
+        return argparse.RawDescriptionHelpFormatter(prog, max_help_position=60, width=200)
+
+    parser = argparse.ArgumentParser(usage="%(prog)s [--config TOML] [--section.key VALUE ...]",
+                                     description=description, allow_abbrev=False, exit_on_error=False,
+                                     formatter_class=wide)
     parser.add_argument("--config", "--job.config_file", action="append", metavar="TOML", help="the TOML config file")
     for sec in dataclasses.fields(config_cls):
         cls = type(getattr(config_cls(), sec.name))
-        docs = _docs(cls)
-        group = parser.add_argument_group(f"[{sec.name}]", f"[[{sec.name}.sources]] (TOML only): {docs.get('sources', '')}"
-                                          if any(f.name == "sources" for f in dataclasses.fields(cls)) else None)
+        docs, hints = _docs(cls), typing.get_type_hints(cls)
+        tables = [f"[[{sec.name}.{k}]] (TOML only): {docs.get(k, '')}" for k in hints if _table_type(hints[k])]
+        group = parser.add_argument_group(f"[{sec.name}]", "\n".join(tables) or None)
         for f in dataclasses.fields(cls):
-            if f.name == "sources":
+            typ = hints[f.name]
+            if _table_type(typ):
                 continue  # tables: TOML only
-            typ = typing.get_type_hints(cls)[f.name]
             group.add_argument(f"--{sec.name}.{f.name}", default=argparse.SUPPRESS, metavar=typ.__name__.upper(),
                                **({"nargs": "?", "const": "true"} if typ is bool else {}),  # bare --checkpoint.enable
                                help=f"{docs.get(f.name, '')} (default: {getattr(cls(), f.name)!r})".lstrip())
@@ -151,9 +178,12 @@ def to_toml(cfg) -> str:
     for f in dataclasses.fields(cfg):
         sec = getattr(cfg, f.name)
         out.append(f"[{f.name}]")
-        out += [f"{k} = {fmt(v)}" for k, v in dataclasses.asdict(sec).items() if k != "sources" and v is not None]
-        for s in getattr(sec, "sources", []):
-            out.append(f"\n[[{f.name}.sources]]")
-            out += [f"{k} = {fmt(v)}" for k, v in dataclasses.asdict(s).items() if v is not None]
+        hints = typing.get_type_hints(type(sec))
+        tables = {k for k in hints if _table_type(hints[k])}
+        out += [f"{k} = {fmt(v)}" for k, v in dataclasses.asdict(sec).items() if k not in tables and v is not None]
+        for k in tables:
+            for item in getattr(sec, k):
+                out.append(f"\n[[{f.name}.{k}]]")
+                out += [f"{name} = {fmt(v)}" for name, v in dataclasses.asdict(item).items() if v is not None]
         out.append("")
     return "\n".join(out)

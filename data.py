@@ -1,4 +1,5 @@
-"""Data: Llama 3 tokenizer, per-source streaming readers, a token-weighted mixture, and packing.
+"""Data: the Llama 3 tokenizer, per-source readers, a token-weighted mixture, packing, loader workers, exact resume.
+Where each source's files are (the Hub, the data manifest) is sources.py's job.
 
     python data.py --config configs/debug_model.toml            # realised token shares, loader tokens/s
     python data.py --config configs/debug_model.toml --show 2   # decode 2 packed samples
@@ -15,25 +16,23 @@ the same global batch, and resuming with another DP degree that divides num_stre
 import argparse
 import base64
 import binascii
-import difflib
 import functools
-import hashlib
 import io
 import json
 import logging
 import os
 import queue
 import random
-import re
 import signal
 import sys
 import time
-import tomllib
-from dataclasses import dataclass, fields
 from typing import Optional
 
 import fsspec
 import pyarrow.parquet as pq
+
+from sources import MIB, DataError, DataSource, HubFile, make_manifest, manifest_sha256, open_file, pinned_manifest
+from sources import retry_or_raise, source_files, write_manifest
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -44,19 +43,9 @@ import pyarrow.parquet as pq
 LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 NUM_SPECIAL = 256
-# Pauses before retrying after a transient error (connection, timeout, HTTP 408/429/5xx): about 4 minutes
-# in all, then stop. Anything else (a corrupt file, 401/403/404) stops at once.
-RETRY_DELAYS = (1, 2, 4, 8, 16, 32, 60, 60, 60)
-TRANSIENT = ("ConnectionError", "TimeoutError", "TransportError", "Timeout", "TimeoutException", "NetworkError",
-             "RemoteProtocolError", "ChunkedEncodingError", "IncompleteRead", "ClientConnectionError")
 # Loader workers ignore these: the trainer handles them (save, then exit) and then stops its workers.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGUSR1,) if hasattr(signal, "SIGUSR1") else ())
 logger = logging.getLogger("data")
-
-
-class DataError(ValueError):
-    """A problem with the user's tokenizer, data or data config (not a bug): its text is one line, which
-    train.py and the CLI print as is (exit 2)."""
 
 
 class Tokenizer:
@@ -103,230 +92,6 @@ class Tokenizer:
         return self.model.decode(list(ids))
 
 
-# ---------------------------------------------------------------------------------------------------
-# Sources
-# ---------------------------------------------------------------------------------------------------
-
-@dataclass
-class DataSource:
-    name: str = ""  # label used in logs and metrics.jsonl
-    path: str = ""  # hub dataset id (allenai/c4) or a local folder with json/json.gz/jsonl/parquet
-    config: Optional[str] = None  # hub config name (e.g. "en"), optional
-    data_files: Optional[str] = None  # glob relative to path, optional
-    split: str = "train"  # dataset split
-    revision: Optional[str] = None  # pinned hub revision (commit sha or tag), optional
-    text_column: str = "text"  # column holding the document text
-    weight: float = 1.0  # share of tokens (normalised over all sources)
-
-
-def _transient(e: BaseException) -> bool:
-    """A network blip worth a retry: a connection or timeout error, or HTTP 408/429/5xx, anywhere in the
-    chain of causes (the libraries wrap them). Corrupt content (a bad gzip, "ZSTD decompression failed")
-    is an OSError too, but no retry mends it."""
-    while e is not None:
-        status = getattr(getattr(e, "response", None), "status_code", None)
-        if status is not None:
-            return status in (408, 429) or status >= 500
-        if any(c.__name__ in TRANSIENT for c in type(e).__mro__):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def _retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int):
-    """Pause before retrying a transient error; anything else, or one failure too many, is one DataError line."""
-    if isinstance(e, DataError):
-        raise e
-    if _transient(e) and failures < len(RETRY_DELAYS):
-        logger.warning(f"data source {name!r}: {type(e).__name__} {what}; retrying in {RETRY_DELAYS[failures]} s")
-        return time.sleep(RETRY_DELAYS[failures])
-    reason, status = f"{type(e).__name__}: {str(e)[:300]}", getattr(getattr(e, "response", None), "status_code", None)
-    if status in (401, 403, 404) or type(e).__name__ in ("DatasetNotFoundError", "RepositoryNotFoundError"):
-        why = (f"the Hub refused {path!r}{f' (HTTP {status})' if status else ''} while {what}: check the dataset id "
-               "and revision; for a gated or private set log in (`hf auth login` or `huggingface-cli login`, or set "
-               "HF_TOKEN) and accept its terms on the dataset's Hub page")
-    else:
-        why = f"{what} failed " + (f"{failures + 1} times" if failures else "at once: the file is damaged or unreadable")
-    raise DataError(f"data source {name!r}: {why} ({reason})".replace("\n", " ")) from e
-
-
-def resolve_files(path: str, config: Optional[str], data_files: Optional[str], split: str, revision: Optional[str],
-                  name: str = "") -> tuple:
-    """The source's files, sorted: `datasets` resolves a hub id (to hf:// URLs pinned to the commit the
-    revision points at; README configs and data_files globs as on the Hub) and a local folder alike."""
-    from datasets import load_dataset_builder
-    what = f"resolving the {split!r} files of path={path!r} config={config!r} data_files={data_files!r}"
-    for failures in range(len(RETRY_DELAYS) + 1):
-        try:
-            builder = load_dataset_builder(path, name=config, data_files=data_files, revision=revision)
-            return tuple(sorted(builder.config.data_files[split]))
-        except Exception as e:  # no files, no such folder or split: the user's paths, not the network
-            if isinstance(e, (FileNotFoundError, KeyError, ValueError)) and not _transient(e) \
-                    and type(e).__name__ != "DatasetNotFoundError":
-                raise DataError(f"data source {name!r}: no {split!r} files for path={path!r} config={config!r} "
-                                f"data_files={data_files!r} ({type(e).__name__}: {e})".replace("\n", " "))
-            _retry_or_raise(name, path, what, e, failures)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The data manifest: each source's files, resolved once per run and read by every rank and worker
-# ---------------------------------------------------------------------------------------------------
-
-MANIFEST = "data_manifest.json"  # in the dump folder, unless [data] manifest names one
-MIB = 1 << 20
-KEY = ("name", "path", "config", "data_files", "split", "revision")  # what decides a source's files
-
-
-def _ends_sha256(path: str, size: int) -> str:
-    """sha256 of a local file's first and last MiB (all of it when small): a cheap "same bytes?" that,
-    unlike the modification time, copies do not reset and `rsync -a` does not keep for other bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        h.update(f.read(MIB))
-        f.seek(max(MIB, size - MIB))
-        h.update(f.read())
-    return h.hexdigest()
-
-
-def resolve_source(src: DataSource) -> dict:
-    """One manifest entry: the source's key, the commit a hub revision points at (None for a local folder)
-    and its sorted files as [name in the repo or folder, size] (+ the ends' sha256 for a local file)."""
-    urls, entry = resolve_files(src.path, src.config, src.data_files, src.split, src.revision, src.name), \
-        {k: getattr(src, k) for k in KEY}
-    hub = [re.fullmatch(r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)", u) for u in urls]
-    if all(hub):  # the listing `datasets` just made filled HfFileSystem's cache: the sizes cost no request
-        fs = fsspec.filesystem("hf")
-        return {**entry, "commit": hub[0][2], "files": [[m[3], fs.info(u)["size"]] for m, u in zip(hub, urls)]}
-    root, files = os.path.abspath(src.path), []
-    for u in urls:
-        size = os.path.getsize(u)
-        files.append([os.path.relpath(u, root), size, _ends_sha256(u, size)])
-    return {**entry, "commit": None, "files": files}
-
-
-def make_manifest(sources, validation=()) -> dict:
-    return {"version": 1, "data": [resolve_source(s) for s in sources],
-            "validation": [resolve_source(s) for s in validation]}
-
-
-def manifest_sha256(manifest: dict) -> str:
-    """The run's data, as a resume key: the sha256 of the manifest's canonical JSON (not of its layout)."""
-    return hashlib.sha256(json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def write_manifest(manifest: dict, path: str):
-    """Atomically: a crash leaves the old file or the new one, never half of one."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    text = json.dumps(manifest, indent=1)  # one line per file: JSON strings never hold a raw newline
-    text = re.sub(r"\[\n\s*([^\[\]{}]*?)\n\s*\]", lambda m: "[" + re.sub(r",\n\s*", ", ", m[1]) + "]", text)
-    with open(path + ".tmp", "w") as f:
-        f.write(text + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-
-
-def source_files(manifest: dict, src: DataSource, section: str = "data") -> list:
-    """The source's files from the manifest, as (hf:// URL at the pinned commit, or local path, size)."""
-    e = next((e for e in manifest[section] if all(e[k] == getattr(src, k) for k in KEY)), None)
-    if e is None:
-        raise DataError(f"the data manifest has no {section} source {src.name!r} as configured (path={src.path!r} "
-                        f"config={src.config!r} data_files={src.data_files!r} split={src.split!r}): it was made for "
-                        "other sources; make a new one (python data.py --config C --manifest PATH) for a new run")
-    at = f"hf://datasets/{e['path']}@{e['commit']}/" if e["commit"] else ""
-    return [(at + name if at else os.path.join(e["path"], name), size) for name, size, *_ in e["files"]]
-
-
-def pinned_manifest(given: str, dump_folder: str, sources, validation) -> dict:
-    """The run's manifest: `given` ([data] manifest), else the dump folder's, made at the first start. Call it
-    on one rank. Local files that appeared since it was made are counted (one line per source), never read."""
-    path = given or os.path.join(dump_folder, MANIFEST)
-    if not os.path.exists(path) and not given:
-        write_manifest(make_manifest(sources, validation), path)
-        logger.info(f"data manifest: resolved {len(sources) + len(validation)} sources once, pinned in {path}")
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-        for section, srcs in (("data", sources), ("validation", validation)):
-            for s in srcs:
-                source_files(manifest, s, section)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        fix = "make it with python data.py --config C --manifest PATH" if given else "delete it (this run's data then " \
-            "is resolved again: only if no checkpoint is in the dump folder) or use a new dump_folder"
-        raise DataError(f"data manifest {path} cannot be used: {str(e)[:300]}; {fix}".replace("\n", " "))
-    for e in manifest["data"] + manifest["validation"]:  # local folders: listing one costs no request
-        if e["commit"] is None and os.path.isdir(e["path"]):
-            try:
-                now = resolve_files(*(e[k] for k in KEY[1:]), e["name"])
-            except DataError:
-                continue  # no files left: verify_manifest names them
-            new = len({os.path.relpath(u, os.path.abspath(e["path"])) for u in now} - {f[0] for f in e["files"]})
-            if new:
-                logger.info(f"data source {e['name']!r}: {new} new file(s) in {e['path']} since {path} was made are "
-                            "not read by this run; a new run (from the weights: checkpoint.initial_load_path) would")
-    return manifest
-
-
-def verify_manifest(manifest: dict, part: int = 0, parts: int = 1) -> str:
-    """'' if every local file of the manifest (this rank's share: every parts-th one) is there with its size
-    and the sha256 of its ends, else one line naming the first that is not. Hub files are immutable at a commit."""
-    local = sorted({(e["name"], e["path"], *f) for e in manifest["data"] + manifest["validation"] if not e["commit"]
-                    for f in e["files"]})
-    for name, root, rel, size, ends in local[part::parts]:
-        path, now = os.path.join(root, rel), None
-        try:
-            now = os.path.getsize(path)
-            same = now == size and _ends_sha256(path, size) == ends
-        except OSError:
-            same = False
-        if not same:
-            what = "is missing" if now is None else "changed (other bytes, same size)" if now == size else \
-                f"changed (size {size:,} -> {now:,} bytes)"
-            return (f"data source {name!r}: {path} {what} since this run's data manifest was made; a run reads only "
-                    "the data it started with: put the file back, or start a new run (a new dump_folder, from the "
-                    "weights with checkpoint.initial_load_path)")
-    return ""
-
-
-class HubFile(io.RawIOBase):
-    """A hub file at its pinned commit, read by ranged GETs of its resolve URL: its bytes and nothing else
-    (HfFileSystem would look the repo up and list the file's folder once per process)."""
-
-    def __init__(self, url: str, size: int):
-        from huggingface_hub import hf_hub_url
-        repo, commit, name = re.fullmatch(r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)", url).groups()
-        self.url, self.size, self.pos = hf_hub_url(repo, name, repo_type="dataset", revision=commit), size, 0
-
-    def readable(self):
-        return True
-
-    def seekable(self):
-        return True
-
-    def seek(self, offset: int, whence: int = 0):
-        self.pos = (offset, self.pos + offset, self.size + offset)[whence]
-        return self.pos
-
-    def readinto(self, buf) -> int:
-        from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
-        n = min(len(buf), self.size - self.pos)
-        if n <= 0:
-            return 0
-        r = http_backoff("GET", self.url, headers={**build_hf_headers(), "Range": f"bytes={self.pos}-{self.pos + n - 1}"})
-        hf_raise_for_status(r)
-        buf[:len(r.content)] = r.content
-        self.pos += len(r.content)
-        return len(r.content)
-
-
-def _open(path: str, size: int):
-    """A file of the manifest, for reading: a hub one at its commit, anything else through fsspec."""
-    if path.startswith("hf://"):
-        return HubFile(path, size)
-    fs, fs_path = fsspec.core.url_to_fs(path)
-    return fs.open(fs_path, "rb", cache_type="none")
-
-
 class SourceReader:
     """Documents of one source for one logical stream, epoch after epoch.
 
@@ -354,7 +119,7 @@ class SourceReader:
         """(row, text) of one file from row `start` on: parquet seeks by row group, json skips lines."""
         col, self.at = self.src.text_column, start
         if path.endswith(".parquet"):  # exact range reads, no read-ahead: the footer, then the row groups needed
-            with _open(path, size) as f:
+            with open_file(path, size) as f:
                 pf, first = pq.ParquetFile(f), 0
                 if col not in pf.schema_arrow.names:
                     raise DataError(f"data source {self.src.name!r}: no column {col!r} in {path} (columns: "
@@ -369,7 +134,7 @@ class SourceReader:
             return
         # json lines, plain or compressed (the extension says which); a hub file in 8 MiB ranges
         compression = fsspec.utils.infer_compression(path)
-        with _open(path, size) as raw:
+        with open_file(path, size) as raw:
             f = io.BufferedReader(raw, 8 * MIB) if isinstance(raw, HubFile) else raw
             f = fsspec.compression.compr[compression](f, mode="rb") if compression else f
             for row, line in enumerate(f):
@@ -397,7 +162,7 @@ class SourceReader:
                             self.row, found, failures = row + 1, True, 0
                             yield text or ""
                 except Exception as e:
-                    _retry_or_raise(self.src.name, self.src.path, f"reading {files[self.file][0]} at row {self.at}", e,
+                    retry_or_raise(self.src.name, self.src.path, f"reading {files[self.file][0]} at row {self.at}", e,
                                     failures)
                     failures += 1
                     continue
@@ -457,7 +222,8 @@ class PackedStream:
     remembered by (source, reader state before it, offset): a restart re-reads one document at most.
     """
 
-    def __init__(self, sources, files: list, tokenizer: Tokenizer, seq_len: int, stream: int, num_streams: int, seed: int):
+    def __init__(self, sources, files: list, tokenizer: Tokenizer, seq_len: int, stream: int, num_streams: int,
+                 seed: int):
         total = sum(s.weight for s in sources)
         self.shares = [s.weight / total for s in sources]
         self.readers = [SourceReader(s, f, stream, num_streams, seed) for s, f in zip(sources, files)]
@@ -660,95 +426,33 @@ class DataLoader:
             st.load_state_dict(sd[s])
 
 
-# ---------------------------------------------------------------------------------------------------
-# Config (the keys of train.py's TOML this module reads; train.py owns the rest) and command line
-# ---------------------------------------------------------------------------------------------------
-
-OPTIONS = {  # --section.key: (type, default, doc), defaults as in train.py
-    "model.tokenizer_path": (str, "assets/tokenizer/tokenizer.model", "Llama 3 tokenizer.model (tiktoken)"),
-    "training.seq_len": (int, 2048, "tokens per sequence"),
-    "training.local_batch_size": (int, 8, "sequences per batch"),
-    "data.seed": (int, 1234, "seeds the file order of every source"),
-    "data.num_streams": (int, 0, "accepted, unused: the CLI reads one stream"),
-    "data.num_workers": (int, 0, "loader processes that read and tokenize ahead; 0: in this process"),
-    "data.manifest": (str, "", "read the files of this data manifest; empty: resolve the sources now")}
-
-
-def sources_from_toml(tables, where: str, section: str = "data") -> list:
-    """[[data.sources]] (or [[validation.sources]]) tables -> DataSources; an unknown key, a wrong type or a
-    bad weight is one DataError line. train.py's config and this module's CLI both read sources here."""
-    if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
-        raise DataError(f"{where}: {section}.sources must be one or more [[{section}.sources]] tables")
-    keys, out = [f.name for f in fields(DataSource)], []
-    for n, table in enumerate(tables):
-        for k, v in table.items():
-            if k not in keys:
-                close = difflib.get_close_matches(k, keys, n=3)
-                raise DataError(f"{where}: unknown key {k!r} in [[{section}.sources]] {n}; "
-                                + (f"did you mean {', '.join(close)}?" if close else f"valid: {', '.join(keys)}"))
-            if isinstance(v, bool) or not isinstance(v, (int, float) if k == "weight" else str):
-                raise DataError(f"{where}: {section}.sources[{n}].{k}: expected a "
-                                f"{'number' if k == 'weight' else 'string'}, got {v!r}")
-        out.append(DataSource(**{**table, "weight": float(table.get("weight", 1.0))}))
-        if not out[-1].name or not out[-1].path or not out[-1].weight >= 0:
-            raise DataError(f"{where}: {section}.sources[{n}] needs a name, a path and a weight >= 0 (got {table})")
-    if sum(s.weight for s in out) <= 0:
-        raise DataError(f"{where}: the {section}.sources weights sum to 0; give one source a positive weight")
-    return out
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's own prints the usage too; the house rule is one line
-        raise DataError(f"{message} (see --help)")
-
-
-def load_config(argv) -> tuple:
-    """(args, {option: value}, sources, validation sources): defaults < the TOML's [model]/[training]/[data]
-    < --section.key."""
-    p = _Parser(description=__doc__.split("\n")[0], epilog="Other keys of the training config are ignored.")
-    p.add_argument("--config", action="append", help="the training config, e.g. configs/debug_model.toml")
+def main(argv=None):
+    """The data loader alone, with train.py's config (read through config.py, checked by train.validate)."""
+    import train  # here, not at the top: train.py imports this module
+    p = argparse.ArgumentParser(prog="data.py", description=__doc__.split("\n")[0], allow_abbrev=False,
+                                epilog="Every other --section.key value sets train.py's config as for training; this "
+                                "reads --model.tokenizer_path, --training.seq_len, --training.local_batch_size, "
+                                "--data.seed, --data.num_streams (one stream is read), --data.num_workers, "
+                                "--data.manifest and the [[data.sources]] (python train.py --help lists them).")
+    p.add_argument("--config", action="append", help="train.py's TOML config, e.g. configs/debug_model.toml")
     p.add_argument("--show", type=int, default=0, help="decode this many packed samples instead of timing")
     p.add_argument("--tokens", type=int, default=1_000_000, help="tokens to read for the shares and tokens/s")
     p.add_argument("--manifest", metavar="PATH", help="resolve the training and validation sources and write their "
                    "data manifest here (for train.py's [data] manifest), without reading any data")
-    for key, (typ, default, doc) in OPTIONS.items():
-        p.add_argument(f"--{key}", type=typ, metavar=typ.__name__.upper(), help=f"{doc} (default: {default})")
-    args = p.parse_args(argv)
-    if len(args.config or []) != 1:
-        raise DataError(f"give --config exactly once (got {args.config or 'none'})")
-    try:
-        with open(args.config[0], "rb") as f:
-            toml = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise DataError(f"config file {args.config[0]!r} cannot be read: {e}".replace("\n", " "))
-    unknown = set(toml.get("data", {})) - {"seed", "num_streams", "num_workers", "manifest", "sources"}
-    if unknown:
-        raise DataError(f"{args.config[0]}: unknown key in [data] {sorted(unknown)[0]!r}")
-    cfg = {}
-    for key, (typ, default, _) in OPTIONS.items():
-        section, name = key.split(".")
-        low = int(section != "data")  # sizes are >= 1, the data.* counts >= 0
-        value = vars(args)[key] if vars(args)[key] is not None else toml.get(section, {}).get(name, default)
-        if isinstance(value, bool) or not isinstance(value, typ) or (typ is int and value < low):
-            raise DataError(f"{key} = {value!r}: expected {typ.__name__}{f' >= {low}' if typ is int else ''}")
-        cfg[key] = value
-    validation = toml.get("validation", {}).get("sources")
-    return args, cfg, sources_from_toml(toml.get("data", {}).get("sources"), args.config[0]), \
-        sources_from_toml(validation, args.config[0], "validation") if validation else []
-
-
-def main(argv=None):
-    args, cfg, sources, validation = load_config(sys.argv[1:] if argv is None else argv)
+    args, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+    cfg = train.load_config([x for path in args.config or [] for x in ("--config", path)] + rest)  # as train.py
+    train.validate(cfg, world_size=1)
+    sources, validation = cfg.data.sources, cfg.validation.sources
     if args.manifest:
         write_manifest(manifest := make_manifest(sources, validation), args.manifest)
         for e in manifest["data"] + manifest["validation"]:
             print(f"{e['name']:>16}: {len(e['files']):>6,} files {sum(f[1] for f in e['files']):>18,} bytes  "
                   + (f"{e['path']}@{e['commit']}" if e["commit"] else e["path"]))
         return print(f"wrote {args.manifest} (sha256 {manifest_sha256(manifest)}); use it with [data] manifest")
-    manifest = pinned_manifest(cfg["data.manifest"], "", sources, []) if cfg["data.manifest"] else None
-    tok, workers = Tokenizer(cfg["model.tokenizer_path"]), cfg["data.num_workers"]
-    loader = DataLoader(sources, tok, cfg["training.seq_len"], cfg["training.local_batch_size"], 0, 1, 1,
-                        cfg["data.seed"], workers, manifest)
+    manifest = pinned_manifest(cfg.data.manifest, "", sources, []) if cfg.data.manifest else None
+    tok, workers = Tokenizer(cfg.model.tokenizer_path), cfg.data.num_workers
+    loader = DataLoader(sources, tok, cfg.training.seq_len, cfg.training.local_batch_size, 0, 1, 1,
+                        cfg.data.seed, workers, manifest)
     import torch  # noqa: F401  (imported by the first batch otherwise, and timed with it)
     try:
         for i in range(args.show):
@@ -773,8 +477,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from config import ConfigError
     try:
         main()
-    except DataError as e:  # the user's input, not a bug: one line
+    except (ConfigError, DataError) as e:  # the user's input, not a bug: one line
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

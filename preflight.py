@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import data
+import sources
 import train
 from bench import estimate_memory, fail, model_and_sizes
 from metrics import peak_tflops
@@ -113,21 +114,22 @@ def hub_unreachable() -> str:
 def read_sources(cfg) -> dict:
     """{source: "" or why this node cannot use it}: every source's files resolve (from the given manifest, else as
     a run would resolve them) and its first document reads."""
-    sources = [("data", s) for s in cfg.data.sources] + [("validation", s) for s in cfg.validation.sources]
+    configured = [("data", s) for s in cfg.data.sources] + [("validation", s) for s in cfg.validation.sources]
     # Hub ids look like org/name and are not local folders; one request says whether this node reaches the Hub.
-    hub = {src.path for _, src in sources
+    hub = {src.path for _, src in configured
            if not os.path.exists(src.path) and re.fullmatch(r"[\w.-]+/[\w.-]+", src.path)}
     offline, errors = hub_unreachable() if hub else "", {}
-    for kind, src in sources:
+    for kind, src in configured:
         name = f"{kind} source {src.name!r} ({src.path})"
         errors[name] = offline if src.path in hub and not cfg.data.manifest else ""
         if errors[name]:
             continue
         srcs = ([src], []) if kind == "data" else ([], [src])
         try:
-            m = data.pinned_manifest(cfg.data.manifest, "", *srcs) if cfg.data.manifest else data.make_manifest(*srcs)
-            data.SourceReader(src, data.source_files(m, src, kind), 0, 1, 0, ordered=True).next_text()
-        except data.DataError as e:
+            m = sources.pinned_manifest(cfg.data.manifest, "", *srcs) if cfg.data.manifest else \
+                sources.make_manifest(*srcs)
+            data.SourceReader(src, sources.source_files(m, src, kind), 0, 1, 0, ordered=True).next_text()
+        except sources.DataError as e:
             errors[name] = str(e)
     return errors
 

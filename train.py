@@ -42,9 +42,10 @@ import config
 import float8
 from checkpoint import Checkpointer, CheckpointError, SaveError
 from config import ConfigError, to_toml, unknown
-from data import DataError, DataLoader, Tokenizer, heldout_windows, manifest_sha256, pinned_manifest, verify_manifest
+from data import DataLoader, Tokenizer, heldout_windows
 from metrics import MetricsLogger, memory_stats, peak_tflops
 from model import Transformer, flavors, keyed_normal_
+from sources import DataError, DataSource, manifest_sha256, pinned_manifest, verify_manifest
 
 logger = logging.getLogger("train")
 
@@ -161,7 +162,7 @@ class Data:
     num_streams: int = 0  # logical data streams (a multiple of the DP degree); 0: the DP degree
     num_workers: int = 0  # loader processes per rank that read and tokenize ahead; 0: in the training process
     manifest: str = ""  # a manifest from `data.py --manifest PATH`; empty: dump_folder/data_manifest.json, made at the first start
-    sources: list = field(default_factory=list)  # [[data.sources]] tables: name, path, config, data_files, split, revision, text_column, weight
+    sources: list[DataSource] = field(default_factory=list)  # [[data.sources]] tables: name, path, config, data_files, split, revision, text_column, weight
 
 
 @dataclass
@@ -170,7 +171,7 @@ class Validation:
     freq: int = 500  # steps between rounds
     steps: int = 10  # batches per source per round (the same sequences every round); -1: the whole held-out set
     local_batch_size: int = 8  # sequences per data-parallel rank per batch
-    sources: list = field(default_factory=list)  # [[validation.sources]] tables, keys as in [[data.sources]] (weight unused)
+    sources: list[DataSource] = field(default_factory=list)  # [[validation.sources]] tables, keys as in [[data.sources]] (weight unused)
 
 
 @dataclass
@@ -201,12 +202,10 @@ def load_config(argv) -> Config:
 
 
 def flavor_args(cfg: Config, vocab_size: int = 0, bos_id=None):
-    """The flavor's ModelArgs with model.n_layers and attn_mask_type applied, and the tokenizer's vocab_size
-    and document-start token when given."""
+    """The flavor's ModelArgs with [model]'s settings, and the tokenizer's vocab_size and BOS when given."""
     args = flavors[cfg.model.flavor]
-    return dataclasses.replace(args, n_layers=cfg.model.n_layers or args.n_layers,
-                               vocab_size=vocab_size or args.vocab_size,
-                               attn_mask_type=cfg.model.attn_mask_type, bos_id=bos_id)
+    return dataclasses.replace(args, n_layers=cfg.model.n_layers or args.n_layers, bos_id=bos_id,
+                               vocab_size=vocab_size or args.vocab_size, attn_mask_type=cfg.model.attn_mask_type)
 
 
 def validate(cfg: Config, world_size: int) -> dict:
@@ -273,6 +272,8 @@ def validate(cfg: Config, world_size: int) -> dict:
                           f"{t.local_batch_size} x data-parallel degree {dp}")
     if not cfg.data.sources:
         raise ConfigError("data.sources is empty; add [[data.sources]] tables to the TOML")
+    if sum(s.weight for s in cfg.data.sources) <= 0:
+        raise ConfigError("the data.sources weights sum to 0; give one source a positive weight")
     if v.enable and not v.sources:
         raise ConfigError("validation.enable is set but validation.sources is empty; add [[validation.sources]] tables")
     streams = cfg.data.num_streams or dp
@@ -495,8 +496,7 @@ def load_heldout(cfg: Config, tokenizer, model_args, dp_rank: int, dp: int, mani
     sequences (all of them for steps = -1), row i on rank i % dp. Ranks with fewer rows are padded with
     label -100 (ignored), so every rank runs the same number of forwards (FSDP's collectives); the positions
     training leaves out (ignore_boundaries) are left out here too."""
-    v, seq_len = cfg.validation, cfg.training.seq_len
-    heldout = {}
+    v, seq_len, heldout = cfg.validation, cfg.training.seq_len, {}
     for src in v.sources:
         limit = None if v.steps == -1 else v.steps * v.local_batch_size * dp
         windows = heldout_windows(src, tokenizer, seq_len, limit, manifest)

@@ -9,7 +9,15 @@ lists and templates below), hence free to redistribute, and deliberately
 repetitive so that a tiny LM's loss drops within a few dozen steps.
 Needs: pyarrow, tiktoken, regex (tiktoken cannot pre-tokenize on its own).
 """
-import base64, gzip, json, math, os, random, shutil, time, uuid
+import base64
+import gzip
+import json
+import math
+import os
+import random
+import shutil
+import time
+import uuid
 from collections import Counter, defaultdict
 from datetime import datetime, timedelta, timezone
 

@@ -548,7 +548,10 @@ def test_errors_are_one_line_in_process(name, tmp_path, capsys):
 # --- peak memory ----------------------------------------------------------------------------------------
 
 MEASURE = """if 1:
-    import os, resource, sys, checkpoint_convert as C
+    import os
+    import resource
+    import sys
+    import checkpoint_convert as C
     workdir, C.MAX_SHARD_BYTES = sys.argv[1], int(sys.argv[2])
     for command, src, dst in [("torch2dcp", "meta", "dcp"), ("dcp2torch", "dcp", "meta2"),
                               ("dcp2hf", "dcp", "hf"), ("hf2dcp", "hf", "dcp2")]:

@@ -44,7 +44,7 @@ def tool_parser(tool: str) -> argparse.ArgumentParser:
     argparse.ArgumentParser.parse_args = argparse.ArgumentParser.parse_known_args = grab
     try:
         module = __import__(tool)
-        {"bench": lambda: module.main([]), "preflight": lambda: module.main([]), "data": lambda: module.load_config([]),
+        {"bench": lambda: module.main([]), "preflight": lambda: module.main([]), "data": lambda: module.main([]),
          "checkpoint_convert": lambda: module.main([])}[tool]()
     except _Parsed as got:
         return got.parser
@@ -107,7 +107,7 @@ def problems(name: str, text: str, keys: dict, parsers: dict) -> list:
                 parser = subs[words[0]]
             for word in words:
                 option = word.partition("=")[0]
-                if not option.startswith("--") or ("." in option and tool != "data"):
+                if not option.startswith("--") or "." in option:
                     continue  # a value, or a train.py config key passed on (checked above)
                 if option not in parser._option_string_actions:
                     out.append(f"{name}: {tool}.py{' ' + words[0] if subs else ''} has no option {option}")

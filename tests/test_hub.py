@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import time
-import tomllib
 
 import pytest
 import torch
@@ -20,7 +19,10 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import data  # noqa: E402
-from data import DataError, DataLoader, DataSource, Tokenizer  # noqa: E402
+import train  # noqa: E402
+from data import DataLoader, Tokenizer  # noqa: E402
+import sources  # noqa: E402
+from sources import DataError, DataSource  # noqa: E402
 from hub_fixture import Hub, make_repos, point_libraries_at, write_mirror  # noqa: E402
 
 TOKEN = "hf_testTokenThatMustNeverBePrinted123"
@@ -57,8 +59,7 @@ def tok():
 
 
 def shipped_sources() -> list:
-    with open(os.path.join(ROOT, "configs", "llama3_8b.toml"), "rb") as f:
-        return data.sources_from_toml(tomllib.load(f)["data"]["sources"], "llama3_8b.toml")
+    return train.load_config(["--config", os.path.join(ROOT, "configs", "llama3_8b.toml")]).data.sources
 
 
 def batches(loader, n: int) -> list:
@@ -174,7 +175,7 @@ def test_hub_refusals_end_with_one_line_naming_the_repo_and_what_to_do(hub, tok,
     msg = error(DataSource(name="fm", path="HuggingFaceTB/finemath", config="finemath-3plus"))
     assert "the Hub refused 'HuggingFaceTB/finemath' (HTTP 404) while reading hf://" in msg and not sleeps
     # a server that stays down: the retries run out, then one line
-    monkeypatch.setattr(data, "RETRY_DELAYS", (1, 2))
+    monkeypatch.setattr(sources, "RETRY_DELAYS", (1, 2))
     hub.faults = {"finemath-3plus/train-": [503] * 100}
     msg = error(DataSource(name="fm", path="HuggingFaceTB/finemath", config="finemath-3plus"))
     assert "failed 3 times (HfHubHTTPError" in msg and "503" in msg
@@ -212,13 +213,11 @@ def test_train_py_on_the_shipped_hub_sources_trains_resumes_and_eats_the_mirrors
     """The debug model trained by train.py on the 8B config's six hub sources and its C4 validation split: it
     trains, a resume from step 2 replays steps 3-4 exactly, the tokens it eats per source are those a loader
     reads from local mirrors of the same files, and HF_TOKEN reaches neither the output nor the dump folder."""
-    import train
-    with open(os.path.join(ROOT, "configs", "llama3_8b.toml"), "rb") as f:
-        shipped = tomllib.load(f)
     cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml"), "--validation.steps", "1",
                              "--validation.local_batch_size", "4"])
     cfg.data.sources = shipped_sources()
-    cfg.validation.sources = data.sources_from_toml(shipped["validation"]["sources"], "llama3_8b.toml", "validation")
+    cfg.validation.sources = train.load_config(["--config", os.path.join(ROOT, "configs", "llama3_8b.toml")]
+                                               ).validation.sources
     (tmp_path / "hub.toml").write_text(train.to_toml(cfg))
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
     env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf"), HF_TOKEN=TOKEN, OMP_NUM_THREADS="1")

@@ -20,7 +20,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import data  # noqa: E402
-from data import DataError, DataSource  # noqa: E402
+import sources  # noqa: E402
+from sources import DataError, DataSource  # noqa: E402
 from hub_fixture import Hub, _jsonl_gz, _parquet, make_repos, point_libraries_at, push  # noqa: E402
 
 llama_models = pytest.importorskip("llama_models")
@@ -61,9 +62,8 @@ def hub_job(tmp_path_factory):
     try:
         # One resolution in a fresh process (this one has caches of earlier tests: the Hub client's one-time
         # lookups, dataset cards), with its own empty HF_HOME, as a rank starts.
-        code = ("import json, sys, tomllib, data; t = tomllib.load(open(sys.argv[1], 'rb')); print(json.dumps("
-                "data.make_manifest(data.sources_from_toml(t['data']['sources'], '8b'), "
-                "data.sources_from_toml(t['validation']['sources'], '8b', 'validation'))))")
+        code = ("import json, sys, sources, train; c = train.load_config(['--config', sys.argv[1]]); "
+                "print(json.dumps(sources.make_manifest(c.data.sources, c.validation.sources)))")
         ref = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "configs", "llama3_8b.toml")], cwd=ROOT,
                              capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HOME": str(tmp / "hf_ref"),
                                                                                "HF_HUB_OFFLINE": "0"})
@@ -194,14 +194,14 @@ def test_a_shard_replaced_by_other_bytes_is_one_line_and_nothing_is_written(offl
 def test_manifest_of_local_folders_is_deterministic_and_readers_use_only_its_files(tmp_path, monkeypatch):
     shutil.copytree(os.path.join(ROOT, "assets", "data", "c4"), tmp_path / "c4")
     src = DataSource(name="c4", path=str(tmp_path / "c4"), data_files="en/c4-train.*.json.gz")
-    a, b = data.make_manifest([src]), data.make_manifest([src])
+    a, b = sources.make_manifest([src]), sources.make_manifest([src])
     assert a == b and data.manifest_sha256(a) == data.manifest_sha256(b)
     assert [f[0] for f in a["data"][0]["files"]] == ["en/c4-train.00000-of-00002.json.gz",
                                                      "en/c4-train.00001-of-00002.json.gz"]
-    data.write_manifest(a, str(tmp_path / "m.json"))
+    sources.write_manifest(a, str(tmp_path / "m.json"))
     assert json.load(open(tmp_path / "m.json")) == a
     # with a manifest, nothing is resolved again: not by the loader, nor its workers, nor the held-out reader
-    monkeypatch.setattr(data, "resolve_files", lambda *args: pytest.fail("resolved again"))
+    monkeypatch.setattr(sources, "resolve_files", lambda *args: pytest.fail("resolved again"))
     tok = data.Tokenizer(os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model"))
     loader = data.DataLoader([src], tok, 64, 2, 0, 1, 1, num_workers=1, manifest=a)
     next(loader)
@@ -212,18 +212,18 @@ def test_manifest_of_local_folders_is_deterministic_and_readers_use_only_its_fil
 def test_manifest_errors_are_one_line(tmp_path):
     src = DataSource(name="c4", path=os.path.join(ROOT, "assets", "data", "c4"), data_files="en/c4-train.*.json.gz")
     with pytest.raises(DataError, match=r"data manifest .*missing.json cannot be used: .*data.py --config C --manifest"):
-        data.pinned_manifest(str(tmp_path / "missing.json"), str(tmp_path), [src], [])
-    data.write_manifest(data.make_manifest([src]), str(tmp_path / data.MANIFEST))
+        sources.pinned_manifest(str(tmp_path / "missing.json"), str(tmp_path), [src], [])
+    sources.write_manifest(sources.make_manifest([src]), str(tmp_path / sources.MANIFEST))
     other = DataSource(name="c4", path=src.path, data_files="en/c4-validation.*.json.gz")
     with pytest.raises(DataError, match="has no data source 'c4' as configured .* made for other sources") as e:
-        data.pinned_manifest("", str(tmp_path), [other], [])
+        sources.pinned_manifest("", str(tmp_path), [other], [])
     assert "\n" not in str(e.value)
-    manifest = data.pinned_manifest("", str(tmp_path), [src], [])
-    assert data.verify_manifest(manifest) == ""
+    manifest = sources.pinned_manifest("", str(tmp_path), [src], [])
+    assert sources.verify_manifest(manifest) == ""
     manifest["data"][0]["files"][0][0] = "en/gone.json.gz"
     assert re.match(r"data source 'c4': .*en/gone.json.gz is missing since this run's data manifest",
-                    data.verify_manifest(manifest))
-    assert data.verify_manifest(manifest, part=0, parts=2) == ""  # the other rank's share is intact
+                    sources.verify_manifest(manifest))
+    assert sources.verify_manifest(manifest, part=0, parts=2) == ""  # the other rank's share is intact
 
 
 def test_the_changed_check_reads_only_the_ends_of_a_big_file(tmp_path):
@@ -231,11 +231,11 @@ def test_the_changed_check_reads_only_the_ends_of_a_big_file(tmp_path):
     big = tmp_path / "big.json.gz"
     big.write_bytes(gzip.compress(os.urandom(3 << 20), compresslevel=0))
     size = os.path.getsize(big)
-    base = data._ends_sha256(str(big), size)
+    base = sources.ends_sha256(str(big), size)
     raw = bytearray(big.read_bytes())
     raw[size // 2] ^= 0xFF  # the middle is not read: not seen (the size is, and a hub file is immutable)
     big.write_bytes(bytes(raw))
-    assert data._ends_sha256(str(big), size) == base
+    assert sources.ends_sha256(str(big), size) == base
     raw[-10] ^= 0xFF
     big.write_bytes(bytes(raw))
-    assert data._ends_sha256(str(big), size) != base
+    assert sources.ends_sha256(str(big), size) != base

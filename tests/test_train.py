@@ -48,8 +48,10 @@ def test_activation_checkpointing_does_not_change_the_math(baseline, tmp_path, m
 # One forward + backward of the trainer's parallelized model per AC mode, counting the matmuls and attention
 # calls that run (recomputation runs them again). A process of its own: it opens a 1-rank process group.
 COUNT_OPS = r"""
-import collections, json
-import torch, torch.distributed as dist
+import collections
+import json
+import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 import train

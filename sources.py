@@ -1,0 +1,261 @@
+"""Where the data is: each source's files (a Hub dataset at a commit, or a local folder), resolved once per run into
+the data manifest, and read back byte for byte. data.py turns what is read here into batches.
+
+    DataSource            one [[data.sources]] / [[validation.sources]] table
+    resolve_files         the source's files, as `datasets` resolves a Hub id (README configs, data_files globs)
+                          or a local folder, with retries for transient errors
+    pinned_manifest       the run's data_manifest.json: made once by rank 0 at the first start, read on resume
+    verify_manifest       local files still the bytes the manifest recorded
+    open_file             one file of the manifest: HubFile (ranged GETs at the pinned commit) or fsspec
+"""
+
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import fsspec
+
+# Pauses before retrying after a transient error (connection, timeout, HTTP 408/429/5xx): about 4 minutes
+# in all, then stop. Anything else (a corrupt file, 401/403/404) stops at once.
+RETRY_DELAYS = (1, 2, 4, 8, 16, 32, 60, 60, 60)
+TRANSIENT = ("ConnectionError", "TimeoutError", "TransportError", "Timeout", "TimeoutException", "NetworkError",
+             "RemoteProtocolError", "ChunkedEncodingError", "IncompleteRead", "ClientConnectionError")
+logger = logging.getLogger("data")
+
+
+class DataError(ValueError):
+    """A problem with the user's tokenizer, data or data config (not a bug): its text is one line, which
+    train.py and the CLI print as is (exit 2)."""
+
+
+@dataclass
+class DataSource:
+    name: str = ""  # label used in logs and metrics.jsonl
+    path: str = ""  # hub dataset id (allenai/c4) or a local folder with json/json.gz/jsonl/parquet
+    config: Optional[str] = None  # hub config name (e.g. "en"), optional
+    data_files: Optional[str] = None  # glob relative to path, optional
+    split: str = "train"  # dataset split
+    revision: Optional[str] = None  # pinned hub revision (commit sha or tag), optional
+    text_column: str = "text"  # column holding the document text
+    weight: float = 1.0  # share of tokens (normalised over all sources)
+
+    def __post_init__(self):  # config.py turns this into one line naming the table
+        if not self.name or not self.path or not self.weight >= 0:
+            raise ValueError(f"needs a name, a path and a weight >= 0 (got name={self.name!r}, path={self.path!r}, "
+                             f"weight={self.weight!r})")
+
+
+def transient(e: BaseException) -> bool:
+    """A network blip worth a retry: a connection or timeout error, or HTTP 408/429/5xx, anywhere in the
+    chain of causes (the libraries wrap them). Corrupt content (a bad gzip, "ZSTD decompression failed")
+    is an OSError too, but no retry mends it."""
+    while e is not None:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if status is not None:
+            return status in (408, 429) or status >= 500
+        if any(c.__name__ in TRANSIENT for c in type(e).__mro__):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int):
+    """Pause before retrying a transient error; anything else, or one failure too many, is one DataError line."""
+    if isinstance(e, DataError):
+        raise e
+    if transient(e) and failures < len(RETRY_DELAYS):
+        logger.warning(f"data source {name!r}: {type(e).__name__} {what}; retrying in {RETRY_DELAYS[failures]} s")
+        return time.sleep(RETRY_DELAYS[failures])
+    reason, status = f"{type(e).__name__}: {str(e)[:300]}", getattr(getattr(e, "response", None), "status_code", None)
+    if status in (401, 403, 404) or type(e).__name__ in ("DatasetNotFoundError", "RepositoryNotFoundError"):
+        why = (f"the Hub refused {path!r}{f' (HTTP {status})' if status else ''} while {what}: check the dataset id "
+               "and revision; for a gated or private set log in (`hf auth login` or `huggingface-cli login`, or set "
+               "HF_TOKEN) and accept its terms on the dataset's Hub page")
+    else:
+        why = f"{what} failed " + (f"{failures + 1} times" if failures
+                                   else "at once: the file is damaged or unreadable")
+    raise DataError(f"data source {name!r}: {why} ({reason})".replace("\n", " ")) from e
+
+
+def resolve_files(path: str, config: Optional[str], data_files: Optional[str], split: str, revision: Optional[str],
+                  name: str = "") -> tuple:
+    """The source's files, sorted: `datasets` resolves a hub id (to hf:// URLs pinned to the commit the
+    revision points at; README configs and data_files globs as on the Hub) and a local folder alike."""
+    from datasets import load_dataset_builder
+    what = f"resolving the {split!r} files of path={path!r} config={config!r} data_files={data_files!r}"
+    for failures in range(len(RETRY_DELAYS) + 1):
+        try:
+            builder = load_dataset_builder(path, name=config, data_files=data_files, revision=revision)
+            return tuple(sorted(builder.config.data_files[split]))
+        except Exception as e:  # no files, no such folder or split: the user's paths, not the network
+            if isinstance(e, (FileNotFoundError, KeyError, ValueError)) and not transient(e) \
+                    and type(e).__name__ != "DatasetNotFoundError":
+                raise DataError(f"data source {name!r}: no {split!r} files for path={path!r} config={config!r} "
+                                f"data_files={data_files!r} ({type(e).__name__}: {e})".replace("\n", " "))
+            retry_or_raise(name, path, what, e, failures)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The data manifest: each source's files, resolved once per run and read by every rank and worker
+# ---------------------------------------------------------------------------------------------------
+
+MANIFEST = "data_manifest.json"  # in the dump folder, unless [data] manifest names one
+MIB = 1 << 20
+KEY = ("name", "path", "config", "data_files", "split", "revision")  # what decides a source's files
+
+
+def ends_sha256(path: str, size: int) -> str:
+    """sha256 of a local file's first and last MiB (all of it when small): a cheap "same bytes?" that,
+    unlike the modification time, copies do not reset and `rsync -a` does not keep for other bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(MIB))
+        f.seek(max(MIB, size - MIB))
+        h.update(f.read())
+    return h.hexdigest()
+
+
+def resolve_source(src: DataSource) -> dict:
+    """One manifest entry: the source's key, the commit a hub revision points at (None for a local folder)
+    and its sorted files as [name in the repo or folder, size] (+ the ends' sha256 for a local file)."""
+    urls, entry = resolve_files(src.path, src.config, src.data_files, src.split, src.revision, src.name), \
+        {k: getattr(src, k) for k in KEY}
+    hub = [re.fullmatch(r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)", u) for u in urls]
+    if all(hub):  # the listing `datasets` just made filled HfFileSystem's cache: the sizes cost no request
+        fs = fsspec.filesystem("hf")
+        return {**entry, "commit": hub[0][2], "files": [[m[3], fs.info(u)["size"]] for m, u in zip(hub, urls)]}
+    root, files = os.path.abspath(src.path), []
+    for u in urls:
+        size = os.path.getsize(u)
+        files.append([os.path.relpath(u, root), size, ends_sha256(u, size)])
+    return {**entry, "commit": None, "files": files}
+
+
+def make_manifest(sources, validation=()) -> dict:
+    return {"version": 1, "data": [resolve_source(s) for s in sources],
+            "validation": [resolve_source(s) for s in validation]}
+
+
+def manifest_sha256(manifest: dict) -> str:
+    """The run's data, as a resume key: the sha256 of the manifest's canonical JSON (not of its layout)."""
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_manifest(manifest: dict, path: str):
+    """Atomically: a crash leaves the old file or the new one, never half of one."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    text = json.dumps(manifest, indent=1)  # one line per file: JSON strings never hold a raw newline
+    text = re.sub(r"\[\n\s*([^\[\]{}]*?)\n\s*\]", lambda m: "[" + re.sub(r",\n\s*", ", ", m[1]) + "]", text)
+    with open(path + ".tmp", "w") as f:
+        f.write(text + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def source_files(manifest: dict, src: DataSource, section: str = "data") -> list:
+    """The source's files from the manifest, as (hf:// URL at the pinned commit, or local path, size)."""
+    e = next((e for e in manifest[section] if all(e[k] == getattr(src, k) for k in KEY)), None)
+    if e is None:
+        raise DataError(f"the data manifest has no {section} source {src.name!r} as configured (path={src.path!r} "
+                        f"config={src.config!r} data_files={src.data_files!r} split={src.split!r}): it was made for "
+                        "other sources; make a new one (python data.py --config C --manifest PATH) for a new run")
+    at = f"hf://datasets/{e['path']}@{e['commit']}/" if e["commit"] else ""
+    return [(at + name if at else os.path.join(e["path"], name), size) for name, size, *_ in e["files"]]
+
+
+def pinned_manifest(given: str, dump_folder: str, sources, validation) -> dict:
+    """The run's manifest: `given` ([data] manifest), else the dump folder's, made at the first start. Call it
+    on one rank. Local files that appeared since it was made are counted (one line per source), never read."""
+    path = given or os.path.join(dump_folder, MANIFEST)
+    if not os.path.exists(path) and not given:
+        write_manifest(make_manifest(sources, validation), path)
+        logger.info(f"data manifest: resolved {len(sources) + len(validation)} sources once, pinned in {path}")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        for section, srcs in (("data", sources), ("validation", validation)):
+            for s in srcs:
+                source_files(manifest, s, section)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        fix = ("make it with python data.py --config C --manifest PATH" if given else "delete it (this run's data "
+               "then is resolved again: only if no checkpoint is in the dump folder) or use a new dump_folder")
+        raise DataError(f"data manifest {path} cannot be used: {str(e)[:300]}; {fix}".replace("\n", " "))
+    for e in manifest["data"] + manifest["validation"]:  # local folders: listing one costs no request
+        if e["commit"] is None and os.path.isdir(e["path"]):
+            try:
+                now = resolve_files(*(e[k] for k in KEY[1:]), e["name"])
+            except DataError:
+                continue  # no files left: verify_manifest names them
+            new = len({os.path.relpath(u, os.path.abspath(e["path"])) for u in now} - {f[0] for f in e["files"]})
+            if new:
+                logger.info(f"data source {e['name']!r}: {new} new file(s) in {e['path']} since {path} was made are "
+                            "not read by this run; a new run (from the weights: checkpoint.initial_load_path) would")
+    return manifest
+
+
+def verify_manifest(manifest: dict, part: int = 0, parts: int = 1) -> str:
+    """'' if every local file of the manifest (this rank's share: every parts-th one) is there with its size
+    and the sha256 of its ends, else one line naming the first that is not. Hub files are immutable at a commit."""
+    local = sorted({(e["name"], e["path"], *f) for e in manifest["data"] + manifest["validation"] if not e["commit"]
+                    for f in e["files"]})
+    for name, root, rel, size, ends in local[part::parts]:
+        path, now = os.path.join(root, rel), None
+        try:
+            now = os.path.getsize(path)
+            same = now == size and ends_sha256(path, size) == ends
+        except OSError:
+            same = False
+        if not same:
+            what = "is missing" if now is None else "changed (other bytes, same size)" if now == size else \
+                f"changed (size {size:,} -> {now:,} bytes)"
+            return (f"data source {name!r}: {path} {what} since this run's data manifest was made; a run reads only "
+                    "the data it started with: put the file back, or start a new run (a new dump_folder, from the "
+                    "weights with checkpoint.initial_load_path)")
+    return ""
+
+
+class HubFile(io.RawIOBase):
+    """A hub file at its pinned commit, read by ranged GETs of its resolve URL: its bytes and nothing else
+    (HfFileSystem would look the repo up and list the file's folder once per process)."""
+
+    def __init__(self, url: str, size: int):
+        from huggingface_hub import hf_hub_url
+        repo, commit, name = re.fullmatch(r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)", url).groups()
+        self.url, self.size, self.pos = hf_hub_url(repo, name, repo_type="dataset", revision=commit), size, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def seek(self, offset: int, whence: int = 0):
+        self.pos = (offset, self.pos + offset, self.size + offset)[whence]
+        return self.pos
+
+    def readinto(self, buf) -> int:
+        from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
+        n = min(len(buf), self.size - self.pos)
+        if n <= 0:
+            return 0
+        byte_range = f"bytes={self.pos}-{self.pos + n - 1}"
+        r = http_backoff("GET", self.url, headers={**build_hf_headers(), "Range": byte_range})
+        hf_raise_for_status(r)
+        buf[:len(r.content)] = r.content
+        self.pos += len(r.content)
+        return len(r.content)
+
+
+def open_file(path: str, size: int):
+    """A file of the manifest, for reading: a hub one at its commit, anything else through fsspec."""
+    if path.startswith("hf://"):
+        return HubFile(path, size)
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    return fs.open(fs_path, "rb", cache_type="none")
