@@ -84,8 +84,8 @@ def test_docs_come_from_comments_in_any_layout_and_a_field_may_have_none():
                                   "tail": "after a '#' inside a string"}
 
 
-def test_a_forkers_new_field_needs_no_doc_and_is_a_resume_key(tmp_path):
-    """Add `z_loss: float = 0.0` to [training] as a forker would (no comment): --help and training work, and
+def test_a_new_field_needs_no_doc_and_is_a_resume_key(tmp_path):
+    """Add `z_loss: float = 0.0` to [training] as a research edit would (no comment): --help and training work, and
     a resume with another value is refused naming it, with no edit to the resume keys."""
     fork = tmp_path / "fork"
     fork.mkdir()
