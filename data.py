@@ -31,7 +31,8 @@ from typing import Optional
 import fsspec
 import pyarrow.parquet as pq
 
-from sources import MIB, DataError, DataSource, HubFile, make_manifest, manifest_sha256, open_file, pinned_manifest
+from sources import HUB_TIMEOUT, MIB, DataError, DataSource, HubFile, make_manifest, manifest_sha256, open_file
+from sources import pinned_manifest
 from sources import retry_or_raise, source_files, write_manifest
 
 
@@ -102,8 +103,10 @@ class SourceReader:
     row of every file.
     """
 
-    def __init__(self, src: DataSource, files: list, stream: int, num_streams: int, seed: int, ordered: bool = False):
+    def __init__(self, src: DataSource, files: list, stream: int, num_streams: int, seed: int, ordered: bool = False,
+                 timeout: float = HUB_TIMEOUT):
         self.src, self.stream, self.num_streams, self.seed, self.ordered = src, stream, num_streams, seed, ordered
+        self.timeout = timeout  # seconds a hub read may go without a byte before it is retried
         self.files = [tuple(f) for f in files]
         self.epoch, self.file, self.row = 0, 0, 0  # the next document to read
         self.at, self._it = 0, None  # the row being read (for error messages), the document iterator
@@ -119,7 +122,7 @@ class SourceReader:
         """(row, text) of one file from row `start` on: parquet seeks by row group, json skips lines."""
         col, self.at = self.src.text_column, start
         if path.endswith(".parquet"):  # exact range reads, no read-ahead: the footer, then the row groups needed
-            with open_file(path, size) as f:
+            with open_file(path, size, self.timeout) as f:
                 pf, first = pq.ParquetFile(f), 0
                 if col not in pf.schema_arrow.names:
                     raise DataError(f"data source {self.src.name!r}: no column {col!r} in {path} (columns: "
@@ -134,7 +137,7 @@ class SourceReader:
             return
         # json lines, plain or compressed (the extension says which); a hub file in 8 MiB ranges
         compression = fsspec.utils.infer_compression(path)
-        with open_file(path, size) as raw:
+        with open_file(path, size, self.timeout) as raw:
             f = io.BufferedReader(raw, 8 * MIB) if isinstance(raw, HubFile) else raw
             f = fsspec.compression.compr[compression](f, mode="rb") if compression else f
             for row, line in enumerate(f):
@@ -192,13 +195,13 @@ class SourceReader:
 
 
 def heldout_windows(src: DataSource, tokenizer: Tokenizer, seq_len: int, limit: Optional[int] = None,
-                    manifest: Optional[dict] = None) -> list:
+                    manifest: Optional[dict] = None, timeout: float = HUB_TIMEOUT) -> list:
     """The first `limit` (None: all) windows of seq_len + 1 tokens of one source, for validation: its files
     (from the manifest's validation sources; None: resolved now) in sorted order, read once from the start
     (no shuffle, no epochs), documents packed as in training. The same arguments give the same windows."""
     out, buf = [], []
     files = source_files(manifest or make_manifest([], [src]), src, "validation")
-    for text in SourceReader(src, files, 0, 1, 0, ordered=True).texts(one_pass=True):
+    for text in SourceReader(src, files, 0, 1, 0, ordered=True, timeout=timeout).texts(one_pass=True):
         buf += tokenizer.encode(text)
         while len(buf) > seq_len and (limit is None or len(out) < limit):
             out.append(buf[:seq_len + 1])
@@ -223,10 +226,10 @@ class PackedStream:
     """
 
     def __init__(self, sources, files: list, tokenizer: Tokenizer, seq_len: int, stream: int, num_streams: int,
-                 seed: int):
+                 seed: int, timeout: float = HUB_TIMEOUT):
         total = sum(s.weight for s in sources)
         self.shares = [s.weight / total for s in sources]
-        self.readers = [SourceReader(s, f, stream, num_streams, seed) for s, f in zip(sources, files)]
+        self.readers = [SourceReader(s, f, stream, num_streams, seed, timeout=timeout) for s, f in zip(sources, files)]
         self.tok, self.seq_len = tokenizer, seq_len
         self.counts = [0] * len(sources)  # tokens emitted per source
         self.positions = [r.state_dict() for r in self.readers]  # per source: where its next document is
@@ -281,8 +284,8 @@ def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int):
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked from the fork to here: none got through
     tok, readers = Tokenizer(tokenizer_path), {}
-    for key, src, files, stream, num_streams, seed, position in jobs:  # the files come from the trainer: no listing
-        readers[key] = SourceReader(src, files, stream, num_streams, seed)
+    for key, src, files, stream, num_streams, seed, timeout, position in jobs:  # the files come from the trainer
+        readers[key] = SourceReader(src, files, stream, num_streams, seed, timeout=timeout)
         readers[key].load_state_dict(position)
     try:
         while not stop.is_set() and os.getppid() == parent:  # another parent pid: the trainer died
@@ -322,7 +325,7 @@ class Workers:
         old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             for w in range(min(num_workers, len(pairs))):
-                jobs = [((s, i), r.src, r.files, r.stream, r.num_streams, r.seed, streams[s].positions[i])
+                jobs = [((s, i), r.src, r.files, r.stream, r.num_streams, r.seed, r.timeout, streams[s].positions[i])
                         for s, i in pairs[w::num_workers] for r in [streams[s].readers[i]]]
                 self.procs.append(ctx.Process(target=_worker, daemon=True, args=(
                     streams[0].tok.path, jobs, {k: self.queues[k] for k, *_ in jobs}, self.stop, os.getpid())))
@@ -370,7 +373,8 @@ class DataLoader:
     """Batches for one data-parallel rank: (inputs, labels), each (local_batch_size, seq_len)."""
 
     def __init__(self, sources, tokenizer, seq_len: int, local_batch_size: int, dp_rank: int, dp_degree: int,
-                 num_streams: int = 0, seed: int = 0, num_workers: int = 0, manifest: Optional[dict] = None):
+                 num_streams: int = 0, seed: int = 0, num_workers: int = 0, manifest: Optional[dict] = None,
+                 timeout: float = HUB_TIMEOUT):
         num_streams = num_streams or dp_degree
         if num_streams % dp_degree or local_batch_size % (num_streams // dp_degree):
             raise DataError(f"data.num_streams={num_streams} must be a multiple of the data-parallel "
@@ -381,7 +385,8 @@ class DataLoader:
         self.stream_ids = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
         manifest = manifest or make_manifest(sources)  # None: resolved here (tests, the CLI); train.py pins one per run
         files = [source_files(manifest, s) for s in sources]
-        self.streams = [PackedStream(sources, files, tokenizer, seq_len, s, num_streams, seed) for s in self.stream_ids]
+        self.streams = [PackedStream(sources, files, tokenizer, seq_len, s, num_streams, seed, timeout)
+                        for s in self.stream_ids]
         self.per_stream = local_batch_size // per_rank
         self.num_workers, self.workers = num_workers, None
 
@@ -391,7 +396,7 @@ class DataLoader:
         unreadable source is a DataError there, not inside a step."""
         for st in self.streams:
             for r, position in zip(st.readers, st.positions):
-                probe = SourceReader(r.src, r.files, r.stream, r.num_streams, r.seed)
+                probe = SourceReader(r.src, r.files, r.stream, r.num_streams, r.seed, timeout=r.timeout)
                 probe.load_state_dict(position)
                 probe.next_text()
 
@@ -452,7 +457,7 @@ def main(argv=None):
     manifest = pinned_manifest(cfg.data.manifest, "", sources, []) if cfg.data.manifest else None
     tok, workers = Tokenizer(cfg.model.tokenizer_path), cfg.data.num_workers
     loader = DataLoader(sources, tok, cfg.training.seq_len, cfg.training.local_batch_size, 0, 1, 1,
-                        cfg.data.seed, workers, manifest)
+                        cfg.data.seed, workers, manifest, cfg.data.hub_timeout_seconds)
     import torch  # noqa: F401  (imported by the first batch otherwise, and timed with it)
     try:
         for i in range(args.show):

@@ -8,17 +8,34 @@ import importlib.util
 import logging
 import os
 import re
+from dataclasses import dataclass, field
 
 import torch
 
 from config import ConfigError
 
 logger = logging.getLogger("train")
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearConfig.from_recipe_name
 
 
-def check(converters: list) -> None:
-    """float8 needs torchao, and on a GPU float8 matmuls: CUDA SM 8.9+ or ROCm MI300+ (gfx942 reports 9.4)."""
-    if "float8" not in converters:
+@dataclass
+class Float8:  # train.py's [float8] section, used when model.converters has "float8"
+    recipe_name: str = "tensorwise"  # tensorwise (fastest), rowwise or rowwise_with_gw_hp (more accurate)
+    enable_fsdp_float8_all_gather: bool = False  # FSDP all-gathers the weights in float8 (1 byte instead of 2); tensorwise only
+    precompute_float8_dynamic_scale_for_fsdp: bool = False  # one all-reduce after optimizer.step computes every weight's scale (needs the float8 all-gather)
+    filter_fqns: list = field(default_factory=lambda: ["output"])  # Linear layers whose name contains one of these stay in high precision
+
+
+def check(cfg) -> None:
+    """The [float8] rules, on train.py's config, before any process group exists. float8 needs torchao, and on a
+    GPU float8 matmuls: CUDA SM 8.9+ or ROCm MI300+ (gfx942 reports 9.4)."""
+    f8 = cfg.float8
+    if f8.recipe_name not in RECIPES:
+        raise ConfigError(f"float8.recipe_name = {f8.recipe_name!r}: must be one of {', '.join(RECIPES)}")
+    if f8.enable_fsdp_float8_all_gather and f8.recipe_name != "tensorwise":
+        raise ConfigError("float8.enable_fsdp_float8_all_gather = True: must be false unless float8.recipe_name is "
+                          "tensorwise (torchao's rule)")
+    if "float8" not in cfg.model.converters:
         return
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("model.converters = [\"float8\"] needs torchao: pip install torchao==0.18.0")

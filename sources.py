@@ -2,19 +2,20 @@
 the data manifest, and read back byte for byte. data.py turns what is read here into batches.
 
     DataSource            one [[data.sources]] / [[validation.sources]] table
-    resolve_files         the source's files, as `datasets` resolves a Hub id (README configs, data_files globs)
-                          or a local folder, with retries for transient errors
+    resolve_files         the source's files (a Hub id as `datasets` resolves it, or a local folder), with retries
     pinned_manifest       the run's data_manifest.json: made once by rank 0 at the first start, read on resume
     verify_manifest       local files still the bytes the manifest recorded
     open_file             one file of the manifest: HubFile (ranged GETs at the pinned commit) or fsspec
 """
 
+import contextlib
 import hashlib
 import io
 import json
 import logging
 import os
 import re
+import socket
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -26,6 +27,7 @@ import fsspec
 RETRY_DELAYS = (1, 2, 4, 8, 16, 32, 60, 60, 60)
 TRANSIENT = ("ConnectionError", "TimeoutError", "TransportError", "Timeout", "TimeoutException", "NetworkError",
              "RemoteProtocolError", "ChunkedEncodingError", "IncompleteRead", "ClientConnectionError")
+HUB_TIMEOUT = 60.0  # seconds a Hub read may go without a byte: [data] hub_timeout_seconds
 logger = logging.getLogger("data")
 
 
@@ -129,7 +131,11 @@ def resolve_source(src: DataSource) -> dict:
     hub = [re.fullmatch(r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)", u) for u in urls]
     if all(hub):  # the listing `datasets` just made filled HfFileSystem's cache: the sizes cost no request
         fs = fsspec.filesystem("hf")
-        return {**entry, "commit": hub[0][2], "files": [[m[3], fs.info(u)["size"]] for m, u in zip(hub, urls)]}
+        for failures in range(len(RETRY_DELAYS) + 1):  # (unless the cache was cleared: then it is a request)
+            try:
+                return {**entry, "commit": hub[0][2], "files": [[m[3], fs.info(u)["size"]] for m, u in zip(hub, urls)]}
+            except Exception as e:
+                retry_or_raise(src.name, src.path, "reading the sizes of its files", e, failures)
     root, files = os.path.abspath(src.path), []
     for u in urls:
         size = os.path.getsize(u)
@@ -143,25 +149,40 @@ def make_manifest(sources, validation=()) -> dict:
 
 
 def manifest_sha256(manifest: dict) -> str:
-    """The run's data, as a resume key: the sha256 of the manifest's canonical JSON (not of its layout)."""
-    return hashlib.sha256(json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    """The run's training data, as a resume key: the sha256 of the canonical JSON (not the layout) of the
+    manifest's training sources. Validation sources are left out: a resume may add or drop one."""
+    data = {"version": manifest["version"], "data": manifest["data"]}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def write_manifest(manifest: dict, path: str):
-    """Atomically: a crash leaves the old file or the new one, never half of one."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    """Atomically: a crash leaves the old file or the new one, never half of one. The temporary file is this
+    process's own (two jobs on one folder, or a node sharing it, never write into one file)."""
     text = json.dumps(manifest, indent=1)  # one line per file: JSON strings never hold a raw newline
     text = re.sub(r"\[\n\s*([^\[\]{}]*?)\n\s*\]", lambda m: "[" + re.sub(r",\n\s*", ", ", m[1]) + "]", text)
-    with open(path + ".tmp", "w") as f:
-        f.write(text + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, "w") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk, a read-only or missing folder: the user's to fix
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise DataError(f"cannot write the data manifest {path}: {e.strerror or e}; free space there or choose "
+                        "another job.dump_folder (or --manifest PATH)") from e
+
+
+def manifest_entry(manifest: dict, src: DataSource, section: str):
+    """The manifest's entry for a configured source, or None."""
+    return next((e for e in manifest[section] if all(e[k] == getattr(src, k) for k in KEY)), None)
 
 
 def source_files(manifest: dict, src: DataSource, section: str = "data") -> list:
     """The source's files from the manifest, as (hf:// URL at the pinned commit, or local path, size)."""
-    e = next((e for e in manifest[section] if all(e[k] == getattr(src, k) for k in KEY)), None)
+    e = manifest_entry(manifest, src, section)
     if e is None:
         raise DataError(f"the data manifest has no {section} source {src.name!r} as configured (path={src.path!r} "
                         f"config={src.config!r} data_files={src.data_files!r} split={src.split!r}): it was made for "
@@ -180,13 +201,18 @@ def pinned_manifest(given: str, dump_folder: str, sources, validation) -> dict:
     try:
         with open(path) as f:
             manifest = json.load(f)
-        for section, srcs in (("data", sources), ("validation", validation)):
-            for s in srcs:
-                source_files(manifest, s, section)
+        for s in sources:
+            source_files(manifest, s, "data")
+        new = [s for s in validation if manifest_entry(manifest, s, "validation") is None]
     except (OSError, ValueError, KeyError, TypeError) as e:
         fix = ("make it with python data.py --config C --manifest PATH" if given else "delete it (this run's data "
                "then is resolved again: only if no checkpoint is in the dump folder) or use a new dump_folder")
         raise DataError(f"data manifest {path} cannot be used: {str(e)[:300]}; {fix}".replace("\n", " "))
+    if new:  # validation sources are pinned when first used: a resume may add one (or drop one)
+        manifest["validation"] += [resolve_source(s) for s in new]
+        if not given:  # a manifest the user made is theirs: the added sources are pinned for this start only
+            write_manifest(manifest, path)
+        logger.info(f"data manifest: validation source(s) {', '.join(s.name for s in new)} pinned now")
     for e in manifest["data"] + manifest["validation"]:  # local folders: listing one costs no request
         if e["commit"] is None and os.path.isdir(e["path"]):
             try:
@@ -225,10 +251,11 @@ class HubFile(io.RawIOBase):
     """A hub file at its pinned commit, read by ranged GETs of its resolve URL: its bytes and nothing else
     (HfFileSystem would look the repo up and list the file's folder once per process)."""
 
-    def __init__(self, url: str, size: int):
+    def __init__(self, url: str, size: int, timeout: float):
         from huggingface_hub import hf_hub_url
         repo, commit, name = re.fullmatch(r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)", url).groups()
         self.url, self.size, self.pos = hf_hub_url(repo, name, repo_type="dataset", revision=commit), size, 0
+        self.timeout = timeout
 
     def readable(self):
         return True
@@ -245,17 +272,29 @@ class HubFile(io.RawIOBase):
         n = min(len(buf), self.size - self.pos)
         if n <= 0:
             return 0
-        byte_range = f"bytes={self.pos}-{self.pos + n - 1}"
-        r = http_backoff("GET", self.url, headers={**build_hf_headers(), "Range": byte_range})
+        first, last = self.pos, self.pos + n - 1
+        # huggingface_hub's client waits forever by default: a connection that stops sending would hang the rank.
+        # A timeout makes it a TimeoutException, retried by http_backoff for the same bytes (past its retries,
+        # data.py re-opens the file where the stream was). Redirects (to the CDN) keep the Range header.
+        r = http_backoff("GET", self.url, headers={**build_hf_headers(), "Range": f"bytes={first}-{last}"},
+                         timeout=self.timeout)
         hf_raise_for_status(r)
-        buf[:len(r.content)] = r.content
-        self.pos += len(r.content)
-        return len(r.content)
+        body = r.content
+        if r.status_code == 200 and len(body) == self.size:  # Range ignored: the whole file, which has our bytes
+            body = body[first:last + 1]
+        elif r.status_code != 206 or not r.headers.get("Content-Range", "").startswith(f"bytes {first}-") \
+                or not 0 < len(body) <= n:
+            raise OSError(f"asked {self.url} for bytes {first}-{last} and got HTTP {r.status_code} with "
+                          f"{len(body):,} bytes (Content-Range {r.headers.get('Content-Range')!r}), not those bytes")
+        buf[:len(body)] = body
+        self.pos += len(body)
+        return len(body)
 
 
-def open_file(path: str, size: int):
-    """A file of the manifest, for reading: a hub one at its commit, anything else through fsspec."""
+def open_file(path: str, size: int, timeout: float = HUB_TIMEOUT):
+    """A file of the manifest, for reading: a hub one at its commit (`timeout`: seconds without a byte before a
+    read is retried), anything else through fsspec."""
     if path.startswith("hf://"):
-        return HubFile(path, size)
+        return HubFile(path, size, timeout)
     fs, fs_path = fsspec.core.url_to_fs(path)
     return fs.open(fs_path, "rb", cache_type="none")

@@ -43,6 +43,7 @@ import float8
 from checkpoint import Checkpointer, CheckpointError, SaveError
 from config import ConfigError, to_toml, unknown
 from data import DataLoader, Tokenizer, heldout_windows
+from float8 import Float8
 from metrics import MetricsLogger, memory_stats, peak_tflops
 from model import Transformer, flavors, keyed_normal_
 from sources import DataError, DataSource, manifest_sha256, pinned_manifest, verify_manifest
@@ -134,14 +135,6 @@ class Compile:
 
 
 @dataclass
-class Float8:  # used when model.converters has "float8"
-    recipe_name: str = "tensorwise"  # tensorwise (fastest), rowwise or rowwise_with_gw_hp (more accurate)
-    enable_fsdp_float8_all_gather: bool = False  # FSDP all-gathers the weights in float8 (1 byte instead of 2); tensorwise only
-    precompute_float8_dynamic_scale_for_fsdp: bool = False  # one all-reduce after optimizer.step computes every weight's scale (needs the float8 all-gather)
-    filter_fqns: list = field(default_factory=lambda: ["output"])  # Linear layers whose name contains one of these stay in high precision
-
-
-@dataclass
 class Metrics:
     log_freq: int = 10  # log every this many steps
     enable_tensorboard: bool = False  # also write TensorBoard events to dump_folder/tb
@@ -162,6 +155,8 @@ class Data:
     num_streams: int = 0  # logical data streams (a multiple of the DP degree); 0: the DP degree
     num_workers: int = 0  # loader processes per rank that read and tokenize ahead; 0: in the training process
     manifest: str = ""  # a manifest from `data.py --manifest PATH`; empty: dump_folder/data_manifest.json, made at the first start
+    hub_timeout_seconds: float = 60.0  # a Hub read that gets no byte for this long is retried from where it was
+    resolve_timeout_seconds: int = 1800  # the other ranks wait this long for rank 0 to resolve the sources (first start)
     sources: list[DataSource] = field(default_factory=list)  # [[data.sources]] tables: name, path, config, data_files, split, revision, text_column, weight
 
 
@@ -185,7 +180,7 @@ class Config:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
-    float8: Float8 = field(default_factory=Float8)
+    float8: Float8 = field(default_factory=Float8)  # float8.py: the section and its rules
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
     data: Data = field(default_factory=Data)
@@ -230,16 +225,14 @@ def validate(cfg: Config, world_size: int) -> dict:
         "lr_scheduler.decay_ratio": (lambda x: x == -1 or 0 < x <= 1, "-1 or in (0, 1]"),
         "checkpoint.keep_latest_k": nonneg, "checkpoint.load_step": (lambda x: x >= -1, "-1 or >= 0"),
         "metrics.peak_tflops": nonneg, "data.num_streams": nonneg, "data.num_workers": nonneg, "model.n_layers": nonneg,
+        "data.hub_timeout_seconds": positive, "data.resolve_timeout_seconds": pos,
         "validation.freq": pos, "validation.steps": minus1_or, "validation.local_batch_size": pos,
         "activation_checkpoint.mode": one_of("none", "full", "selective"),
         "model.attn_mask_type": one_of("causal", "block_causal"),
         "lr_scheduler.decay_type": one_of("linear", "cosine", "sqrt"),
         "training.mixed_precision_param": one_of("bfloat16", "float32"),
         "training.mixed_precision_reduce": one_of("bfloat16", "float32"), "optimizer.name": one_of("AdamW"),
-        "float8.recipe_name": one_of("tensorwise", "rowwise", "rowwise_with_gw_hp"),
         "model.converters": (lambda x: set(x) <= {"float8"}, '[] or ["float8"]'),
-        "float8.enable_fsdp_float8_all_gather": (lambda x: not x or cfg.float8.recipe_name == "tensorwise",
-                                                 "false unless float8.recipe_name is tensorwise (torchao's rule)"),
         "checkpoint.async_mode": one_of("disabled", "async"), "checkpoint.export_dtype": one_of("float32", "bfloat16"),
         "activation_checkpoint.selective_ac_option": (lambda x: x == "op" or (x.isdigit() and int(x) > 0),
                                                       "'op' or a positive integer"),
@@ -248,7 +241,7 @@ def validate(cfg: Config, world_size: int) -> dict:
         value = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
         if not ok(value):
             raise ConfigError(f"{key} = {value!r}: must be {allowed}")
-    float8.check(cfg.model.converters)
+    float8.check(cfg)
     args = flavor_args(cfg)
     if t.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {t.seq_len} exceeds the {cfg.model.flavor} model's "
@@ -293,7 +286,7 @@ RESUME_MAY_CHANGE = {
     "training.steps", "training.local_batch_size", "training.max_norm", "training.seed", "training.deterministic",
     "training.mixed_precision_param", "training.mixed_precision_reduce", "optimizer.lr", "lr_scheduler.warmup_steps",
     "lr_scheduler.decay_ratio", "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor", "model.tokenizer_path",
-    "data.num_workers", "data.manifest", "model.converters",
+    "data.num_workers", "data.manifest", "data.hub_timeout_seconds", "data.resolve_timeout_seconds", "model.converters",
 }
 
 
@@ -307,7 +300,7 @@ def run_keys(cfg: Config, model_args, sizes: dict, manifest: dict) -> dict:
         keys["model.tokenizer_sha256"] = hashlib.sha256(f.read()).hexdigest()
     keys.update({"model.n_layers": model_args.n_layers, "training.global_batch_size": sizes["global_batch_size"],
                  "data.num_streams": cfg.data.num_streams or sizes["dp"],
-                 "data.manifest_sha256": manifest_sha256(manifest)})
+                 "data.sources_sha256": manifest_sha256(manifest)})
     return keys
 
 
@@ -470,9 +463,7 @@ def ignore_boundaries(labels: torch.Tensor, args) -> torch.Tensor:
     """Labels with the positions that carry no signal set to -100 (ignored by the loss). Under block_causal
     that is each position whose label is a document's BOS: the token before it is the previous document's
     last one, and the mask hides everything of the new document from it. Causal keeps every position."""
-    if args.attn_mask_type != "block_causal":
-        return labels
-    return labels.masked_fill(labels == args.bos_id, -100)
+    return labels.masked_fill(labels == args.bos_id, -100) if args.attn_mask_type == "block_causal" else labels
 
 
 def lr_factor(step: int, cfg: Config) -> float:
@@ -499,7 +490,7 @@ def load_heldout(cfg: Config, tokenizer, model_args, dp_rank: int, dp: int, mani
     v, seq_len, heldout = cfg.validation, cfg.training.seq_len, {}
     for src in v.sources:
         limit = None if v.steps == -1 else v.steps * v.local_batch_size * dp
-        windows = heldout_windows(src, tokenizer, seq_len, limit, manifest)
+        windows = heldout_windows(src, tokenizer, seq_len, limit, manifest, cfg.data.hub_timeout_seconds)
         n = -(-len(windows) // (dp * v.local_batch_size)) * v.local_batch_size  # rows per rank, whole batches
         mine = torch.tensor(windows[dp_rank::dp], dtype=torch.long).reshape(-1, seq_len + 1)  # (rows, seq_len + 1)
         inputs = torch.zeros(n, seq_len, dtype=torch.long)
@@ -523,9 +514,8 @@ def evaluate(model, heldout: dict, batch: int, device, dp_group, tp: int) -> dic
             sums[i, 1] += (y != -100).sum()
     dist.all_reduce(sums, group=dp_group)
     model.train()
-    per_source = {name: (s[0] / s[1]).item() for name, s in zip(heldout, sums)}
-    return {"validation_loss": (sums[:, 0].sum() / sums[:, 1].sum()).item(),
-            "validation_source_loss": per_source, "validation_tokens": int(sums[:, 1].sum())}
+    return {"validation_loss": (sums[:, 0].sum() / sums[:, 1].sum()).item(), "validation_tokens": int(sums[:, 1].sum()),
+            "validation_source_loss": {name: (s[0] / s[1]).item() for name, s in zip(heldout, sums)}}
 
 
 # -------------------------------------------------------------------------------------------------
@@ -567,19 +557,29 @@ def open_dump_folder(cfg: Config, rank: int, device):
     return lock
 
 
-def share_manifest(cfg: Config, rank: int, world_size: int, device) -> dict:
-    """The files of every source: rank 0 alone resolves them (or reads the run's pinned manifest) and sends
-    them to every rank; then each rank checks its share of the local files, before a resume reads one."""
-    result = [None]
+def share_manifest(cfg: Config, rank: int, device) -> dict:
+    """The files of every source: rank 0 alone resolves them (or reads the run's pinned manifest) and sends them
+    to every rank, which wait in a group with a deadline of its own (a rate-limited Hub or a big local folder
+    may take longer than a collective should). Then each node checks every local file once, split over its
+    ranks (a node-local copy may differ on one node)."""
+    wait, result = cfg.data.resolve_timeout_seconds, [None]
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait))
     if rank == 0:
+        logger.info("data manifest: rank 0 reads or makes it; the others wait up to data.resolve_timeout_seconds")
         try:
             result[0] = pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources,
                                         cfg.validation.sources)
         except DataError as e:
             result[0] = str(e)  # every rank raises it below
-    dist.broadcast_object_list(result)
-    manifest = result[0]
-    agree(manifest if isinstance(manifest, str) else verify_manifest(manifest, rank, world_size), device)
+    try:
+        dist.broadcast_object_list(result, src=0, group=group, device=torch.device("cpu"))
+    except RuntimeError as e:
+        raise DataError(f"rank {rank} waited data.resolve_timeout_seconds = {wait} s for rank 0 to resolve the data: "
+                        "raise it, or make the manifest before the job (python data.py --config C --manifest PATH; "
+                        "[data] manifest = PATH)") from e
+    dist.destroy_process_group(group)
+    manifest, local = result[0], (int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    agree(manifest if isinstance(manifest, str) else verify_manifest(manifest, *local), device)
     return manifest
 
 
@@ -634,8 +634,7 @@ def main(cfg: Config):
     p = cfg.parallelism
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")  # all ranks that see different data
     dp_rank, dp = dp_mesh.get_local_rank(), dp_mesh.size()
-    if cfg.training.deterministic:
-        torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(cfg.training.deterministic)
     torch.manual_seed(cfg.training.seed)
 
     # --- 3. model: on the meta device, so no rank ever holds the full unsharded weights ---------------------
@@ -661,9 +660,10 @@ def main(cfg: Config):
 
     # --- 5. optimizer, lr schedule, data (each dp rank reads its own streams; TP ranks the same ones) ----------
     optimizer, scheduler = build_optimizer(model, cfg, device)
-    manifest = share_manifest(cfg, rank, world_size, device)
+    manifest = share_manifest(cfg, rank, device)
     loader = DataLoader(cfg.data.sources, tokenizer, cfg.training.seq_len, cfg.training.local_batch_size,
-                        dp_rank, dp, cfg.data.num_streams, cfg.data.seed, cfg.data.num_workers, manifest)
+                        dp_rank, dp, cfg.data.num_streams, cfg.data.seed, cfg.data.num_workers, manifest,
+                        cfg.data.hub_timeout_seconds)
 
     # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path -----------
     checkpointer = Checkpointer(cfg.checkpoint, os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder),

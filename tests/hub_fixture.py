@@ -11,7 +11,8 @@ made from the bundled sample text, and answers the endpoints huggingface_hub and
 
 Anything else is answered 404 and logged as unhandled, so a test sees when a library starts asking for
 something new. Every request is logged with its status and the body bytes sent; `faults` injects
-error answers (429/5xx) for chosen paths; a repo can require a token (a gated set).
+error answers (429/5xx), stalls and a server that ignores Range for chosen paths; `redirect` sends file
+reads to another URL, as the real Hub sends them to its CDN; a repo can require a token (a gated set).
 """
 
 import gzip
@@ -21,6 +22,7 @@ import json
 import os
 import re
 import threading
+import time
 import urllib.parse
 
 import pyarrow as pa
@@ -144,13 +146,17 @@ def write_mirror(repos: dict, folder: str, repo: str, revision: str = "main") ->
 
 
 class Hub(http.server.ThreadingHTTPServer):
-    """The server: `log` holds one dict per request; `faults[path] = [503, 429]` answers the next
-    requests whose URL path contains `path` with those statuses; `tokens[repo]` = the token a repo needs."""
+    """The server: `log` holds one dict per request; `faults[path] = [503, 429, "stall", "cut", "whole"]`
+    answers the next requests whose URL path contains `path` with those statuses, or: "stall" sends nothing
+    for `stall_seconds` and hangs up, "cut" sends the headers and half the body, then stalls, "whole" ignores
+    Range (200, the whole file). `redirect`: /resolve/ answers 302 to /cdn/..., which serves the file.
+    `tokens[repo]` = the token a repo needs."""
     daemon_threads = True
 
     def __init__(self, repos: dict):
         super().__init__(("127.0.0.1", 0), Handler)
         self.repos, self.log, self.faults, self.tokens = repos, [], {}, {}
+        self.stall_seconds, self.redirect = 30.0, False
         self.lock = threading.Lock()
         self.endpoint = f"http://127.0.0.1:{self.server_address[1]}"
         threading.Thread(target=self.serve_forever, daemon=True).start()
@@ -217,9 +223,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
             hub.log.append(self.entry)
             fault = next((k for k, v in hub.faults.items() if k in url.path and v), None)
             status = hub.faults[fault].pop(0) if fault else None
-        if status:
+        if status == "stall":
+            return time.sleep(hub.stall_seconds)  # then the handler returns and the connection closes
+        self.fault = status if status in ("cut", "whole") else None
+        if status and self.fault is None:
             return self._error(status, "", "injected fault", None) if status != 429 else \
                 self._send(429, b"rate limited", {"Retry-After": "0"})
+        if url.path.startswith("/cdn/"):  # where a redirect points: the same file, no second redirect
+            url = url._replace(path=url.path.removeprefix("/cdn"))
+        elif hub.redirect and "/resolve/" in url.path:
+            return self._send(302, b"", {"Location": f"{hub.endpoint}/cdn{self.path}"})
         if url.path == "/api/agent-harnesses":  # huggingface_hub's user-agent registry: nothing to report
             return self._json({"standardEnvVars": [], "harnesses": {}})
         m = re.match(r"^/api/datasets/([^/]+/[^/]+)(?:/(revision|tree)/([^/]+)(?:/(.*))?)?$", url.path) or \
@@ -284,14 +297,23 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.entry["size"] = len(data)
         headers = {"X-Repo-Commit": sha, "ETag": f'"{hashlib.sha1(data).hexdigest()}"', "Accept-Ranges": "bytes",
                    "Content-Type": "application/octet-stream"}
-        rng = self.headers.get("Range")
-        if not rng:
-            return self._send(200, data, headers)
-        start, _, end = rng.removeprefix("bytes=").partition("-")
-        start, end = int(start), min(int(end) if end else len(data) - 1, len(data) - 1)
-        if start >= len(data):
-            return self._send(416, b"", {"Content-Range": f"bytes */{len(data)}"})
-        self._send(206, data[start:end + 1], {**headers, "Content-Range": f"bytes {start}-{end}/{len(data)}"})
+        rng, status, body = self.headers.get("Range"), 200, data
+        if rng and self.fault != "whole":
+            start, _, end = rng.removeprefix("bytes=").partition("-")
+            start, end = int(start), min(int(end) if end else len(data) - 1, len(data) - 1)
+            if start >= len(data):
+                return self._send(416, b"", {"Content-Range": f"bytes */{len(data)}"})
+            status, body = 206, data[start:end + 1]
+            headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
+        if self.fault == "cut":  # the headers and half the body, then nothing until the stall ends
+            self.send_response(status)
+            for k, v in {**headers, "Content-Length": str(len(body))}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(body[:len(body) // 2])
+            self.wfile.flush()
+            return time.sleep(self.server.stall_seconds)
+        self._send(status, body, headers)
 
 
 def point_libraries_at(endpoint: str, monkeypatch, cache_dir: str):

@@ -9,8 +9,10 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
 import tomllib
 
 import pytest
@@ -24,18 +26,23 @@ import sources  # noqa: E402
 from sources import DataError, DataSource  # noqa: E402
 from hub_fixture import Hub, _jsonl_gz, _parquet, make_repos, point_libraries_at, push  # noqa: E402
 
-llama_models = pytest.importorskip("llama_models")
-META_TOKENIZER = os.path.join(os.path.dirname(llama_models.__file__), "llama3", "tokenizer.model")
 SHIPPED = tomllib.load(open(os.path.join(ROOT, "configs", "llama3_8b.toml"), "rb"))
 TRAIN = ["--training.seq_len", "128", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
-         "--model.tokenizer_path", META_TOKENIZER, "--checkpoint.enable", "--checkpoint.interval", "2"]
+         "--checkpoint.enable", "--checkpoint.interval", "2"]
+
+
+def meta_tokenizer() -> str:
+    """Meta's tokenizer.model from llama-models (requirements-dev.txt): the tests that train need it, the others run
+    without it."""
+    return os.path.join(os.path.dirname(pytest.importorskip("llama_models").__file__), "llama3", "tokenizer.model")
 
 
 def train(config, dump, *args, nproc=1, env=None, expect=0):
     launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
                                  if nproc > 1 else [])
     proc = subprocess.run(launch + ["train.py", "--config", str(config), "--job.dump_folder", str(dump), *TRAIN,
-                                    *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                                    "--model.tokenizer_path", meta_tokenizer(), *map(str, args)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
@@ -154,9 +161,15 @@ def test_data_py_manifest_then_an_offline_run_trains_and_resumes_exactly_with_a_
     # a shard whose name sorts first lands in the C4 folder: not read, and said once at start
     c4 = tmp / "data" / "c4" / "en"
     shutil.copy(c4 / "c4-train.00001-of-00002.json.gz", c4 / "c4-train.00000-of-00000.json.gz")
-    out = train(tmp / "local.toml", tmp / "dump", *args, "--checkpoint.load_step", 2, env={"HF_HUB_OFFLINE": "1"})
+    # and a held-out set added on resume is pinned then: the training data alone is the resume key
+    (tmp / "more.toml").write_text((tmp / "local.toml").read_text() + f'\n[[validation.sources]]\nname = "added"\n'
+                                   f'path = "{tmp}/data/c4"\ndata_files = "en/c4-validation.*.json.gz"\n')
+    out = train(tmp / "more.toml", tmp / "dump", *args, "--checkpoint.load_step", 2, env={"HF_HUB_OFFLINE": "1"})
     assert losses(tmp / "dump")[len(first):] == first[2:]
     assert "data source 'c4': 1 new file(s)" in out and "checkpoint.initial_load_path" in out
+    assert "validation source(s) added pinned now" in out
+    last = [json.loads(ln) for ln in open(tmp / "dump" / "metrics.jsonl")][-1]
+    assert "added" in last["validation_source_loss"]
     os.remove(c4 / "c4-train.00000-of-00000.json.gz")
 
 
@@ -195,7 +208,7 @@ def test_manifest_of_local_folders_is_deterministic_and_readers_use_only_its_fil
     shutil.copytree(os.path.join(ROOT, "assets", "data", "c4"), tmp_path / "c4")
     src = DataSource(name="c4", path=str(tmp_path / "c4"), data_files="en/c4-train.*.json.gz")
     a, b = sources.make_manifest([src]), sources.make_manifest([src])
-    assert a == b and data.manifest_sha256(a) == data.manifest_sha256(b)
+    assert a == b and sources.manifest_sha256(a) == sources.manifest_sha256(b)
     assert [f[0] for f in a["data"][0]["files"]] == ["en/c4-train.00000-of-00002.json.gz",
                                                      "en/c4-train.00001-of-00002.json.gz"]
     sources.write_manifest(a, str(tmp_path / "m.json"))
@@ -224,6 +237,92 @@ def test_manifest_errors_are_one_line(tmp_path):
     assert re.match(r"data source 'c4': .*en/gone.json.gz is missing since this run's data manifest",
                     sources.verify_manifest(manifest))
     assert sources.verify_manifest(manifest, part=0, parts=2) == ""  # the other rank's share is intact
+
+
+def test_validation_sources_are_pinned_when_first_used_and_are_no_resume_key(tmp_path, monkeypatch):
+    c4 = os.path.join(ROOT, "assets", "data", "c4")
+    src = DataSource(name="c4", path=c4, data_files="en/c4-train.*.json.gz")
+    held = DataSource(name="held", path=c4, data_files="en/c4-validation.*.json.gz")
+    first = sources.pinned_manifest("", str(tmp_path), [src], [])
+    later = sources.pinned_manifest("", str(tmp_path), [src], [held])
+    assert [e["name"] for e in later["validation"]] == ["held"]
+    assert json.load(open(tmp_path / sources.MANIFEST)) == later  # pinned in the run's manifest
+    assert sources.manifest_sha256(later) == sources.manifest_sha256(first)
+    # a manifest that cannot be written (a full disk) is one line, and leaves no temporary file behind
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(DataError, match=r"cannot write the data manifest .*No space left on device; free space"):
+        sources.pinned_manifest("", str(tmp_path / "full"), [src], [])
+    assert os.listdir(tmp_path / "full") == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# Two "nodes" on one machine: two processes launched as Slurm would (RANK, LOCAL_RANK, LOCAL_WORLD_SIZE=1)
+# ---------------------------------------------------------------------------------------------------
+
+def two_nodes(tmp_path, cwd: list, config: str, *args, env=None) -> list:
+    """Start rank 0 and rank 1 of a 2-rank job, one per "node" (its own working directory), with the bundled
+    tokenizer; return the two processes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tokenizer = os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model")
+    return [subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--config", config, "--job.dump_folder",
+                              str(tmp_path / "dump"), "--model.tokenizer_path", tokenizer, "--training.steps", "1",
+                              *map(str, args)], cwd=cwd[rank], text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                                  "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "OMP_NUM_THREADS": "1",
+                                  **(env or {})}) for rank in (0, 1)]
+
+
+def test_every_node_checks_every_local_file_of_its_own_copy(tmp_path, monkeypatch):
+    """Each node has its own copy of the data at the same (relative) path; node 1's copy of one file differs.
+    The ranks' split of the files would leave that file to rank 0, on node 0: each node checks all of them."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        shutil.copytree(os.path.join(ROOT, "assets", "data"), node / "assets" / "data")
+    monkeypatch.chdir(nodes[0])
+    debug = tomllib.load(open(os.path.join(ROOT, "configs", "debug_model.toml"), "rb"))
+    m = sources.make_manifest(*([DataSource(**t) for t in debug[k]["sources"]] for k in ("data", "validation")))
+    local = sorted({(e["name"], e["path"], f[0]) for e in m["data"] + m["validation"] for f in e["files"]})
+    damaged = nodes[1] / local[0][1] / local[0][2]  # the first: rank 0's share under a split over the job's ranks
+    raw = bytearray(damaged.read_bytes())
+    raw[-3] ^= 0xFF
+    damaged.write_bytes(bytes(raw))
+    procs = two_nodes(tmp_path, nodes, os.path.join(ROOT, "configs", "debug_model.toml"))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    errors = [ln for out in outs for ln in out.splitlines() if ln.startswith("error:")]
+    assert [p.returncode for p in procs] == [2, 2] and len(errors) == 2 and errors[0] == errors[1], outs
+    assert f"{local[0][1]}/{local[0][2]} changed (other bytes, same size)" in errors[0]
+
+
+def test_ranks_waiting_for_rank_0s_resolution_stop_at_their_own_deadline_with_one_line(tmp_path, monkeypatch):
+    """Rank 0 resolves a Hub source that does not answer (a rate-limited Hub): rank 1 waits
+    data.resolve_timeout_seconds, not the collectives' timeout, and says why in one line."""
+    hub = Hub(make_repos())
+    try:
+        hub.stall_seconds, hub.faults = 120, {"/api/datasets/": ["stall"]}
+        config = tmp_path / "hub.toml"
+        debug = open(os.path.join(ROOT, "configs", "debug_model.toml")).read()
+        config.write_text(debug[:debug.index("[[data.sources]]")] + '[[data.sources]]\nname = "c4"\n'
+                          'path = "allenai/c4"\ndata_files = "en/c4-train.*.json.gz"\n')
+        t0 = time.time()
+        procs = two_nodes(tmp_path, [ROOT, ROOT], str(config), "--data.resolve_timeout_seconds", 3,
+                          "--comm.init_timeout_seconds", 600, "--validation.enable", "false",
+                          env={"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0"})
+        out = procs[1].communicate(timeout=300)[0]
+        procs[0].kill()  # still waiting for the Hub: in a real job the launcher stops it
+        procs[0].communicate()
+    finally:
+        hub.close()
+    errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert procs[1].returncode == 2 and len(errors) == 1 and "Traceback" not in out, out
+    assert "rank 1 waited data.resolve_timeout_seconds = 3 s for rank 0" in errors[0]
+    assert "--manifest PATH" in errors[0] and time.time() - t0 < 60
 
 
 def test_the_changed_check_reads_only_the_ends_of_a_big_file(tmp_path):
