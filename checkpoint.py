@@ -40,13 +40,16 @@ def json_from(t: torch.Tensor):
 
 
 def plain(t):
-    """The plain tensor inside a tensor subclass (torchao's float8 all-gather wraps each weight shard in one,
-    around the same fp32 values), sharing its memory: checkpoints hold plain tensors, loadable with float8
-    off and without torchao, and a load into the plain view fills the parameter."""
-    local = t._local_tensor if isinstance(t, DTensor) else t
-    if type(local) in (torch.Tensor, torch.nn.Parameter) or not hasattr(local, "__tensor_flatten__"):
+    """The fp32 tensor inside torchao's float8 weight wrapper (the float8 all-gather's), sharing its memory:
+    checkpoints hold plain tensors, loadable without torchao, and a load into the plain view fills the parameter."""
+    local, float8_weight = t._local_tensor if isinstance(t, DTensor) else t, "WeightWithDynamicFloat8CastTensor"
+    if type(local) in (torch.Tensor, torch.nn.Parameter):
         return t
-    inner = getattr(local, local.__tensor_flatten__()[0][0])
+    if f"{type(local).__module__}.{type(local).__name__}" != f"torchao.float8.fsdp_utils.{float8_weight}":
+        # by type: another subclass's inner tensors need not be the value, and saving one would lose the weight
+        raise TypeError(f"a {type(local).__name__} in the state dict: checkpoints unwrap only torchao's "
+                        f"{float8_weight}; teach checkpoint.plain which of its tensors holds the value")
+    inner = local._tensor
     return DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False, shape=t.shape,
                               stride=t.stride()) if isinstance(t, DTensor) else inner
 
@@ -83,10 +86,9 @@ class Checkpointer:
     must not change (a resume with others is refused); `steps` is training.steps; `notes` are values a resume
     may change, saved so that the log can say when one did (model.converters: float8 on or off)."""
 
-    def __init__(self, cfg, folder: str, run_keys: dict, steps: int, model, optimizer, scheduler, loader, notes=None):
+    def __init__(self, cfg, folder: str, run_keys: dict, steps: int, model, optimizer, scheduler, loader, notes: dict):
         self.cfg, self.folder, self.run_keys, self.steps, self.rank = cfg, folder, run_keys, steps, dist.get_rank()
-        self.notes = notes or {}
-        self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
+        self.model, self.optimizer, self.scheduler, self.loader, self.notes = model, optimizer, scheduler, loader, notes
         self.sd_options = StateDictOptions(flatten_optimizer_state_dict=True)
         # Async saves write from a background thread on their own gloo group, apart from training's collectives.
         self.group = dist.new_group(backend="gloo") if cfg.enable and cfg.async_mode == "async" else None
@@ -146,8 +148,7 @@ class Checkpointer:
         meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         ours = {f"model.{k}": tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
         bad = [f"{k} {tuple(meta[k].size)} vs ours {s}" for k, s in ours.items()
-               if k in meta and tuple(meta[k].size) != s]
-        bad += [f"{k} missing" for k in ours if k not in meta]
+               if k in meta and tuple(meta[k].size) != s] + [f"{k} missing" for k in ours if k not in meta]
         if bad:
             raise CheckpointError(f"checkpoint {path} does not fit this model: {'; '.join(bad[:5])}"
                                   + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""))

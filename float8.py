@@ -35,21 +35,41 @@ def check(cfg) -> None:
     if f8.enable_fsdp_float8_all_gather and f8.recipe_name != "tensorwise":
         raise ConfigError("float8.enable_fsdp_float8_all_gather = True: must be false unless float8.recipe_name is "
                           "tensorwise (torchao's rule)")
+    if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
+        raise ConfigError("float8.precompute_float8_dynamic_scale_for_fsdp = True needs "
+                          "float8.enable_fsdp_float8_all_gather = true: the scales it computes are the all-gather's")
     if "float8" not in cfg.model.converters:
         return
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("model.converters = [\"float8\"] needs torchao: pip install torchao==0.18.0")
-    gpu = int(os.environ.get("LOCAL_RANK", 0))
+    gpu, index = torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0))
     needs = (9, 4) if torch.version.hip else (8, 9)
-    if torch.cuda.is_available() and torch.cuda.get_device_capability(gpu) < needs:
+    if gpu and torch.cuda.get_device_capability(index) < needs:
         raise ConfigError(f"float8 needs float8 matmuls (H100, H200, B200, MI300 or newer), which this "
-                          f"{torch.cuda.get_device_name(gpu)} lacks: remove \"float8\" from model.converters")
+                          f"{torch.cuda.get_device_name(index)} lacks: remove \"float8\" from model.converters")
+    # What torch._scaled_mm enforces on a GPU (the CPU's emulation multiplies in fp32 and enforces neither):
+    # rowwise scaling writes bf16 only, and the tokens are the inner dimension of the weight-gradient matmul.
+    if gpu and f8.recipe_name != "tensorwise" and cfg.training.mixed_precision_param != "bfloat16":
+        raise ConfigError(f"float8.recipe_name = {f8.recipe_name!r} needs training.mixed_precision_param = bfloat16 "
+                          f"on a GPU (rowwise float8 matmuls write bf16; it is {cfg.training.mixed_precision_param})")
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    if gpu and tokens % 16:
+        raise ConfigError(f"training.local_batch_size x seq_len = {tokens} tokens per micro-batch: float8 matmuls "
+                          "on a GPU need a multiple of 16")
 
 
-def convert(model: torch.nn.Module, f8, device: torch.device):
-    """Swap the Linear layers for torchao's Float8Linear: the same weights under the same names, so checkpoints
-    do not change. `f8` is train.py's [float8] section. Returns the per-step weight-scale precompute if asked for
-    (one all-reduce after optimizer.step for every weight's scale), else None."""
+def convert(model: torch.nn.Module, cfg, device: torch.device):
+    """With model.converters = ["float8"] (`cfg`: train.py's config), swap the Linear layers for torchao's
+    Float8Linear: the same weights under the same names, so checkpoints do not change. Returns the per-step
+    weight-scale precompute if asked for (one all-reduce after optimizer.step for every weight's scale), else None."""
+    if "float8" not in cfg.model.converters:
+        return None
+    f8 = cfg.float8
+    if f8.recipe_name == "rowwise":  # as torchtitan, for inductor's float8 casts (pytorch/pytorch#150859)
+        import torch._inductor.config as inductor
+        inductor.emulate_precision_casts = True
+    if device.type == "cuda" and not cfg.compile.enable:  # torchao's casts are separate kernels without compile
+        logger.warning("float8 without compile.enable is slower than bf16: turn on --compile.enable")
     logging.disable(logging.WARNING)  # torchao's CUDA kernels fail to load on a CPU machine: not for the log
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
@@ -73,9 +93,9 @@ def convert(model: torch.nn.Module, f8, device: torch.device):
 def tp_styles(model: torch.nn.Module, device_type: str, recipe_name: str):
     """torchao's (colwise, rowwise, prepare-input) TP styles when every Linear of the blocks is float8 with the
     tensorwise recipe on CUDA: they cast to float8 before the all-gathers, so they move 1 byte per value. None
-    otherwise (gloo has no float8), and the plan uses the plain styles."""
+    otherwise (gloo has no float8; on ROCm they are not used), and the plan uses the plain styles."""
     linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
-    if device_type != "cuda" or recipe_name != "tensorwise" or not all(
+    if device_type != "cuda" or torch.version.hip or recipe_name != "tensorwise" or not all(
             type(m).__name__ == "Float8Linear" for m in linears):
         return None
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel

@@ -263,10 +263,8 @@ def validate(cfg: Config, world_size: int) -> dict:
     if gbs % (t.local_batch_size * dp):
         raise ConfigError(f"training.global_batch_size = {gbs} must be a multiple of local_batch_size "
                           f"{t.local_batch_size} x data-parallel degree {dp}")
-    if not cfg.data.sources:
-        raise ConfigError("data.sources is empty; add [[data.sources]] tables to the TOML")
     if sum(s.weight for s in cfg.data.sources) <= 0:
-        raise ConfigError("the data.sources weights sum to 0; give one source a positive weight")
+        raise ConfigError("data.sources is empty or its weights sum to 0: add [[data.sources]] with a weight > 0")
     if v.enable and not v.sources:
         raise ConfigError("validation.enable is set but validation.sources is empty; add [[validation.sources]] tables")
     streams = cfg.data.num_streams or dp
@@ -357,6 +355,7 @@ def apply_tp(model: Transformer, tp_mesh, float8_styles=None):
 # Selective AC keeps these ops' outputs (expensive to recompute) and recomputes the cheap elementwise rest.
 AC_SAVE = {
     torch.ops.aten.mm.default,
+    torch.ops.aten.max.default,  # float8's amax reductions (torchtitan keeps them too): recomputing one costs a pass
     torch.ops.aten._scaled_mm.default,  # float8 matmuls on a GPU
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
@@ -370,8 +369,7 @@ def apply_ac(model: Transformer, mode: str, selective_ac_option: str):
     """Activation checkpointing per block: "full", or "selective" with option "op" (keep AC_SAVE's outputs)
     or N (full AC on every Nth block)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.utils.checkpoint import CheckpointPolicy
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in AC_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
@@ -392,6 +390,9 @@ def apply_compile(model: Transformer):
 
 def apply_fsdp(model: Transformer, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype):
     """FSDP2 per block, then the root (embeddings, final norm, output)."""
+    scalar = next((n for n, q in model.named_parameters() if q.ndim == 0), None)  # fully_shard splits dim 0
+    if scalar:
+        raise ConfigError(f"parameter {scalar} has shape (): FSDP2 cannot shard a scalar; give it shape (1,)")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for i, block in enumerate(model.layers):
         # The last block's parameters are needed again right away by backward: don't free them.
@@ -652,7 +653,7 @@ def main(cfg: Config):
                 f"{os.path.join(cfg.job.dump_folder, 'config.toml')}")
 
     # --- 4. parallelize, then materialise this rank's shards --------------------------------------------------
-    float8_scales = float8.convert(model, cfg.float8, device) if "float8" in cfg.model.converters else None
+    float8_scales = float8.convert(model, cfg, device)
     parallelize(model, mesh, cfg)
     model.to_empty(device=device)
     model.init_weights(normal_=layout_independent_normal(cfg.training.seed), buffer_device=device)
@@ -667,9 +668,8 @@ def main(cfg: Config):
 
     # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path -----------
     checkpointer = Checkpointer(cfg.checkpoint, os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder),
-                                run_keys(cfg, model_args, sizes, manifest), cfg.training.steps,
-                                model, optimizer, scheduler, loader,
-                                notes={"model.converters": cfg.model.converters})  # float8 on/off: the log says so
+                                run_keys(cfg, model_args, sizes, manifest), cfg.training.steps, model, optimizer,
+                                scheduler, loader, {"model.converters": cfg.model.converters})  # float8 on/off: logged
     step, tokens_seen = checkpointer.resume()
     error, heldout = "", {}
     try:  # every rank opens every source where it resumes: a bad one stops all ranks alike before step 1

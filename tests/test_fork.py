@@ -53,6 +53,10 @@ def test_init_weights_default_rules_for_new_parameters_of_any_shape():
         for w in (block.proj.weight, block.gate, block.experts):
             assert 0.015 < w.std() < 0.025 and w.abs().max() <= 0.06, w.shape
         assert 0 < block.scale.abs() <= 0.06
+    # FSDP2 shards along dim 0, so a scalar cannot be trained under it: one line at start-up, not fully_shard's
+    # traceback from inside parallelize()
+    with pytest.raises(config.ConfigError, match=r"^parameter layers.0.scale has shape \(\): .*give it shape \(1,\)$"):
+        train.apply_fsdp(m, None, torch.float32, torch.float32)
 
 
 def fork_losses(dump, script, *args, env=None):
