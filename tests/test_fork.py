@@ -119,7 +119,8 @@ def test_a_new_field_needs_no_doc_and_is_a_resume_key(tmp_path):
 
 def test_resume_keys_are_every_checked_key_less_the_documented_list():
     cfg = train.load_config(["--config", "configs/debug_model.toml"])
-    keys = train.run_keys(cfg, train.flavor_args(cfg), train.validate(cfg, 1), {"sources": {}})
+    keys = train.run_keys(cfg, train.flavor_args(cfg), train.validate(cfg, 1),
+                          {"version": 1, "data": {}, "validation": {}})
     for sec in train.RESUME_CHECKED:
         for f in dataclasses.fields(getattr(cfg, sec)):
             assert (f"{sec}.{f.name}" in keys) != (f"{sec}.{f.name}" in train.RESUME_MAY_CHANGE), f"{sec}.{f.name}"
