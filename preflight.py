@@ -6,8 +6,9 @@
 
 `check` starts as the trainer does (train.init_distributed: device, process group, mesh) and prints a row per
 rank (node, device, versions, matmul TFLOP/s), then one line per check, OK, WARN or FAIL, each with its threshold:
-software versions, matmul speed, bus bandwidth within and across nodes, every data source from every node, the
-dump folder (writable, shared), free space for checkpoints, the tokenizer. Exit 1 on a FAIL.
+software versions, matmul speed, bus bandwidth within and across nodes, the data (rank 0 resolves the sources once,
+every node checks its files and reads each source), the dump folder (writable, shared), free space for the run's
+checkpoints, the tokenizer. Exit 1 on a FAIL.
 Other `--section.key value` arguments set train.py's config, as for the training job."""
 
 import argparse
@@ -21,10 +22,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+import checkpoint
 import data
 import sources
 import train
@@ -35,18 +38,21 @@ SLOW_RANK = "PREFLIGHT_TEST_SLOW_RANK"  # FOR TESTS ONLY: that rank sleeps insid
 
 
 def matmul_tflops(device, rank: int) -> float:
-    """A dense matmul's TFLOP/s, median of 10 after 3 warm-ups: bf16 8192^2 on GPU, fp32 1024^2 on CPU."""
+    """A dense matmul's TFLOP/s, the fastest of the runs in half a second (8 at least) after 2 warm-ups: a busy
+    neighbour only ever slows a run down, so the fastest is the device's own speed. bf16 8192^2 on GPU, fp32
+    512^2 on CPU."""
     gpu = device.type == "cuda"
-    n, dtype = (8192, torch.bfloat16) if gpu else (1024, torch.float32)
+    n, dtype = (8192, torch.bfloat16) if gpu else (512, torch.float32)
     a, b, times = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype), []
-    for _ in range(13):
+    start = time.perf_counter()
+    while len(times) < 10 or time.perf_counter() - start < 0.5:
         t0 = time.perf_counter()
         a @ b
         torch.cuda.synchronize() if gpu else None
         if os.environ.get(SLOW_RANK) == str(rank):
             time.sleep(19 * (time.perf_counter() - t0))
         times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times[3:]) / 1e12
+    return 2 * n**3 / min(times[2:]) / 1e12
 
 
 def bus_bandwidth(group, device, sizes) -> dict:
@@ -111,24 +117,81 @@ def hub_unreachable() -> str:
     return ""
 
 
-def read_sources(cfg) -> dict:
-    """{source: "" or why this node cannot use it}: every source's files resolve (from the given manifest, else as
-    a run would resolve them) and its first document reads."""
-    configured = [("data", s) for s in cfg.data.sources] + [("validation", s) for s in cfg.validation.sources]
-    # Hub ids look like org/name and are not local folders; one request says whether this node reaches the Hub.
-    hub = {src.path for _, src in configured
-           if not os.path.exists(src.path) and re.fullmatch(r"[\w.-]+/[\w.-]+", src.path)}
-    offline, errors = hub_unreachable() if hub else "", {}
-    for kind, src in configured:
-        name = f"{kind} source {src.name!r} ({src.path})"
-        errors[name] = offline if src.path in hub and not cfg.data.manifest else ""
-        if errors[name]:
-            continue
-        srcs = ([src], []) if kind == "data" else ([], [src])
+def configured(cfg) -> list:
+    """[(manifest section, source, its name in the report)] in the config's order."""
+    return [(kind, s, f"{kind} source {s.name!r} ({s.path})") for kind, srcs in
+            (("data", cfg.data.sources), ("validation", cfg.validation.sources)) for s in srcs]
+
+
+def hub_id(path: str) -> bool:
+    """Hub ids look like org/name and are not local folders."""
+    return not os.path.exists(path) and bool(re.fullmatch(r"[\w.-]+/[\w.-]+", path))
+
+
+def rank0_manifest(cfg) -> tuple:
+    """Rank 0's (manifest, (level, text) for the report, {source: why rank 0 cannot resolve it}, [sources resolved
+    now]): the run's pinned manifest ([data] manifest, else the dump folder's once a run made it) read as the run
+    reads it, and the sources it lacks resolved once, each on its own, as the first start would. Writes nothing."""
+    path, t0 = cfg.data.manifest or os.path.join(cfg.job.dump_folder, sources.MANIFEST), time.perf_counter()
+    manifest, state = {"version": 1, "data": [], "validation": []}, None
+    if cfg.data.manifest or os.path.exists(path):
+        try:  # validation sources it lacks are resolved below: a start pins them, preflight writes nothing
+            manifest = sources.pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, [])
+        except sources.DataError as e:
+            state = ("FAIL", f"{e}; the sources below were resolved afresh")
+    missing = [(kind, s, name) for kind, s, name in configured(cfg) if not sources.manifest_entry(manifest, s, kind)]
+    offline, errors = hub_unreachable() if any(hub_id(s.path) for _, s, _ in missing) else "", {}
+    for kind, src, name in missing:
         try:
-            m = sources.pinned_manifest(cfg.data.manifest, "", *srcs) if cfg.data.manifest else \
-                sources.make_manifest(*srcs)
-            data.SourceReader(src, sources.source_files(m, src, kind), 0, 1, 0, ordered=True).next_text()
+            if offline and hub_id(src.path):
+                raise sources.DataError(offline)
+            manifest[kind].append(sources.resolve_source(src))
+        except sources.DataError as e:
+            errors[name] = str(e)
+    n = len(configured(cfg)) - len(missing)
+    pinned = f"{n} source(s) pinned in {path}" if n else f"none pinned yet ({path} is made at the run's first start)"
+    state = state or ("OK", f"{pinned}; rank 0 resolved {len(missing)} source(s) once, in "
+                      f"{time.perf_counter() - t0:.1f} s; every node checks its local files against that")
+    return manifest, state, errors, [name for _, _, name in missing]
+
+
+def share_sources(cfg, rank: int) -> tuple:
+    """rank0_manifest on every rank. The others wait for rank 0 in a group with a deadline of its own, as
+    train.share_manifest does: resolving many sources on a rate-limited Hub may take longer than a collective."""
+    result, wait = [None], cfg.data.resolve_timeout_seconds
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait))
+    if rank == 0:
+        result[0] = rank0_manifest(cfg)
+    try:
+        dist.broadcast_object_list(result, src=0, group=group, device=torch.device("cpu"))
+    except RuntimeError:
+        fail(f"rank {rank} waited data.resolve_timeout_seconds = {wait} s for rank 0 to resolve the data sources")
+    dist.destroy_process_group(group)
+    return result[0]
+
+
+def read_share(cfg, manifest: dict, fresh: list, part: int, parts: int) -> dict:
+    """{source: "" or why this node cannot use it}, for this rank's share of its node (rank `part` of `parts`):
+    every parts-th local file of the manifest is there with its bytes (sources.verify_manifest, as a run checks),
+    and every parts-th source's first document reads. `fresh`: the sources rank 0 resolved now, not pinned."""
+    errors, offline = {}, None
+    for i, (kind, src, name) in enumerate(configured(cfg)):
+        entry = sources.manifest_entry(manifest, src, kind)
+        if entry is None:  # rank 0 could not resolve it: its line says why
+            continue
+        errors[name] = sources.verify_manifest({"data": [entry], "validation": []}, part, parts)
+        if errors[name] and name in fresh:  # not the run's files yet: this node lacks what rank 0 resolved
+            errors[name] = (errors[name].split(" since ")[0] + " on this node, unlike on rank 0's: every node needs "
+                            "the same files (the shared filesystem, or the same mirror on each node)")
+        if errors[name] or i % parts != part:
+            continue
+        if entry["commit"] and offline is None:  # one request says whether this node reaches the Hub
+            offline = hub_unreachable()
+        try:
+            if entry["commit"] and offline:
+                raise sources.DataError(offline)
+            data.SourceReader(src, sources.source_files(manifest, src, kind), 0, 1, 0, ordered=True,
+                              timeout=cfg.data.hub_timeout_seconds).next_text()
         except sources.DataError as e:
             errors[name] = str(e)
     return errors
@@ -159,8 +222,9 @@ def check(args, extra):
         nodes.setdefault(x["node"], []).append(i)
     if rank == 0 and not r["dump"]:
         os.remove(shared)
-    if rank == nodes[r["node"]][0]:  # one rank per node
-        r["data"] = read_sources(cfg)
+    manifest, r["manifest"], resolved, fresh = share_sources(cfg, rank)  # rank 0 resolves, once
+    mine = nodes[r["node"]]  # each node checks every local file, split over its ranks as train.share_manifest does
+    r["data"] = {**(resolved if rank == 0 else {}), **read_share(cfg, manifest, fresh, mine.index(rank), len(mine))}
     sizes_b = [2**20, 2**24, 2**28, 2**30] if device.type == "cuda" else [2**18, 2**22]  # small on CPU (gloo)
     groups = {name: dist.new_group(members) for name, members in nodes.items()}  # every rank makes every group
     r["intra"] = bus_bandwidth(groups[r["node"]], device, sizes_b) if len(nodes[r["node"]]) > 1 else None
@@ -202,16 +266,21 @@ def report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> int:
 
     tf = [x["tflops"] for x in ranks]
     slow, med = min(range(len(tf)), key=tf.__getitem__), statistics.median(tf)
+    # each rank against the median of the others (with two ranks, the overall median is half the slow one's)
+    of = [t / (statistics.median(tf[:i] + tf[i + 1:]) if len(tf) > 1 else t) for i, t in enumerate(tf)]
     peak = peak_tflops(ranks[0]["device"], cfg.metrics.peak_tflops)  # 0 on CPU: no datasheet peak
-    low, why = (0.8, "80% of the median rank: one slow GPU sets every rank's pace") if gpu else \
-        (0.25, "25% of the median rank: CPU has no datasheet peak, and shared machines are noisy")
-    bad = [i for i, t in enumerate(tf) if t < low * med or t < 0.35 * peak]
+    (warn, fail_), why = ((0.8, 0.25), "one slow GPU sets every rank's pace") if gpu else \
+        ((0.25, 0.1), "CPU has no datasheet peak, and shared machines are noisy")
+    failed = [i for i in range(len(tf)) if of[i] < fail_]
+    bad = [i for i in range(len(tf)) if (of[i] < warn or tf[i] < 0.35 * peak) and i not in failed]
     of_peak = f", {100 * med / peak:.0f}% of the datasheet peak {peak:.0f}" if peak else ""
     peak_rule = ("; or below 35% of the peak: metrics.peak_tflops, else the datasheet table in metrics.py"
                  if peak else "")
-    verdict("WARN" if bad else "OK", "matmul", f"median {med:.3f} TFLOP/s ({'bf16' if gpu else 'fp32'}){of_peak}; "
-            f"slowest rank {slow} on {ranks[slow]['node']}: {tf[slow]:.3f}{f'; too slow: ranks {bad}' if bad else ''} "
-            f"(threshold: WARN below {why}{peak_rule})")
+    slowest = "".join(f"; {what}: ranks {r}" for what, r in (("FAIL", failed), ("WARN", bad)) if r)
+    verdict("FAIL" if failed else "WARN" if bad else "OK", "matmul", f"median {med:.3f} TFLOP/s "
+            f"({'bf16' if gpu else 'fp32'}, the fastest run of each){of_peak}; slowest rank {slow} on "
+            f"{ranks[slow]['node']}: {tf[slow]:.3f} = {100 * of[slow]:.0f}% of the others' median{slowest} "
+            f"(threshold: of the others' median, FAIL below {fail_:.0%}, WARN below {warn:.0%}: {why}{peak_rule})")
 
     at = "/".join(f"{s >> 20} MiB" if s >= 2**20 else f"{s >> 10} KiB" for s in sizes_b)
     within = {n: ranks[m[0]]["intra"] for n, m in nodes.items() if ranks[m[0]]["intra"]}
@@ -227,20 +296,28 @@ def report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> int:
             fail_below, warn_below, rule = 0, 0, "none on CPU (gloo): no line rate to compare with"
         elif inside:
             fail_below, warn_below, rule = 0, 50, "WARN below 50 GB/s, less than PCIe 5 x16's 64: no NVLink/xGMI"
-        else:
-            fail_below, warn_below, rule = 12.5, 25, ("FAIL below 12.5 GB/s = 100 Gbit/s, TCP sockets rather than "
-                                                      "EFA/InfiniBand; WARN below 25 GB/s = 200 Gbit/s, one HDR "
-                                                      "InfiniBand link")
+        else:  # busbw across nodes is about the node's NIC rate: NCCL runs a ring per NIC (rail), over its GPUs
+            g = min(len(m) for m in nodes.values())
+            fail_below, warn_below, rule = 2.5 * g, 20 * g, (
+                f"per GPU x {g} GPUs per node, FAIL below 2.5 GB/s: NCCL over TCP sockets, not EFA/InfiniBand; WARN "
+                "below 20 GB/s: 8 x 400 Gbit/s nodes (H100, EFA or NDR InfiniBand) reach about 45 GB/s per GPU, "
+                "8 x 200 Gbit/s HDR nodes about 23; below it a rail is down, NCCL sees fewer NICs or no GPUDirect "
+                "RDMA, or the nodes have fewer NICs than GPUs")
         level = "FAIL" if big < fail_below else "WARN" if big < warn_below else "OK"
         rates = "; ".join(f"{op} {' '.join(f'{v:.2f}' for v in meas[worst][op])} GB/s" for op in meas[worst])
         verdict(level, check, f"{'slowest node ' if inside else ''}{worst}: busbw at {at}: {rates} "
                 f"(threshold, at the largest size: {rule})")
 
-    for name in {k: 0 for x in ranks if "data" in x for k in x["data"]}:  # the config's order
-        errors = {x["node"]: x["data"][name] for x in ranks if "data" in x and x["data"][name]}
+    level, text = ranks[0]["manifest"]
+    verdict(level, "data manifest", text)
+    for _, _, name in configured(cfg):
+        errors = {}
+        for x in ranks:  # a node's first error: its ranks checked a share each
+            if x["data"].get(name) and not errors.get(x["node"]):
+                errors[x["node"]] = x["data"][name]
         verdict("FAIL" if errors else "OK", name,
                 f"unreadable on node(s) {', '.join(errors)}: {next(iter(errors.values()))}" if errors
-                else f"files resolve and the first document reads on every node ({len(nodes)})")
+                else f"its local files match rank 0's and the first document reads on every node ({len(nodes)})")
 
     bad = {i: x["dump"] for i, x in enumerate(ranks) if x["dump"]}
     unshared = [i for i, x in enumerate(ranks) if not x["shared"]]
@@ -252,10 +329,20 @@ def report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> int:
         text = f"writable from every rank, and shared: rank 0's file seen by all {len(ranks)}"
     verdict("FAIL" if bad or unshared else "OK", f"dump folder {cfg.job.dump_folder}", text)
 
-    free = min((x["free"] for x in ranks if x["free"] is not None), default=0)
-    verdict("FAIL" if free < ckpt else "WARN" if free < 2 * ckpt else "OK", "free space",
-            f"{free / gib:.1f} GiB for {ckpt / gib:.2f} GiB per checkpoint (bench.py memory's fp32 weights + AdamW "
-            "moments; threshold: FAIL below one checkpoint, WARN below two: a save is written beside the previous one)")
+    free, c = min((x["free"] for x in ranks if x["free"] is not None), default=0), cfg.checkpoint
+    done = checkpoint.checkpoints(os.path.join(cfg.job.dump_folder, c.folder))  # a resume goes on after the newest
+    saves = {s for s in range(c.interval, cfg.training.steps + 1, c.interval)} | {cfg.training.steps}  # as train.py
+    left = len([s for s in saves if s > (done[-1] if done else 0)])
+    # keep_latest_k = k > 0: k kept, and one more while the next is written (checkpoint.py deletes the old only then)
+    need = left if not c.keep_latest_k else max(min(c.keep_latest_k + 1, len(done) + left) - len(done), min(left, 1))
+    need *= c.enable
+    kept = (f"keep_latest_k = {c.keep_latest_k}: {c.keep_latest_k} kept and the next one being written"
+            if c.keep_latest_k else f"keep_latest_k = 0 keeps every one: training.steps {cfg.training.steps} / "
+            f"interval {c.interval}") + f", {len(done)} already in the folder" * bool(done)
+    verdict("FAIL" if free < need * ckpt else "WARN" if free < (need + 1) * ckpt else "OK", "free space",
+            f"{free / gib:.1f} GiB for {need} more checkpoint(s) of {ckpt / gib:.2f} GiB ({kept}; bench.py memory's "
+            "fp32 weights + AdamW moments; threshold: FAIL below them, WARN below one more: a stop signal's save)"
+            if c.enable else f"{free / gib:.1f} GiB; n/a (checkpoint.enable = false)")
 
     shas = {}
     for i, x in enumerate(ranks):

@@ -1,6 +1,6 @@
-"""preflight.py check on 2 CPU processes (gloo): a healthy job is all OK; a job whose second "node" is slow, lacks
-a data mirror, cannot reach the Hub, has an unwritable dump folder and another tokenizer gets a WARN or FAIL
-naming each, and exit 1.
+"""preflight.py check on 2 CPU processes (gloo): a healthy job is all OK; a job whose dump folder holds a corrupt
+data manifest and whose second "node" is 20x slower, lacks a data mirror, cannot reach the Hub, has an unwritable
+dump folder and another tokenizer gets a FAIL naming each, and exit 1.
 
 The faulty job's two ranks are started by hand (as torchrun would start them, through the same environment
 variables), each in its own working folder standing in for a node's local disk: the config is the same, its
@@ -9,6 +9,8 @@ Slurm's node name (SLURMD_NODENAME) tells preflight they are two nodes; node-a r
 (tests/hub_fixture.py), node-b's HF_ENDPOINT is a closed port. Under Slurm: tests/test_slurm.py.
 """
 
+import glob
+import json
 import os
 import re
 import socket
@@ -21,8 +23,8 @@ from hub_fixture import Hub, make_repos
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "debug_model.toml")
 CPU = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU path on any machine
-CHECKS = ["software", "matmul", "bandwidth within nodes", "bandwidth across nodes", "data source 'c4'",
-          "validation source 'finemath'", "dump folder", "free space", "tokenizer"]
+CHECKS = ["software", "matmul", "bandwidth within nodes", "bandwidth across nodes", "data manifest",
+          "data source 'c4'", "validation source 'finemath'", "dump folder", "free space", "tokenizer"]
 
 
 def verdicts(out: str) -> dict:
@@ -38,7 +40,18 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("dump")
+    """The debug config on 2 processes; its dump folder holds the data manifest a run made, with the training
+    sources (each local folder's entry as sources.resolve_source makes it); the validation sources are not pinned."""
+    sys.path.insert(0, ROOT)
+    import sources
+    import train
+    dump, entries = tmp_path_factory.mktemp("dump"), []
+    for s in train.load_config(["--config", CONFIG]).data.sources:
+        files = [(os.path.relpath(f, os.path.join(ROOT, s.path)), os.path.getsize(f), f)
+                 for f in sorted(glob.glob(os.path.join(ROOT, s.path, s.data_files)))]
+        entries.append({**{k: getattr(s, k) for k in sources.KEY}, "commit": None,
+                        "files": [[rel, size, sources.ends_sha256(f, size)] for rel, size, f in files]})
+    (dump / "data_manifest.json").write_text(json.dumps({"version": 1, "data": entries, "validation": []}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "preflight.py",
            "check", "--config", CONFIG, "--job.dump_folder", str(dump)]
     proc = subprocess.run(cmd, cwd=ROOT, env=CPU, capture_output=True, text=True, timeout=300)
@@ -58,8 +71,11 @@ def test_healthy_job_prints_the_table_and_every_check_ok(healthy):
     assert got["bandwidth across nodes"][1] == "n/a (one node)"
     intra = re.search(r"all-reduce ([\d.]+) ([\d.]+) GB/s; all-gather ([\d.]+) ([\d.]+) GB/s", proc.stdout)
     assert intra and all(float(x) > 0 for x in intra.groups()), proc.stdout
-    assert "0 FAIL, 0 WARN of 15 checks" in proc.stdout
-    assert os.listdir(dump) == []  # its probe files are gone
+    assert got["data manifest"][1].startswith(f"4 source(s) pinned in {dump}/data_manifest.json; rank 0 resolved 4 "
+                                              "source(s) once"), proc.stdout  # the validation sources
+    assert "0 FAIL, 0 WARN of 16 checks" in proc.stdout
+    assert os.listdir(dump) == ["data_manifest.json"]  # its probe files are gone, the manifest is as it was
+    assert json.loads((dump / "data_manifest.json").read_text())["validation"] == []
 
 
 def test_bad_config_is_one_line_exit_2():
@@ -71,9 +87,9 @@ def test_bad_config_is_one_line_exit_2():
 
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory):
-    """Rank 0 on "node-a", a healthy copy; rank 1 on "node-b": slow matmul (the test-only variable), no C4
-    mirror, no Hub, a regular file where the dump folder should be, and a different tokenizer.model. The
-    config: the debug one plus a hub source."""
+    """Rank 0 on "node-a", a healthy copy but for a corrupt data_manifest.json in its dump folder; rank 1 on
+    "node-b": 20x slower matmul (the test-only variable), no C4 mirror, no Hub, a regular file where the dump
+    folder should be, and a different tokenizer.model. The config: the debug one plus a hub source."""
     tmp = tmp_path_factory.mktemp("nodes")
     with open(CONFIG) as f:
         config = f.read() + '\n[[data.sources]]\nname = "c4_hub"\npath = "allenai/c4"\nconfig = "en"\nweight = 0.1\n'
@@ -81,6 +97,8 @@ def faulty(tmp_path_factory):
     a, b = tmp / "node-a", tmp / "node-b"
     os.makedirs(a)
     os.symlink(os.path.join(ROOT, "assets"), a / "assets")
+    os.makedirs(a / "dump")
+    (a / "dump" / "data_manifest.json").write_text('{"version": 1, "data": [')  # a run's, cut short
     os.makedirs(b / "assets" / "data")
     for name in ("zyda2", "finemath"):  # C4 is not mirrored on node-b
         os.symlink(os.path.join(ROOT, "assets", "data", name), b / "assets" / "data" / name)
@@ -102,19 +120,24 @@ def faulty(tmp_path_factory):
         outs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
         hub.close()
-    return [p.returncode for p in procs], outs
+    return [p.returncode for p in procs], outs, (a / "dump" / "data_manifest.json").read_text()
 
 
 def test_faults_are_named_and_exit_1(faulty):
-    codes, (out, other) = faulty
+    codes, (out, other), manifest = faulty
     assert codes == [1, 1], out[-3000:] + other[-3000:]
     assert other == ""  # only rank 0 reports
     got = verdicts(out)
-    level, text = got["matmul"]
-    assert level == "WARN" and "slowest rank 1 on node-b" in text and "too slow: ranks [1]" in text, out
-    for kind in ("data", "validation"):
+    level, text = got["matmul"]  # 20x slower: 5% of the other rank
+    assert level == "FAIL" and "slowest rank 1 on node-b" in text and "; FAIL: ranks [1] (" in text, out
+    level, text = got["data manifest"]  # one line, the dump folder's own fix; left as it was; sources checked anyway
+    assert level == "FAIL" and text.startswith("data manifest dump/data_manifest.json cannot be used: "), out
+    assert "delete it" in text and "data.py" not in text and manifest == '{"version": 1, "data": [', out
+    for kind, split in (("data", "train"), ("validation", "validation")):  # node-b checks rank 0's file list
         level, text = got[f"{kind} source 'c4' (assets/data/c4)"]
-        assert level == "FAIL" and text.startswith("unreadable on node(s) node-b: data source 'c4'"), out
+        assert level == "FAIL" and text.startswith(f"unreadable on node(s) node-b: data source 'c4': assets/data/c4/"
+                                                   f"en/c4-{split}.00000-of-"), out
+        assert "is missing on this node, unlike on rank 0's: every node needs the same files" in text, out
     assert got["data source 'finemath' (assets/data/finemath)"][0] == "OK"
     level, text = got["data source 'c4_hub' (allenai/c4)"]  # node-a read it from the Hub, node-b cannot reach it
     assert level == "FAIL" and text.startswith("unreadable on node(s) node-b: this node cannot reach the Hub at "
@@ -127,31 +150,50 @@ def test_faults_are_named_and_exit_1(faulty):
     assert got["bandwidth within nodes"] == ("OK", "n/a (one rank per node)")
     assert got["bandwidth across nodes"][0] == "OK" and "2 nodes: busbw" in got["bandwidth across nodes"][1]
     assert got["software"][0] == got["free space"][0] == "OK"
-    assert "5 FAIL, 1 WARN of 16 checks" in out
+    assert "7 FAIL, 0 WARN of 17 checks" in out
 
 
 def test_gpu_thresholds_on_a_made_up_cluster(capsys):
-    """preflight.report with what 2 nodes x 2 H100s would gather: the GPU thresholds, without GPUs. A slow
-    GPU, PCIe-class bandwidth within a node and TCP-class bandwidth across nodes."""
+    """preflight.report with what 2 nodes x 4 H100s would gather: the GPU thresholds, without GPUs. A slow GPU and
+    one 20x slower, PCIe-class bandwidth within a node, one rail's bandwidth across nodes (then TCP's), and free
+    space for fewer checkpoints than the run keeps."""
     sys.path.insert(0, ROOT)
     import preflight
     import train
-    cfg = train.load_config(["--config", CONFIG, "--job.dump_folder", "/shared/run"])
-    sha, sizes = "ab" * 32, [2**20, 2**24, 2**28, 2**30]
+    cfg = train.load_config(["--config", CONFIG, "--job.dump_folder", "/shared/run", "--checkpoint.enable", "true"])
+    sha, sizes, gib = "ab" * 32, [2**20, 2**24, 2**28, 2**30], 2**30
 
-    def rank(node, tflops, intra):
+    def rank(node, tflops, intra, free):
         return {"node": node, "device": "NVIDIA H100 80GB HBM3", "versions": ("2.13.0+cu130", "CUDA 13.0", "2.28.3"),
-                "hidden_gpus": False, "tflops": tflops, "dump": "", "free": 2**40, "tokenizer": sha, "shared": True,
-                "intra": {"all-reduce": [10, 80, 200, intra], "all-gather": [8, 60, 150, intra]}, "data": {}}
-    ranks = [rank("gpu-a", 720.0, 300.0), rank("gpu-a", 700.0, 300.0), rank("gpu-b", 510.0, 40.0), rank("gpu-b", 715.0, 40.0)]
-    inter = {"all-reduce": [1, 3, 9, 11.0], "all-gather": [1, 3, 8, 10.0]}
-    code = preflight.report(cfg, ranks, {"gpu-a": [0, 1], "gpu-b": [2, 3]}, inter, sizes, 2**30, True, 1.0)
+                "hidden_gpus": False, "tflops": tflops, "dump": "", "free": free, "tokenizer": sha, "shared": True,
+                "intra": {"all-reduce": [10, 80, 200, intra], "all-gather": [8, 60, 150, intra]}, "data": {},
+                "manifest": ("OK", "none pinned yet")}
+    nodes = {"gpu-a": [0, 1, 2, 3], "gpu-b": [4, 5, 6, 7]}
+    tf = [720.0, 700.0, 35.0, 705.0, 510.0, 715.0, 710.0, 700.0]
+    ranks = [rank("gpu-a" if i < 4 else "gpu-b", t, 300.0 if i < 4 else 40.0, 1.5 * gib) for i, t in enumerate(tf)]
+    one_rail = {"all-reduce": [1, 8, 40, 45.0], "all-gather": [1, 8, 35, 42.0]}  # 1 x 400 Gbit/s of 4
+    code = preflight.report(cfg, ranks, nodes, one_rail, sizes, gib, True, 1.0)
     got = verdicts(capsys.readouterr().out)
     assert code == 1
-    level, text = got["matmul"]  # 510 < 80% of the median 707.5; 72% of the H100's 989
-    assert level == "WARN" and "slowest rank 2 on gpu-b: 510.000; too slow: ranks [2]" in text and "72% of" in text
+    level, text = got["matmul"]  # 35: 5% of the median of the others (705) FAILs; 510 (72%) WARNs
+    assert level == "FAIL" and "slowest rank 2 on gpu-a: 35.000 = 5% of the others' median; FAIL: ranks [2]; WARN: " \
+        "ranks [4] (" in text and "median 702.500 TFLOP/s" in text and "71% of" in text, text
     level, text = got["bandwidth within nodes"]
     assert level == "WARN" and text.startswith("slowest node gpu-b: busbw at 1 MiB/16 MiB/256 MiB/1024 MiB")
+    level, text = got["bandwidth across nodes"]  # 45 GB/s is one link's rate, but 4 GPUs share the node: WARN < 80
+    assert level == "WARN" and "all-reduce 1.00 8.00 40.00 45.00 GB/s" in text and "per GPU x 4 GPUs per node" in text
+    level, text = got["free space"]  # debug config: 50 steps, a checkpoint every 25, all kept: 2 GiB
+    assert level == "FAIL" and text.startswith("1.5 GiB for 2 more checkpoint(s) of 1.00 GiB (keep_latest_k = 0 "), text
+    assert got["software"][0] == got["dump folder /shared/run"][0] == got["data manifest"][0] == "OK"
+
+    cfg.checkpoint.keep_latest_k, cfg.checkpoint.interval = 1, 5  # 10 saves, 1 kept + 1 being written: 2 GiB
+    for r in ranks:
+        r["tflops"], r["free"] = 700.0, 2.5 * gib
+    tcp = {"all-reduce": [0.5, 2, 6, 9.0], "all-gather": [0.5, 2, 5, 8.0]}
+    code = preflight.report(cfg, ranks, nodes, tcp, sizes, gib, True, 1.0)
+    got = verdicts(capsys.readouterr().out)
+    assert code == 1 and got["matmul"][0] == "OK"
     level, text = got["bandwidth across nodes"]
-    assert level == "FAIL" and "all-reduce 1.00 3.00 9.00 11.00 GB/s" in text and "TCP sockets" in text
-    assert got["software"][0] == got["dump folder /shared/run"][0] == got["free space"][0] == "OK"
+    assert level == "FAIL" and "TCP sockets" in text
+    level, text = got["free space"]  # 2 needed, 3 (one more) advised
+    assert level == "WARN" and text.startswith("2.5 GiB for 2 more checkpoint(s) of 1.00 GiB (keep_latest_k = 1: "), text
