@@ -296,8 +296,9 @@ def report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> int:
             fail_below, warn_below, rule = 0, 0, "none on CPU (gloo): no line rate to compare with"
         elif inside:
             fail_below, warn_below, rule = 0, 50, "WARN below 50 GB/s, less than PCIe 5 x16's 64: no NVLink/xGMI"
-        else:  # busbw across nodes is about the node's NIC rate: NCCL runs a ring per NIC (rail), over its GPUs
-            g = min(len(m) for m in nodes.values())
+        else:  # busbw across nodes is about the node's NIC rate: NCCL runs a ring per NIC (rail), and GPU nodes
+            # have one NIC per GPU. The per-GPU figures and where they come from: docs/slurm.md#preflight.
+            g = min(len(m) for m in nodes.values())  # the node with the fewest GPUs (and NICs) sets the pace
             fail_below, warn_below, rule = 2.5 * g, 20 * g, (
                 f"per GPU x {g} GPUs per node, FAIL below 2.5 GB/s: NCCL over TCP sockets, not EFA/InfiniBand; WARN "
                 "below 20 GB/s: 8 x 400 Gbit/s nodes (H100, EFA or NDR InfiniBand) reach about 45 GB/s per GPU, "
