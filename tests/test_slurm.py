@@ -376,10 +376,11 @@ def test_preflight_job_checks_both_nodes(jobs):
     rows = re.findall(r"^\d: +([01])  (n[12]) +CPU ", out, re.M)  # srun's label, then the rank's row
     assert sorted(r for r, _ in rows) == ["0", "1"] and sorted(n for _, n in rows) == ["n1", "n2"], out[-4000:]
     checks = {c: lv for lv, c in re.findall(r"^\d: (OK|WARN|FAIL) +([^:]+):", out, re.M)}
-    for check in ("software", "matmul", "bandwidth within nodes", "bandwidth across nodes", "data source 'c4' (assets/data/c4)",
+    for check in ("software", "matmul", "bandwidth within nodes", "bandwidth across nodes", "data manifest",
+                  "data source 'c4' (assets/data/c4)",
                   "validation source 'finemath' (assets/data/finemath)", f"dump folder {dump}", "free space",
                   "tokenizer assets/tokenizer/tokenizer.model"):
         assert check in checks, (check, out[-4000:])
     assert "FAIL" not in checks.values(), out[-4000:]
     assert re.search(r"^\d: OK +bandwidth across nodes: 2 nodes: busbw", out, re.M), out[-4000:]
-    assert re.search(r"^\d: preflight: 0 FAIL, \d WARN of 15 checks", out, re.M), out[-4000:]
+    assert re.search(r"^\d: preflight: 0 FAIL, \d WARN of 16 checks", out, re.M), out[-4000:]
