@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers the "fake" backend)
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
@@ -45,14 +46,6 @@ GIB = 2**30
 LLAMA3_BOS = 128000  # <|begin_of_text|> of Meta's tokenizer, when its file is not on this machine
 
 
-def plain_tensors(t: torch.Tensor) -> list:
-    """The tensors that own storage inside t: a DTensor's local shard, float8 wrappers' inner tensors."""
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        return [p for name in names for p in plain_tensors(getattr(t, name))]
-    return [t] if isinstance(t, torch.Tensor) else []
-
-
 class LiveStorages(TorchDispatchMode):
     """Bytes of the tensor storages alive now (`live`) and at most so far (`peak`, with the `phase` it was in).
     Each storage an op returns is counted once, by its identity, until it is freed; storages made before the
@@ -60,6 +53,7 @@ class LiveStorages(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
+        self.paused, self.fake_mode = 0, None
         self.bytes, self.live, self.peak, self.phase, self.peak_phase = {}, 0, 0, "", ""
         self.refs = {}
 
@@ -77,23 +71,37 @@ class LiveStorages(TorchDispatchMode):
         self.refs.pop(key, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(is_traceable_wrapper_subclass(t) for t in tree_leaves((args, kwargs))):
+            return NotImplemented  # a DTensor or float8 op: its own ops on plain tensors come back here
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                for p in plain_tensors(t):
-                    if id(p.untyped_storage()) not in self.refs:
-                        self.add(p.untyped_storage())
+        for t in tree_leaves(out) if not self.paused else ():
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and id(t.untyped_storage()) not in self.refs:
+                self.add(t.untyped_storage())
         return out
 
     def __enter__(self):
         # FSDP2 frees and re-allocates its unsharded parameters by resizing their storage in place
-        self.resize = torch.UntypedStorage.resize_
+        self.resize, self.lock = torch.UntypedStorage.resize_, ShardingPropagator._fake_mode_lock
         torch.UntypedStorage.resize_ = lambda storage, n: (self.resize(storage, n), self.add(storage, n))[0]
+        # DTensor infers an op's global shape by running it on global-shape fake tensors, under this lock (a
+        # nullcontext unless set): no memory of any rank, so not counted
+        ShardingPropagator._fake_mode_lock = Paused(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self.resize
+        torch.UntypedStorage.resize_, ShardingPropagator._fake_mode_lock = self.resize, self.lock
         return super().__exit__(*exc)
+
+
+class Paused:
+    def __init__(self, counter: LiveStorages):
+        self.counter = counter
+
+    def __enter__(self):
+        self.counter.paused += 1
+
+    def __exit__(self, *exc):
+        self.counter.paused -= 1
 
 
 class NoData:
@@ -121,7 +129,8 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
         model = Transformer(args)
     float8_scales = float8.convert(model, cfg, device)
     train.parallelize(model, mesh, dataclasses.replace(cfg, compile=train.Compile(enable=False)))
-    with FakeTensorMode(allow_non_fake_inputs=True), counter:
+    counter.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with counter.fake_mode, counter:
         counter.phase = "set-up"
         model.to_empty(device=device)
         model.init_weights(normal_=lambda name, w, std: None, buffer_device=device)  # fake weights hold no values
