@@ -43,7 +43,7 @@ def plain(t):
     """The fp32 tensor inside torchao's float8 weight wrapper (the float8 all-gather's), sharing its memory:
     checkpoints hold plain tensors, loadable without torchao, and a load into the plain view fills the parameter."""
     local, float8_weight = t._local_tensor if isinstance(t, DTensor) else t, "WeightWithDynamicFloat8CastTensor"
-    if type(local) in (torch.Tensor, torch.nn.Parameter):
+    if not torch.utils._python_dispatch.is_traceable_wrapper_subclass(local):  # plain (or a dry run's fake one)
         return t
     if f"{type(local).__module__}.{type(local).__name__}" != f"torchao.float8.fsdp_utils.{float8_weight}":
         # by type: another subclass's inner tensors need not be the value, and saving one would lose the weight

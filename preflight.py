@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 import checkpoint
 import data
+import dryrun
 import sources
 import train
 from bench import estimate_memory, fail, model_and_sizes
@@ -368,8 +369,11 @@ def main(argv: list):
     job = sub.add_parser("check", help=doc, description=doc, epilog="Other --section.key value arguments set "
                          "train.py's config (python train.py --help lists them).")
     job.add_argument("--config", action="append", help="train.py's TOML config (e.g. configs/llama3_8b.toml)")
+    dryrun.arguments(sub.add_parser("dryrun", help=dryrun.HELP, description=dryrun.HELP, epilog=dryrun.EPILOG))
     a, rest = p.parse_known_args(argv)
     rest = [arg for path in a.config or [] for arg in ("--config", path)] + rest  # train.py refuses two
+    if a.what == "dryrun":  # one CPU process, no GPU: dryrun.py
+        sys.exit(dryrun.run(a.world_size, rest))
     try:
         check(a, rest)
     except train.ConfigError as e:  # a bad key or value: one line

@@ -209,8 +209,7 @@ def validate(cfg: Config, world_size: int) -> dict:
     if cfg.model.flavor not in flavors:
         raise unknown("model.flavor", cfg.model.flavor, flavors)
     pos, nonneg, prob = (lambda x: x >= 1, ">= 1"), (lambda x: x >= 0, ">= 0"), (lambda x: 0 <= x < 1, "in [0, 1)")
-    minus1_or = (lambda x: x == -1 or x >= 1, "-1 or >= 1")
-    positive = (lambda x: 0 < x < math.inf, "a positive number")
+    minus1_or, positive = (lambda x: x == -1 or x >= 1, "-1 or >= 1"), (lambda x: 0 < x < math.inf, "a positive number")
 
     def one_of(*names):
         return lambda x: x in names, f"one of {', '.join(names)}"
@@ -584,19 +583,20 @@ def share_manifest(cfg: Config, rank: int, device) -> dict:
     return manifest
 
 
-def init_distributed(cfg: Config, sizes: dict):
-    """This rank's device (its GPU, else the CPU), the process group and the (dp_replicate, dp_shard, tp)
-    mesh. preflight.py check starts the same way, so it checks what training will use."""
-    if torch.cuda.is_available():
+def init_distributed(cfg: Config, sizes: dict, fake_rank: int = -1):
+    """This rank's device (its GPU, else the CPU), the process group and the (dp_replicate, dp_shard, tp) mesh;
+    preflight.py check starts alike. dryrun.py's fake_rank: that rank of a "fake" group of the job's size, on CPU."""
+    if torch.cuda.is_available() and fake_rank < 0:
         device, backend = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))), "nccl"
         torch.cuda.set_device(device)
     else:
-        device, backend = torch.device("cpu"), "gloo"
+        device, backend = torch.device("cpu"), "gloo" if fake_rank < 0 else "fake"
     timeout = timedelta(seconds=cfg.comm.init_timeout_seconds)
-    if "RANK" in os.environ:  # torchrun / srun
+    if "RANK" in os.environ and fake_rank < 0:  # torchrun / srun
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
-    else:  # plain `python train.py`: a one-process group, no ports needed
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:  # plain `python train.py`: a one-process group, no ports needed; dryrun.py: one rank of the job
+        rank, world = (fake_rank, sizes["dp"] * cfg.parallelism.tensor_parallel_degree) if fake_rank >= 0 else (0, 1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=rank, world_size=world, timeout=timeout)
     p = cfg.parallelism
     mesh = init_device_mesh(device.type, (p.data_parallel_replicate_degree, sizes["dp_shard"],
                                           p.tensor_parallel_degree), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))

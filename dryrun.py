@@ -1,0 +1,265 @@
+"""A dry run of train.py at the job's real world size, on a laptop: `python preflight.py dryrun --config C
+--world_size N [--section.key value ...]`. One CPU process, no GPU.
+
+Each rank shown (rank 0 and the last rank, each in a forked process) joins a "fake" process group of N ranks
+(collectives return at once) and runs under fake tensors (every op runs on shapes and dtypes only, no data),
+through the trainer's own code: train.validate, train.init_distributed, the model on the meta device,
+float8.convert, train.parallelize (TP, activation checkpointing, FSDP2; not torch.compile: fake tensors are not
+compiled here, so the step is eager's, which keeps more than compiled blocks), train.build_optimizer, one step
+(train.forward_backward, gradient clipping, optimizer.step, the lr schedule) and the checkpoint's state dict
+(Checkpointer.state) planned as DCP would write it.
+
+Memory per rank is counted, not estimated: LiveStorages sees the output of every op and adds the bytes of each
+tensor storage once while it lives (a weakref's callback takes it off when it is freed; FSDP2's storage resizes
+are followed). The peak is taken after every op, so it is the step's true peak at op granularity, not a sample
+at phase boundaries (the peak sits inside backward). A GPU adds its allocator's fragmentation and the CUDA
+context on top: the verdicts keep 15% free, as `bench.py memory` does. Errors are train.py's: one `error:` line,
+exit 2."""
+
+import argparse
+import dataclasses
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers the "fake" backend)
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+import bench
+import float8
+import train
+from checkpoint import Checkpointer
+from config import ConfigError
+from data import Tokenizer
+from model import Transformer
+
+GIB = 2**30
+LLAMA3_BOS = 128000  # <|begin_of_text|> of Meta's tokenizer, when its file is not on this machine
+
+
+class LiveStorages(TorchDispatchMode):
+    """Bytes of the tensor storages alive now (`live`) and at most so far (`peak`, with the `phase` it was in).
+    Each storage an op returns is counted once, by its identity, until it is freed; storages made before the
+    mode was entered are not counted. Works alike on real and fake tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.paused, self.fake_mode = 0, None
+        self.bytes, self.live, self.peak, self.phase, self.peak_phase = {}, 0, 0, "", ""
+        self.refs = {}
+
+    def add(self, storage, nbytes=None):
+        key, nbytes = id(storage), storage.nbytes() if nbytes is None else nbytes
+        if key not in self.refs:
+            self.refs[key] = weakref.ref(storage, lambda _, key=key: self.drop(key))
+        self.live += nbytes - self.bytes.get(key, 0)
+        self.bytes[key] = nbytes
+        if self.live > self.peak:
+            self.peak, self.peak_phase = self.live, self.phase
+
+    def drop(self, key):
+        self.live -= self.bytes.pop(key, 0)
+        self.refs.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(is_traceable_wrapper_subclass(t) for t in tree_leaves((args, kwargs))):
+            return NotImplemented  # a DTensor or float8 op: its own ops on plain tensors come back here
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out) if not self.paused else ():
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and id(t.untyped_storage()) not in self.refs:
+                self.add(t.untyped_storage())
+        return out
+
+    def __enter__(self):
+        # FSDP2 frees and re-allocates its unsharded parameters by resizing their storage in place
+        self.resize, self.lock = torch.UntypedStorage.resize_, ShardingPropagator._fake_mode_lock
+        torch.UntypedStorage.resize_ = lambda storage, n: (self.resize(storage, n), self.add(storage, n))[0]
+        # DTensor infers an op's global shape by running it on global-shape fake tensors, under this lock (a
+        # nullcontext unless set): no memory of any rank, so not counted
+        ShardingPropagator._fake_mode_lock = Paused(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_, ShardingPropagator._fake_mode_lock = self.resize, self.lock
+        return super().__exit__(*exc)
+
+
+class Paused:
+    def __init__(self, counter: LiveStorages):
+        self.counter = counter
+
+    def __enter__(self):
+        self.counter.paused += 1
+
+    def __exit__(self, *exc):
+        self.counter.paused -= 1
+
+
+class NoData:
+    """The data loader's place in the checkpoint: its state is a few JSON numbers per stream, left out here."""
+
+    def state_dict(self):
+        return {}
+
+
+def model_args(cfg):
+    """The trainer's ModelArgs: the tokenizer's vocabulary and BOS, or the flavor's (Llama 3's) without it."""
+    if os.path.exists(cfg.model.tokenizer_path):
+        tokenizer = Tokenizer(cfg.model.tokenizer_path)
+        return train.flavor_args(cfg, tokenizer.n_words, tokenizer.bos_id)
+    return train.flavor_args(cfg, bos_id=LLAMA3_BOS)
+
+
+def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
+    """train.main's set-up and one step as `rank`, under fake tensors (`counter` counts their memory)."""
+    device, mesh = train.init_distributed(cfg, sizes, fake_rank=rank)
+    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    args, t, tp = model_args(cfg), cfg.training, cfg.parallelism.tensor_parallel_degree
+    torch.manual_seed(t.seed)
+    with torch.device("meta"):
+        model = Transformer(args)
+    float8_scales = float8.convert(model, cfg, device)
+    train.parallelize(model, mesh, dataclasses.replace(cfg, compile=train.Compile(enable=False)))
+    counter.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with counter.fake_mode, counter:
+        counter.phase = "set-up"
+        model.to_empty(device=device)
+        model.init_weights(normal_=lambda name, w, std: None, buffer_device=device)  # fake weights hold no values
+        model.train()
+        optimizer, scheduler = train.build_optimizer(model, cfg, device)
+        setup = counter.live
+        counter.phase = "forward and backward"
+        optimizer.zero_grad(set_to_none=True)
+        batches = []
+        for _ in range(sizes["grad_accum"]):
+            tokens = torch.randint(0, args.vocab_size, (t.local_batch_size, t.seq_len + 1), device=device)
+            batches.append((tokens[:, :-1], train.ignore_boundaries(tokens[:, 1:], args)))
+        counted = sum((y != -100).sum() for _, y in batches).float()
+        dist.all_reduce(counted, group=dp_mesh.get_group())
+        for inputs, labels in batches:
+            train.forward_backward(model, inputs, labels, counted.clamp(min=1), dp_mesh.size(), tp)
+        del batches, inputs, labels
+        counter.phase = "gradient clipping"
+        params = [q for q in model.parameters() if q.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_norm or float("inf"), foreach=True)
+        grad_norm.full_tensor() if isinstance(grad_norm, train.DTensor) else grad_norm
+        counter.phase = "optimizer step"
+        optimizer.step()
+        if float8_scales:
+            float8_scales(model)
+        scheduler.step()
+        after = counter.live
+        counter.phase = "checkpoint state dict"
+        folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+        ckpt = Checkpointer(dataclasses.replace(cfg.checkpoint, async_mode="disabled"), folder, {}, t.steps, model,
+                            optimizer, scheduler, NoData(), {"model.converters": cfg.model.converters})
+        state = ckpt.state(1, 0)
+    planner = dcp.DefaultSavePlanner()  # outside the fake mode: the shards' offsets come from the mesh's real tensor
+    planner.set_up_planner(state, is_coordinator=rank == 0)
+    items = planner.create_local_plan().items
+    written = sum(i.tensor_data.properties.dtype.itemsize * torch.Size(i.tensor_data.chunk.sizes).numel()
+                  for i in items if i.tensor_data is not None)
+    dist.destroy_process_group()
+    return {"rank": rank, "peak": counter.peak, "peak_phase": counter.peak_phase, "setup": setup, "after": after,
+            "items": len(items), "written": written}
+
+
+def child(cfg, sizes, rank, conn):
+    """One rank in a forked process: its result, or the trainer's one-line error, down the pipe."""
+    try:
+        conn.send(run_rank(cfg, sizes, rank, LiveStorages()))
+    except ConfigError as e:
+        conn.send({"rank": rank, "error": str(e), "code": 2})
+    except Exception as e:  # what the trainer would crash on at start-up: the exception, and where
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        conn.send({"rank": rank, "error": f"rank {rank}: {type(e).__name__}: {e} "
+                   f"({os.path.basename(where.filename)}:{where.lineno})".replace("\n", " "), "code": 1})
+    conn.close()
+
+
+def dry_run(cfg, world_size: int, ranks=None) -> list:
+    """Results for `ranks` (default: 0 and world_size - 1), each rank in a forked process, in parallel."""
+    sizes = train.validate(cfg, world_size)
+    ctx, results = multiprocessing.get_context("fork"), []
+    procs = []
+    for rank in ranks if ranks is not None else sorted({0, world_size - 1}):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=child, args=(cfg, sizes, rank, send), daemon=True)
+        proc.start()
+        send.close()
+        procs.append((rank, proc, recv))
+    for rank, proc, recv in procs:
+        try:
+            results.append(recv.recv())
+        except EOFError:
+            results.append({"rank": rank, "error": f"rank {rank}: the dry run's process died "
+                            f"(exit code {proc.join() or proc.exitcode})", "code": 1})
+        proc.join()
+    return results
+
+
+def verdict(total: float, capacity: float) -> str:
+    """bench.py memory's rule: "fits" leaves 15% for the allocator's fragmentation."""
+    return "fits" if 1.15 * total <= capacity else "tight" if total <= capacity else "too big"
+
+
+HELP = "train.py's set-up and one step at the job's world size, as rank 0 and the last rank: memory per rank"
+EPILOG = "One CPU process, no GPU. Other --section.key value arguments set train.py's config."
+
+
+def arguments(p: argparse.ArgumentParser):
+    p.add_argument("--config", action="append", help="train.py's TOML config (e.g. configs/llama3_405b.toml)")
+    p.add_argument("--world_size", type=int, required=True, help="GPUs in the job (e.g. 2048); it sets the sharding")
+
+
+def run(world_size: int, rest: list) -> int:
+    """The dry run of train.py's config `rest` (--config and --section.key value arguments): its report, or
+    train.py's one `error:` line; the exit code."""
+    t0 = time.perf_counter()
+    try:
+        cfg = train.load_config(rest)
+        sizes = train.validate(cfg, world_size)
+        results = dry_run(cfg, world_size)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    failed = next((r for r in results if "error" in r), None)
+    if failed:
+        print(f"error: {failed['error']}", file=sys.stderr, flush=True)
+        return failed["code"]
+    par = cfg.parallelism
+    with torch.device("meta"):
+        model = Transformer(model_args(cfg))
+    print(f"dryrun: model {cfg.model.flavor} ({model.num_params():,} parameters), world {world_size} = "
+          f"dp_replicate {par.data_parallel_replicate_degree} x dp_shard {sizes['dp_shard']} x tp "
+          f"{par.tensor_parallel_degree}, grad accumulation {sizes['grad_accum']}, activation checkpoint "
+          f"{cfg.activation_checkpoint.mode}{', float8' if 'float8' in cfg.model.converters else ''}; fake process "
+          f"group and fake tensors, eager (compile{' is skipped' if cfg.compile.enable else ' is off'})")
+    for r in results:
+        print(f"rank {r['rank']}: peak {r['peak'] / GIB:.2f} GiB in {r['peak_phase']} (after set-up "
+              f"{r['setup'] / GIB:.2f}, after the step {r['after'] / GIB:.2f}); checkpoint: {r['items']} items, "
+              f"{r['written'] / GIB:.2f} GiB from this rank")
+    estimate = bench.estimate_memory(model, cfg, sizes, cuda=True)
+    print(f"bench.py memory's {bench.format_estimate(estimate)}")
+    peak = max(r["peak"] for r in results)
+    for name, capacity in bench.GPUS:
+        print(f"{name}: {verdict(peak, capacity)} ({100 * peak / capacity:.0f}% of its memory at the dry run's "
+              f"peak; {verdict(estimate['total'], capacity)} by the estimate)")
+    print(f"dryrun took {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="dryrun.py", description=HELP, epilog=EPILOG)
+    arguments(parser)
+    args, extra = parser.parse_known_args(sys.argv[1:])
+    sys.exit(run(args.world_size, [x for path in args.config or [] for x in ("--config", path)] + extra))
