@@ -4,10 +4,11 @@ tensor storages at every op) around train.main on real tensors, one step, gloo. 
 the target size (2,048 ranks) ends it with train.py's one `error:` line and exit code 2.
 
 Run as a script (under torchrun, or plain python for one process) this file is the real side: `python
-tests/test_dryrun.py DUMP JSON` runs train.main once per argument list in JSON (one list under torchrun), printing
-one JSON line per rank and run: {"real": i, "rank": r, "peak": bytes}.
+tests/test_dryrun.py DUMP JSON` runs train.main once per argument list in JSON, writing DUMP/peak-i-r.json per
+run i and rank r: {"real": i, "rank": r, "peak": bytes}.
 """
 
+import glob
 import json
 import os
 import subprocess
@@ -33,11 +34,14 @@ def real_runs(dump: str, runs: list):
     import dryrun
     import train
     for i, extra in enumerate(runs):
+        if i and "MASTER_PORT" in os.environ:  # torchrun's store keeps the first group's keys: a new store each run
+            os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False", MASTER_PORT=str(int(os.environ["MASTER_PORT"]) + 1))
         cfg = train.load_config([*DEBUG, *extra, "--job.dump_folder", os.path.join(dump, str(i)), "--training.steps",
                                  "1", "--checkpoint.enable", "false", "--validation.enable", "false"])
         with dryrun.LiveStorages() as counter:
             train.main(cfg)
-        print(json.dumps({"real": i, "rank": int(os.environ.get("RANK", 0)), "peak": counter.peak}), flush=True)
+        with open(os.path.join(dump, f"peak-{i}-{os.environ.get('RANK', 0)}.json"), "w") as f:  # ranks share stdout
+            json.dump({"real": i, "rank": int(os.environ.get("RANK", 0)), "peak": counter.peak}, f)
     assert not dist.is_initialized()
 
 
@@ -46,35 +50,33 @@ def launch(dump, runs: list, nproc: int) -> dict:
     proc = subprocess.run([sys.executable, *launcher, __file__, str(dump), json.dumps(runs)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith('{"real"')]
+    lines = [json.load(open(p)) for p in glob.glob(os.path.join(dump, "peak-*.json"))]
     return {(r["real"], r["rank"]): r["peak"] for r in lines}
 
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
-    """{(layout, rank): peak bytes} of the real runs, one launch each (a second train.main in a torchrun process
-    waits forever for its process group)."""
-    out = {(("one", 0), r): v for (_, r), v in launch(tmp_path_factory.mktemp("one"), ONE, 1).items()}
-    for i, extra in enumerate(TWO):
-        out.update({(("two", i), r): v for (_, r), v in launch(tmp_path_factory.mktemp("two"), [extra], 2).items()})
-    return out
+    """{(layout, rank): peak bytes} of the real runs: one launch for 1 process, one for the 2-process layouts."""
+    out = {(("one", i), r): v for (i, r), v in launch(tmp_path_factory.mktemp("one"), ONE, 1).items()}
+    return out | {(("two", i), r): v for (i, r), v in launch(tmp_path_factory.mktemp("two"), TWO, 2).items()}
 
 
 @pytest.fixture(scope="module")
 def dry(tmp_path_factory):
+    """{(layout, world size, index): dryrun.dry_run's results (a dict per rank: peak, phase, checkpoint items)}."""
     import dryrun
     import train
     out = {}
     for name, world, runs in (("one", 1, ONE), ("two", 2, TWO)):
         for i, extra in enumerate(runs):
             cfg = train.load_config([*DEBUG, *extra, "--job.dump_folder", str(tmp_path_factory.mktemp("dry"))])
-            for r in dryrun.dry_run(cfg, world):
-                assert "error" not in r, r
-                out[((name, i), r["rank"])] = r["peak"]
+            out[name, world, i] = dryrun.dry_run(cfg, world)
+            assert not [r for r in out[name, world, i] if "error" in r], out[name, world, i]
     return out
 
 
 def test_dry_run_peak_is_the_real_peak_per_rank(real, dry):
+    dry = {((name, i), r["rank"]): r["peak"] for (name, _, i), results in dry.items() for r in results}
     assert set(real) == set(dry) and len(real) == 1 + 2 * len(TWO)
     report = {str(k): (dry[k], real[k], f"{dry[k] / real[k] - 1:+.2%}") for k in sorted(real)}
     print(json.dumps(report, indent=1))
@@ -96,14 +98,16 @@ def test_a_mistake_at_2048_ranks_is_the_trainers_one_line(extra, line, capsys):
     assert e.value.code == 2 and err == line + "\n" and out == ""
 
 
-def test_the_report(capsys, tmp_path):
+def test_the_report(dry, monkeypatch, capsys, tmp_path):
+    """The report of the TP 2 layout's dry run (its results from the fixture: dry_run is not run twice)."""
     import dryrun
-    code = dryrun.run(4, [*DEBUG, "--parallelism.tensor_parallel_degree", "2", "--job.dump_folder", str(tmp_path)])
+    monkeypatch.setattr(dryrun, "dry_run", lambda cfg, world: dry["two", 2, 1])
+    code = dryrun.run(2, [*DEBUG, *TWO[1], "--job.dump_folder", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0, out
-    for text in ("world 4 = dp_replicate 1 x dp_shard 2 x tp 2", "rank 0: peak", "rank 3: peak", "checkpoint: ",
-                 "bench.py memory's memory estimate per device", "H100 80 GB: fits", "H200 141 GB: fits",
-                 "dryrun took"):
+    for text in ("world 2 = dp_replicate 1 x dp_shard 1 x tp 2", "rank 0: peak", "rank 1: peak", "checkpoint: ",
+                 "activation checkpoint full, float8", "bench.py memory's memory estimate per device",
+                 "H100 80 GB: fits", "H200 141 GB: fits", "dryrun took"):
         assert text in out, out
 
 

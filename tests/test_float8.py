@@ -194,16 +194,42 @@ ERRORS = {  # name: (python prelude that fakes the machine, extra args, the one 
 }
 
 
+# One process imports torch and torchao once; each case runs train.py as __main__ in a forked child of it, with
+# its prelude, and writes its exit code, stdout and stderr (a fork keeps one case's fakes out of the next).
+FORKED = """import json, os, runpy, sys, tempfile, torch, torchao
+for name, (prelude, argv) in json.loads(sys.argv[1]).items():
+    out = [tempfile.TemporaryFile(mode="w+") for _ in "12"]
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(out[0].fileno(), 1), os.dup2(out[1].fileno(), 2)
+        exec(prelude)
+        sys.argv = argv
+        runpy.run_path("train.py", run_name="__main__")
+        os._exit(0)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    print(json.dumps([name, code, *[(f.seek(0), f.read())[1] for f in out]]))
+"""
+
+
+@pytest.fixture(scope="module")
+def config_errors(tmp_path_factory):
+    """{case: (exit code, stdout, stderr, its dump folder)} of train.py with each case of ERRORS."""
+    root, cases = tmp_path_factory.mktemp("errors"), {}
+    for name, (prelude, extra, _) in ERRORS.items():
+        cases[name] = (prelude, ["train.py", "--config", "configs/debug_model.toml", "--job.dump_folder",
+                                 str(root / name), "--model.converters", "float8", *map(str, extra)])
+    proc = subprocess.run([sys.executable, "-c", FORKED, json.dumps(cases)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {x[0]: (*x[1:], root / x[0]) for x in map(json.loads, proc.stdout.splitlines())}
+
+
 @pytest.mark.parametrize("name", ERRORS)
-def test_float8_errors_are_one_line_at_config_time(name, tmp_path):
-    prelude, extra, text = ERRORS[name]
-    argv = ["train.py", "--config", "configs/debug_model.toml", "--job.dump_folder", str(tmp_path / "out"),
-            "--model.converters", "float8", *map(str, extra)]
-    code = f"import sys, runpy, torch\n{prelude}\nsys.argv = {argv!r}\nrunpy.run_path('train.py', run_name='__main__')"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1 and text in proc.stderr, proc.stderr
-    assert proc.stdout == "" and not (tmp_path / "out").exists()  # nothing half-written
+def test_float8_errors_are_one_line_at_config_time(name, config_errors):
+    code, stdout, stderr, dump = config_errors[name]
+    assert code == 2, stderr[-2000:]
+    assert stderr.startswith("error: ") and stderr.count("\n") == 1 and ERRORS[name][2] in stderr, stderr
+    assert stdout == "" and not dump.exists()  # nothing half-written
 
 
 def test_config_lists_and_the_conversion_keep_meta_names():
