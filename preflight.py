@@ -335,9 +335,10 @@ def report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> int:
     done = checkpoint.checkpoints(os.path.join(cfg.job.dump_folder, c.folder))  # a resume goes on after the newest
     saves = {s for s in range(c.interval, cfg.training.steps + 1, c.interval)} | {cfg.training.steps}  # as train.py
     left = len([s for s in saves if s > (done[-1] if done else 0)])
-    # keep_latest_k = k > 0: k kept, and one more while the next is written (checkpoint.py deletes the old only then)
-    need = left if not c.keep_latest_k else max(min(c.keep_latest_k + 1, len(done) + left) - len(done), min(left, 1))
-    need *= c.enable
+    # on disk at most: every one (keep_latest_k = 0), else k kept and the next being written (checkpoint.py deletes
+    # the old only then); those in the folder already need no new space, a save still to come needs one
+    on_disk = len(done) + left if not c.keep_latest_k else min(c.keep_latest_k + 1, len(done) + left)
+    need = c.enable * max(on_disk - len(done), min(left, 1))
     kept = (f"keep_latest_k = {c.keep_latest_k}: {c.keep_latest_k} kept and the next one being written"
             if c.keep_latest_k else f"keep_latest_k = 0 keeps every one: training.steps {cfg.training.steps} / "
             f"interval {c.interval}") + f", {len(done)} already in the folder" * bool(done)
