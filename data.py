@@ -442,12 +442,12 @@ def main(argv=None):
     p.add_argument("--config", action="append", help="train.py's TOML config, e.g. configs/debug_model.toml")
     p.add_argument("--show", type=int, default=0, help="decode this many packed samples instead of timing")
     p.add_argument("--tokens", type=int, default=1_000_000, help="tokens to read for the shares and tokens/s")
-    p.add_argument("--manifest", metavar="PATH", help="resolve the training and validation sources and write their "
-                   "data manifest here (for train.py's [data] manifest), without reading any data")
+    p.add_argument("--manifest", metavar="PATH", help="resolve the training, validation and eval sources and write "
+                   "their data manifest here (for train.py's [data] manifest), without reading any data")
     args, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
     cfg = train.load_config([x for path in args.config or [] for x in ("--config", path)] + rest)  # as train.py
     train.validate(cfg, world_size=1)
-    sources, validation = cfg.data.sources, cfg.validation.sources
+    sources, validation = cfg.data.sources, cfg.validation.sources + train.evals.sources(cfg.eval)  # [eval]'s tasks too
     if args.manifest:
         write_manifest(manifest := make_manifest(sources, validation), args.manifest)
         for e in manifest["data"] + manifest["validation"]:

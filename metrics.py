@@ -1,4 +1,4 @@
-"""Where train.py's numbers go. Each log step and each validation round is one record (a flat dict) that rank 0
+"""Where train.py's numbers go. Each log step, validation round and eval round is one record (a flat dict) that rank 0
 sends to the console (torchtitan's log line, so existing parsers work), metrics.jsonl, TensorBoard and W&B:
 a new scalar is one more key in the record. Plus the device figures a record carries: peak memory and the
 peak FLOP/s that MFU is measured against."""
@@ -47,7 +47,7 @@ class MetricsLogger:
     scalar is one more key in the record. Other ranks drop everything."""
 
     HIDDEN = {"step", "tokens_seen", "source_tokens", "memory_allocated_gib", "memory_pct", "validation_tokens",
-              "loss_tokens", "loss_tokens_pct"}
+              "loss_tokens", "loss_tokens_pct", "eval_examples"}
 
     def __init__(self, cfg, rank: int):  # cfg: train.py's Config
         self.jsonl = self.tb = self.wandb = None
@@ -81,6 +81,11 @@ class MetricsLogger:
             if r.get("loss_tokens_pct", 100) < 100:  # block_causal leaves document boundaries out of the loss
                 line += f"  loss_tokens: {r['loss_tokens_pct']:.1f}%"
             shown = {"loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu", "data_wait_pct"}
+        elif "eval_acc" in r:  # an [eval] round (evals.py): acc/acc_norm per task
+            per = "  ".join(f"{k} {v:.4f}/{r['eval_acc_norm'][k]:.4f}" for k, v in r["eval_acc"].items())
+            line = (f"eval: step {r['step']}  acc/acc_norm  {per}  ({', '.join(map(str, r['eval_examples'].values()))} "
+                    f"examples)  {r['eval_seconds']:.1f}s")
+            shown = {"eval_acc", "eval_acc_norm", "eval_seconds"}
         else:  # a validation round
             per = ", ".join(f"{k} {v:.4f}" for k, v in r["validation_source_loss"].items())
             ppl = math.exp(min(r["validation_loss"], 50))

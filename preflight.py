@@ -121,7 +121,8 @@ def hub_unreachable() -> str:
 def configured(cfg) -> list:
     """[(manifest section, source, its name in the report)] in the config's order."""
     return [(kind, s, f"{kind} source {s.name!r} ({s.path})") for kind, srcs in
-            (("data", cfg.data.sources), ("validation", cfg.validation.sources)) for s in srcs]
+            (("data", cfg.data.sources), ("validation", cfg.validation.sources + train.evals.sources(cfg.eval)))
+            for s in srcs]
 
 
 def hub_id(path: str) -> bool:

@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 import config
+import evals
 import float8
 from checkpoint import Checkpointer, CheckpointError, SaveError
 from config import ConfigError, to_toml, unknown
@@ -185,6 +186,7 @@ class Config:
     comm: Comm = field(default_factory=Comm)
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)
+    eval: evals.Eval = field(default_factory=evals.Eval)  # evals.py: downstream tasks, the section and its rules
 
 
 class RunError(RuntimeError):
@@ -241,6 +243,7 @@ def validate(cfg: Config, world_size: int) -> dict:
         if not ok(value):
             raise ConfigError(f"{key} = {value!r}: must be {allowed}")
     float8.check(cfg)
+    evals.check(cfg)
     args = flavor_args(cfg)
     if t.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {t.seq_len} exceeds the {cfg.model.flavor} model's "
@@ -278,7 +281,7 @@ RESUME_CHECKED = ("model", "training", "optimizer", "lr_scheduler", "data")
 # ...except these, which a resume may change: how long and how fast to train, clipping, precision (float8
 # included: the weights are the same), the layout's batch split, workers, and where the tokenizer and the data
 # manifest live (their sha256 is checked). The other sections (job, parallelism, checkpoint,
-# activation_checkpoint, compile, float8, metrics, comm, validation) may always change.
+# activation_checkpoint, compile, float8, metrics, comm, validation, eval) may always change.
 RESUME_MAY_CHANGE = {
     "training.steps", "training.local_batch_size", "training.max_norm", "training.seed", "training.deterministic",
     "training.mixed_precision_param", "training.mixed_precision_reduce", "optimizer.lr", "lr_scheduler.warmup_steps",
@@ -288,9 +291,9 @@ RESUME_MAY_CHANGE = {
 
 
 def run_keys(cfg: Config, model_args, sizes: dict, manifest: dict) -> dict:
-    """What a resume must not change (RESUME_CHECKED less RESUME_MAY_CHANGE), with derived values where the
-    config leaves a choice to the layout: a run may resume on more or fewer GPUs as long as the global batch
-    and num_streams stay the same. A checkpoint is checked on the keys it holds (older ones hold fewer)."""
+    """What a resume must not change (RESUME_CHECKED less RESUME_MAY_CHANGE), with derived values where the config
+    leaves a choice to the layout: a run may resume on more or fewer GPUs if the global batch and num_streams stay.
+    A checkpoint is checked on the keys it holds (older ones hold fewer)."""
     keys = {f"{sec}.{k}": v for sec in RESUME_CHECKED for k, v in dataclasses.asdict(getattr(cfg, sec)).items()
             if f"{sec}.{k}" not in RESUME_MAY_CHANGE}
     with open(cfg.model.tokenizer_path, "rb") as f:
@@ -400,11 +403,9 @@ def apply_fsdp(model: Transformer, dp_mesh, param_dtype: torch.dtype, reduce_dty
 
 
 def replicate_unplanned(model: torch.nn.Module, tp_mesh):
-    """Parameters the TP plan does not name (a q/k norm, a gate, ...) become replicated on the TP mesh, so
-    every parameter lives on the same mesh (clip_grad_norm_ needs that). The module's input is declared
-    Shard(0) and its output handed back as a plain tensor: every TP rank computes on its own share of the
-    activations (heads, hidden units or sequence), so the gradients are summed over TP ranks, which is
-    right for per-token modules anywhere except on the inputs gathered for wq/wk/wv and w1/w3."""
+    """Parameters the TP plan does not name (a q/k norm, a gate) become replicated on the TP mesh (clip_grad_norm_
+    needs one mesh). Each TP rank computes on its own share of the activations, so the gradients are summed over
+    TP ranks: right for per-token modules anywhere except on the inputs gathered for wq/wk/wv and w1/w3."""
     for name, module in model.named_modules():
         own = [n for n, q in module.named_parameters(recurse=False) if not isinstance(q, DTensor)]
         if not own:
@@ -445,12 +446,11 @@ def build_optimizer(model, cfg: Config, device: torch.device):
 
 
 def forward_backward(model, inputs, labels, global_tokens: torch.Tensor, dp: int, tp: int) -> torch.Tensor:
-    """One micro-batch: forward, loss, backward. The loss is this micro-batch's share of the global batch's
-    mean: its summed cross-entropy over the positions that count (label != -100) divided by global_tokens,
-    the positions that count in the whole global batch (every micro-batch on every dp rank). So 1 process,
-    FSDP, TP and accumulation give the same loss, whatever each micro-batch holds. Returns the share
-    (detached, a plain tensor) for the log. The place to change the objective (z-loss, another loss): the
-    loop around it only accumulates, clips and steps."""
+    """One micro-batch: forward, loss, backward. The loss is this micro-batch's share of the global batch's mean:
+    its summed cross-entropy over the positions that count (label != -100) divided by global_tokens, those of the
+    whole global batch (every micro-batch on every dp rank). So 1 process, FSDP, TP and accumulation give the same
+    loss. Returns the share (detached, plain) for the log. The place to change the objective (z-loss, another
+    loss): the loop around it only accumulates, clips and steps."""
     with loss_parallel() if tp > 1 else contextlib.nullcontext():
         logits = model(inputs)  # (local_batch_size, seq_len, vocab_size), vocab-sharded under TP
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / global_tokens
@@ -534,9 +534,8 @@ def agree(error: str, device) -> None:
 
 
 def open_dump_folder(cfg: Config, rank: int, device):
-    """Every rank checks that the dump folder is usable. Rank 0 returns an flock on it, held for the whole
-    run (released by the OS however the process ends): a second job pointed here stops before it touches
-    config or checkpoints."""
+    """Every rank checks that the dump folder is usable. Rank 0 returns an flock on it, held for the whole run (the OS
+    releases it however the process ends): a second job pointed here stops before it touches config or checkpoints."""
     error, lock = "", None
     try:
         os.makedirs(cfg.job.dump_folder, exist_ok=True)
@@ -558,17 +557,16 @@ def open_dump_folder(cfg: Config, rank: int, device):
 
 
 def share_manifest(cfg: Config, rank: int, device) -> dict:
-    """The files of every source: rank 0 alone resolves them (or reads the run's pinned manifest) and sends them
-    to every rank, which wait in a group with a deadline of its own (a rate-limited Hub or a big local folder
-    may take longer than a collective should). Then each node checks every local file once, split over its
-    ranks (a node-local copy may differ on one node)."""
+    """The files of every source: rank 0 alone resolves them (or reads the run's pinned manifest) and sends them to
+    every rank, which wait in a group with a deadline of its own (a rate-limited Hub may take longer than a collective
+    should). Then each node checks every local file once, split over its ranks (a node-local copy may differ)."""
     wait, result = cfg.data.resolve_timeout_seconds, [None]
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait))
     if rank == 0:
         logger.info("data manifest: rank 0 reads or makes it; the others wait up to data.resolve_timeout_seconds")
         try:
             result[0] = pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources,
-                                        cfg.validation.sources)
+                                        cfg.validation.sources + evals.sources(cfg.eval))
         except DataError as e:
             result[0] = str(e)  # every rank raises it below
     try:
@@ -617,9 +615,8 @@ def main(cfg: Config):
     sizes = validate(cfg, world_size)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s",
                         stream=sys.stdout, force=True)
-    # Preemption (Slurm's warning signal, or a plain kill): finish the step, save, exit 0. Installed
-    # before the slow start-up, so an early signal is not lost. Under torchrun, the launcher's death
-    # (killed by a SIGUSR1 it does not handle, say) reaches each rank as SIGTERM.
+    # Preemption (Slurm's warning signal, or a plain kill): finish the step, save, exit 0. Installed before the slow
+    # start-up, so an early signal is not lost; under torchrun the launcher's death reaches each rank as SIGTERM.
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, lambda signum, frame: stop.set())
@@ -671,10 +668,11 @@ def main(cfg: Config):
                                 run_keys(cfg, model_args, sizes, manifest), cfg.training.steps, model, optimizer,
                                 scheduler, loader, {"model.converters": cfg.model.converters})  # float8 on/off: logged
     step, tokens_seen = checkpointer.resume()
-    error, heldout = "", {}
+    error, heldout, tasks = "", {}, {}
     try:  # every rank opens every source where it resumes: a bad one stops all ranks alike before step 1
         loader.check()
         heldout = load_heldout(cfg, tokenizer, model_args, dp_rank, dp, manifest) if cfg.validation.enable else {}
+        tasks = evals.load(cfg, tokenizer, model_args.max_seq_len, manifest, cfg.data.hub_timeout_seconds)
     except DataError as e:
         error = str(e)
     agree(error, device)
@@ -715,10 +713,9 @@ def main(cfg: Config):
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.training.max_norm or math.inf, foreach=True)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
 
-        # Every rank must agree, at the same step, to stop (a signal or a data error), that an async save
-        # is complete, and that the step is finite, or the saves below would deadlock: one tiny all-reduce
-        # per step, which is also this loop's one host sync. It comes before optimizer.step() so that a
-        # non-finite step or a bad batch never reaches the weights.
+        # Every rank must agree, at the same step, to stop (a signal or a data error), that an async save is complete
+        # and that the step is finite, or the saves below would deadlock: one tiny all-reduce per step (the loop's one
+        # host sync), before optimizer.step() so that a non-finite step or a bad batch never reaches the weights.
         saving = checkpointer.pending is not None and not checkpointer.pending[0].done()
         flags = torch.tensor([stop.is_set(), bool(data_error), saving], device=device)
         flags = torch.cat([flags, ~torch.isfinite(grad_norm.reshape(1)) | ~torch.isfinite(loss_sum.reshape(1))]).int()
@@ -763,6 +760,11 @@ def main(cfg: Config):
             result = evaluate(model, heldout, cfg.validation.local_batch_size, device, dp_mesh.get_group(), tp)
             metrics.log({"step": step, **result, "validation_seconds": time.perf_counter() - t0})
             log_t0 += time.perf_counter() - t0  # the next training log's tps leaves the round out
+        if cfg.eval.enable and (step % cfg.eval.freq == 0 or last):
+            t0 = time.perf_counter()
+            result = evals.evaluate(model, tasks, cfg.eval.local_batch_size, device, dp_mesh.get_group(), tp)
+            metrics.log({"step": step, **result, "eval_seconds": time.perf_counter() - t0})
+            log_t0 += time.perf_counter() - t0
 
         if checkpointer.pending is not None and not save_running:
             checkpointer.finish()
@@ -791,10 +793,8 @@ if __name__ == "__main__":
     except (ConfigError, DataError, CheckpointError, RunError, SaveError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        # Leave at once: a rank that lingers in teardown after another left gets torchrun's SIGTERM, and a
-        # process group freed during interpreter shutdown can abort in gloo's threads. Saved state is on
-        # disk already; loader workers exit when they see their rank gone.
+        # Leave at once: a rank lingering in teardown gets torchrun's SIGTERM, a process group freed at interpreter
+        # shutdown can abort in gloo's threads. Saved state is on disk; loader workers exit when their rank is gone.
         os._exit(3 if isinstance(e, (RunError, SaveError)) else 2)
-    # FSDP's state outlives main() in reference cycles, holding process groups and collective handles:
-    # free it now, not during interpreter shutdown, where gloo's threads can abort the process.
+    # FSDP's state outlives main() in reference cycles (process groups): free it now, not at interpreter shutdown.
     gc.collect()

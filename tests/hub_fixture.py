@@ -124,6 +124,52 @@ def make_repos() -> dict:
     return repos
 
 
+def task_repos(n: int = 24) -> dict:
+    """lm-eval's task datasets in their real layouts (file names, README configs, column types), n examples per
+    split, written from the bundled sample text: Rowan/hellaswag (data/{split}-00000-of-00001.parquet, label a
+    string, WikiHow's [header]/[title] markers), allenai/ai2_arc (one folder per config; choices a struct of text
+    and label lists, some keyed 1-4, 3 to 5 choices) and baber/piqa (piqa_{split}.parquet at the root, no card)."""
+    import random
+    rnd = random.Random(0)
+    words = " ".join(r["text"] for r in _rows("c4/en/c4-validation.00000-of-00001.json.gz")).split()
+
+    def text(k):
+        start = rnd.randrange(len(words) - k)
+        return " ".join(words[start:start + k])
+
+    def hellaswag(i):
+        wiki = i % 3 == 0
+        ctx_a = f"[header] How to {text(3)} [title] {text(5).capitalize()}." if wiki else text(rnd.randint(4, 14))
+        ctx_b = "" if wiki else text(rnd.randint(0, 4))
+        return {"ind": i, "activity_label": text(2).title(), "ctx_a": ctx_a, "ctx_b": ctx_b, "ctx": f"{ctx_a} {ctx_b}",
+                "endings": [text(rnd.randint(2, 10)) + ("  [step] more" if wiki else "") for _ in range(4)],
+                "source_id": f"src~{i}", "split": "val", "split_type": "indomain", "label": str(rnd.randrange(4))}
+
+    def arc(i):
+        k, numeric = rnd.choice([3, 4, 4, 4, 5]), i % 5 == 0
+        labels = [str(j + 1) for j in range(k)] if numeric else list("ABCDE"[:k])
+        return {"id": f"Q_{i}", "question": text(rnd.randint(4, 14)) + "?",
+                "choices": {"text": [text(rnd.randint(1, 5)) for _ in range(k)], "label": labels},
+                "answerKey": rnd.choice(labels)}
+
+    def piqa(i):
+        return {"goal": text(rnd.randint(3, 10)), "sol1": text(rnd.randint(3, 15)), "sol2": text(rnd.randint(3, 15)),
+                "label": rnd.randrange(2)}
+
+    splits = ("train", "validation", "test")
+    hs = {f"data/{sp}-00000-of-00001.parquet": _parquet([hellaswag(i) for i in range(n)]) for sp in splits}
+    hs["README.md"] = _readme({"default": {sp: f"data/{sp}-*" for sp in splits}})
+    ai2 = {f"{c}/{sp}-00000-of-00001.parquet": _parquet([arc(i) for i in range(n)])
+           for c in ("ARC-Challenge", "ARC-Easy") for sp in splits}
+    ai2["README.md"] = _readme({c: {sp: f"{c}/{sp}-*" for sp in splits} for c in ("ARC-Challenge", "ARC-Easy")})
+    pq_ = {f"piqa_{sp}.parquet": _parquet([piqa(i) for i in range(n)]) for sp in splits}
+    out = {}
+    for repo, files in (("Rowan/hellaswag", hs), ("allenai/ai2_arc", ai2), ("baber/piqa", pq_)):
+        files = {".gitattributes": b"*.parquet filter=lfs diff=lfs merge=lfs -text\n", **files}
+        out[repo] = {"commits": {_sha(repo + "main"): files}, "refs": {"main": _sha(repo + "main")}}
+    return out
+
+
 def push(repos: dict, repo: str, files: dict, branch: str = "main") -> str:
     """A new commit on `branch`: its files with `files` added or replaced (path -> bytes). Returns its sha; the
     old commit stays readable by its sha, as on the real Hub."""

@@ -1,0 +1,196 @@
+"""Downstream accuracy in the training loop: multiple-choice tasks scored as lm-evaluation-harness scores them
+(0-shot, its prompts, its answer keys), so a number here is the number `lm_eval --model hf` gives for the same
+weights exported with `checkpoint_convert.py dcp2hf`. train.py calls check() with the config, load() at start-up
+(a missing or malformed task is one error line then, not a crash at step N) and evaluate() every [eval] freq steps.
+
+Scoring (lm_eval/api/task.py and models/huggingface.py, v0.4): an example's context is the task's prompt, each
+choice is scored as the continuation " " + choice, by the sum of its tokens' log-probabilities given BOS + context
+(the text is tokenized whole and split at the context's length, as lm-eval does). acc: the choice with the
+highest sum is the answer; acc_norm: the highest sum per character of the choice. Ties go to the first choice.
+
+To add a task: one entry in TASKS (where its data is, which split, the prompt, the choices, the answer).
+"""
+
+import contextlib
+import io
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import fsspec
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from config import ConfigError, unknown
+from sources import RETRY_DELAYS, DataError, DataSource, HubFile, open_file, retry_or_raise, source_files
+
+
+@dataclass(frozen=True)
+class Task:
+    """One multiple-choice task as lm-evaluation-harness defines it (lm_eval/tasks/<name>/*.yaml)."""
+    path: str  # the Hub dataset lm-eval reads
+    config: Optional[str]  # its config (dataset_name), if any
+    split: str  # the split lm-eval scores (test_split, else validation_split)
+    context: Callable[[dict], str]  # example -> the prompt (doc_to_text)
+    choices: Callable[[dict], list]  # example -> the answers (doc_to_choice), each scored after a space
+    answer: Callable[[dict], int]  # example -> the index of the right answer (doc_to_target)
+
+
+def hellaswag_text(text: str) -> str:
+    """lm-eval's hellaswag preprocess: WikiHow's [title]/[header] markers out, double spaces single."""
+    text = text.strip().replace(" [title]", ". ")
+    return re.sub(r"\[.*?\]", "", text).replace("  ", " ")
+
+
+def arc(config: str) -> Task:
+    return Task("allenai/ai2_arc", config, "test", lambda d: f"Question: {d['question']}\nAnswer:",
+                lambda d: list(d["choices"]["text"]), lambda d: list(d["choices"]["label"]).index(d["answerKey"]))
+
+
+TASKS = {
+    "hellaswag": Task("Rowan/hellaswag", None, "validation",
+                      lambda d: hellaswag_text(f"{d['activity_label']}: {d['ctx_a']} {d['ctx_b'].capitalize()}"),
+                      lambda d: [hellaswag_text(e) for e in d["endings"]], lambda d: int(d["label"])),
+    "arc_easy": arc("ARC-Easy"),
+    "arc_challenge": arc("ARC-Challenge"),
+    "piqa": Task("baber/piqa", None, "validation", lambda d: f"Question: {d['goal']}\nAnswer:",
+                 lambda d: [d["sol1"], d["sol2"]], lambda d: int(d["label"])),
+}
+
+
+@dataclass
+class EvalTask:
+    name: str = ""  # a task of evals.TASKS: hellaswag, arc_easy, arc_challenge, piqa
+    path: str = ""  # where its files are: empty: the task's Hub dataset; else a Hub id or a local copy of that repo
+    revision: Optional[str] = None  # Hub revision (commit sha or tag); the run's data manifest pins the commit anyway
+
+
+@dataclass
+class Eval:  # train.py's [eval] section
+    enable: bool = False  # score the tasks every freq steps and at the last step (0-shot, as lm-eval does)
+    freq: int = 1000  # steps between rounds
+    limit: int = 500  # examples per task: the first ones of its split, the same every round; -1: all of them
+    local_batch_size: int = 16  # sequences (one per choice) per forward on each data-parallel rank
+    tasks: list[EvalTask] = field(default_factory=list)  # [[eval.tasks]] tables: name, optional path and revision
+
+
+def check(cfg) -> None:
+    """The [eval] rules, before any process group exists."""
+    e = cfg.eval
+    for key, value in (("freq", e.freq), ("local_batch_size", e.local_batch_size)):
+        if value < 1:
+            raise ConfigError(f"eval.{key} = {value}: must be >= 1")
+    if e.limit != -1 and e.limit < 1:
+        raise ConfigError(f"eval.limit = {e.limit}: must be -1 or >= 1")
+    names = [t.name for t in e.tasks]
+    for name in names:
+        if name not in TASKS:
+            raise unknown("eval task", name, TASKS)
+    if len(set(names)) < len(names):
+        raise ConfigError(f"eval.tasks names a task twice ({', '.join(names)}): one table per task")
+    if e.enable and not names:
+        raise ConfigError('eval.enable is set but eval.tasks is empty; add [[eval.tasks]] tables (name = "hellaswag")')
+
+
+def sources(e: Eval) -> list:
+    """The enabled tasks' data as sources of the run's data manifest (pinned with the validation sources, when
+    first used: a resume may add a task)."""
+    return [DataSource(name=t.name, path=t.path or TASKS[t.name].path, config=TASKS[t.name].config, text_column="",
+                       split=TASKS[t.name].split, revision=t.revision) for t in e.tasks] if e.enable else []
+
+
+def read_examples(src: DataSource, manifest: dict, limit: int, timeout: float) -> list:
+    """The first `limit` (-1: all) rows of the task's split, whole, from the files the manifest pinned."""
+    rows = []
+    for path, size in source_files(manifest, src, "validation"):
+        for failures in range(len(RETRY_DELAYS) + 1):
+            try:
+                with open_file(path, size, timeout) as f:
+                    if path.endswith(".parquet"):
+                        part = pq.ParquetFile(f).read().to_pylist()
+                    else:  # json lines, plain or compressed
+                        f = io.BufferedReader(f, 1 << 23) if isinstance(f, HubFile) else f
+                        compression = fsspec.utils.infer_compression(path)
+                        f = fsspec.compression.compr[compression](f, mode="rb") if compression else f
+                        part = [json.loads(line) for line in f if line.strip()]
+                break
+            except Exception as e:
+                retry_or_raise(src.name, src.path, f"reading {path}", e, failures)
+        rows += part
+        if 0 <= limit <= len(rows):
+            return rows[:limit]
+    return rows
+
+
+def load(cfg, tokenizer, max_seq_len: int, manifest: dict, timeout: float) -> dict:
+    """Per task: its examples as scoring requests, the same on every rank. A request is (tokens, n): BOS + context
+    + continuation, the last n of which are the choice's; a choice's log-likelihood is the sum over those n."""
+    tasks = {}
+    for src in sources(cfg.eval):
+        task, requests, examples = TASKS[src.name], [], []
+        rows = read_examples(src, manifest, cfg.eval.limit, timeout)
+        for i, row in enumerate(rows):
+            try:
+                context, choices, answer = task.context(row), task.choices(row), task.answer(row)
+                if not 0 <= answer < len(choices) or not all(isinstance(c, str) for c in choices):
+                    raise ValueError(f"answer {answer} of {len(choices)} choices")
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+                raise DataError(f"eval task {src.name!r}: example {i} of {src.path} is not in the task's layout "
+                                f"({type(e).__name__}: {str(e)[:200]}); point [[eval.tasks]] path at a copy of "
+                                f"{task.path}".replace("\n", " "))
+            # lm-eval moves the context's trailing spaces to the continuation, encodes context + continuation
+            # whole and takes the tokens after the context's own encoding as the continuation's.
+            stripped = context.rstrip()
+            context_ids = tokenizer.encode(stripped, bos=True, eos=False)
+            for choice in choices:
+                ids = tokenizer.encode(stripped + context[len(stripped):] + " " + choice, bos=True, eos=False)
+                # Longer than the model's window: the last max_seq_len + 1 tokens, as lm-eval truncates.
+                requests.append((ids[-(max_seq_len + 1):], len(ids) - len(context_ids)))
+            examples.append((len(choices), answer, [len(c) for c in choices]))
+        if not examples:
+            raise DataError(f"eval task {src.name!r}: no examples in the {src.split!r} split of {src.path}")
+        tasks[src.name] = (requests, examples)
+    return tasks
+
+
+@torch.no_grad()
+def evaluate(model, tasks: dict, batch: int, device, dp_group, tp: int) -> dict:
+    """acc and acc_norm per task. Requests are split over the data-parallel ranks (TP ranks of a replica share
+    theirs), each rank runs the same number of forwards (FSDP's collectives), and one all-reduce sums the
+    log-likelihoods, so every layout scores the same."""
+    model.eval()
+    rank, dp = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+    result = {"eval_acc": {}, "eval_acc_norm": {}, "eval_examples": {}}
+    for name, (requests, examples) in tasks.items():
+        # One row length per task (a multiple of 64 and of tp: sequence parallelism splits it): few compiled shapes.
+        width = -(-max(len(ids) - 1 for ids, _ in requests) // (64 * tp)) * 64 * tp
+        mine = list(range(rank, len(requests), dp))
+        lls = torch.zeros(len(requests), dtype=torch.float64, device=device)
+        for b in range(0, -(-len(requests) // dp), batch):  # every rank: ceil(requests / dp) rows, in batches
+            rows = mine[b:b + batch]
+            inputs = torch.zeros(batch, width, dtype=torch.long)
+            labels = torch.full((batch, width), -100, dtype=torch.long)  # (batch, width): the choices' tokens only
+            for r, i in enumerate(rows):
+                ids, n = requests[i]
+                inputs[r, :len(ids) - 1] = torch.tensor(ids[:-1])
+                labels[r, len(ids) - 1 - n:len(ids) - 1] = torch.tensor(ids[-n:])
+            inputs, labels = inputs.to(device), labels.to(device)
+            with loss_parallel() if tp > 1 else contextlib.nullcontext():
+                nll = F.cross_entropy(model(inputs).flatten(0, 1).float(), labels.flatten(), reduction="none")
+            nll = nll.full_tensor() if isinstance(nll, DTensor) else nll
+            lls[rows] = -nll.view(batch, width).sum(1)[:len(rows)].double()
+        dist.all_reduce(lls, group=dp_group)
+        acc = norm = 0
+        for ll, (n, answer, chars) in zip(lls.cpu().split([n for n, _, _ in examples]), examples):
+            acc += int(ll.argmax()) == answer  # argmax: the first of equal maxima, as numpy's in lm-eval
+            norm += int((ll / torch.tensor(chars, dtype=torch.float64)).argmax()) == answer
+        result["eval_acc"][name] = acc / len(examples)
+        result["eval_acc_norm"][name] = norm / len(examples)
+        result["eval_examples"][name] = len(examples)
+    model.train()
+    return result

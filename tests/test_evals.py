@@ -1,0 +1,144 @@
+"""[eval]: downstream accuracy in the training loop equals lm-evaluation-harness's for the same weights exported with
+dcp2hf, on fixture copies of the tasks in their real Hub layouts (served by the local test Hub, and as local folders);
+1 process, FSDP 2 and TP 2 score alike; training is bitwise the same with and without it; a bad task is one line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hub_fixture import Hub, task_repos, write_mirror
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa")
+LIMIT = 8  # examples per task
+# The arguments of conftest's fsdp_reference and tp_reference (the same runs without [eval]).
+COMMON = ("--metrics.log_freq", "1", "--validation.enable", "false", "--training.steps", "10")
+FSDP = ("--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "5")
+TP = ("--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective")
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """The local Hub serving the task repos, a local copy of each (what `hf download` makes), and the environment
+    that points a process at the Hub."""
+    repos, folder = task_repos(), tmp_path_factory.mktemp("tasks")
+    server = Hub(repos)
+    for repo in repos:
+        write_mirror(repos, str(folder / repo), repo)
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE")}
+    yield server, folder, {**env, "HF_ENDPOINT": server.endpoint, "HF_HOME": str(folder / "hf_home")}
+    server.close()
+
+
+def config(dump, tasks: dict) -> str:
+    """configs/debug_model.toml with an [eval] section; tasks: name -> path ("" = its Hub dataset)."""
+    table = ", ".join(f'{{name = "{name}", path = "{path}"}}' for name, path in tasks.items())
+    with open(os.path.join(ROOT, "configs", "debug_model.toml")) as f:
+        text = f.read() + f"\n[eval]\nenable = true\nfreq = 5\nlimit = {LIMIT}\nlocal_batch_size = 8\ntasks = [{table}]\n"
+    path = os.path.join(dump, "eval.toml")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def train(dump, cfg: str, *args, nproc=1, env=None, expect=0):
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    f"--nproc_per_node={nproc}"]
+    cmd = [*launcher, "train.py", "--config", cfg, "--job.dump_folder", str(dump), *COMMON, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == expect, proc.stdout[-2000:] + proc.stderr[-3000:]
+    records = [json.loads(ln) for ln in open(os.path.join(dump, "metrics.jsonl"))] if expect == 0 else []
+    return proc, [r for r in records if "loss" in r], [r for r in records if "eval_acc" in r]
+
+
+@pytest.fixture(scope="module")
+def runs(hub, tmp_path_factory):
+    """The three layouts with [eval] (tasks from the Hub for 1 process and FSDP 2, from local folders for TP 2)."""
+    _, folder, env = hub
+    on_hub = {name: "" for name in TASKS}
+    local = {"hellaswag": folder / "Rowan/hellaswag", "arc_easy": folder / "allenai/ai2_arc",
+             "arc_challenge": folder / "allenai/ai2_arc", "piqa": folder / "baber/piqa"}
+    out = {}
+    for name, tasks, args, nproc in (("fsdp", on_hub, FSDP, 2), ("tp", local, TP, 2),
+                                     ("one", on_hub, ("--training.local_batch_size", "8"), 1)):
+        dump = tmp_path_factory.mktemp(f"eval_{name}")
+        out[name] = (dump, *train(dump, config(dump, tasks), *args, nproc=nproc,
+                                  env={**env, "OMP_NUM_THREADS": "1", "MKL_DYNAMIC": "FALSE"}))
+    return out
+
+
+def test_rounds_are_logged_and_leave_training_bitwise_unchanged(runs, fsdp_reference, tp_reference):
+    for name, reference in (("fsdp", fsdp_reference), ("tp", tp_reference)):
+        dump, proc, steps, rounds = runs[name]
+        assert [r["step"] for r in rounds] == [5, 10]  # every freq steps, and at the last step
+        for r in rounds:
+            assert set(r) == {"step", "eval_acc", "eval_acc_norm", "eval_examples", "eval_seconds"}
+            assert list(r["eval_acc"]) == list(TASKS) and set(r["eval_examples"].values()) == {LIMIT}
+        line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("eval: step 10  acc/acc_norm  hellaswag "))
+        assert "  piqa " in line and f"({LIMIT}, {LIMIT}, {LIMIT}, {LIMIT} examples)" in line, proc.stdout
+        without = [json.loads(ln) for ln in open(os.path.join(reference[0], "metrics.jsonl"))]
+        assert [r["loss"] for r in steps] == [r["loss"] for r in without if "loss" in r]  # bitwise
+
+
+def test_one_process_fsdp_and_tp_score_alike(runs):
+    one = [(r["eval_acc"], r["eval_acc_norm"]) for r in runs["one"][3]]
+    assert one == [(r["eval_acc"], r["eval_acc_norm"]) for r in runs["fsdp"][3]]
+    assert one == [(r["eval_acc"], r["eval_acc_norm"]) for r in runs["tp"][3]]
+
+
+LM_EVAL = """
+import json
+import sys
+
+import lm_eval
+out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={sys.argv[1]},dtype=float32", tasks=sys.argv[3:],
+                              limit=int(sys.argv[2]), device="cpu", batch_size=8)
+print("RESULTS " + json.dumps({t: out["results"][t] for t in sys.argv[3:]}))
+"""
+
+
+def test_accuracies_equal_lm_evaluation_harness_on_the_exported_weights(runs, hub, tmp_path):
+    """The FSDP run's step-10 checkpoint exported with dcp2hf, scored by lm-eval reading the same task files from the
+    local Hub: the same number of right answers per task, for acc and acc_norm."""
+    dump, _, _, rounds = runs["fsdp"]
+    export = subprocess.run([sys.executable, "checkpoint_convert.py", "dcp2hf", "--input_dir",
+                             str(dump / "checkpoint" / "step-10"), "--output_dir", str(tmp_path / "hf")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0, export.stderr
+    proc = subprocess.run([sys.executable, "-c", LM_EVAL, str(tmp_path / "hf"), str(LIMIT), *TASKS], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600, env={**hub[2], "TOKENIZERS_PARALLELISM": "false"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    theirs = json.loads(proc.stdout.split("RESULTS ", 1)[1])
+    ours = rounds[-1]
+    for task in TASKS:
+        assert round(theirs[task]["acc,none"] * LIMIT) == round(ours["eval_acc"][task] * LIMIT), task
+        assert round(theirs[task]["acc_norm,none"] * LIMIT) == round(ours["eval_acc_norm"][task] * LIMIT), task
+    assert not [r["path"] for r in hub[0].log if r.get("unhandled")]
+
+
+def test_a_missing_or_malformed_task_is_one_line_at_start_up(hub, tmp_path):
+    _, folder, env = hub
+    (tmp_path / "empty").mkdir()
+    for tasks, says in (({"arc_easy": tmp_path / "empty"}, "data source 'arc_easy': no 'test' files"),
+                        ({"hellaswag": folder / "baber/piqa"}, "eval task 'hellaswag': example 0 of")):
+        dump = tmp_path / next(iter(tasks))
+        dump.mkdir()
+        proc, _, _ = train(dump, config(dump, tasks), env=env, expect=2)
+        assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {says}"), proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr and "step: 1 " not in proc.stdout
+
+
+def test_an_unknown_task_or_a_bad_key_is_a_config_error(tmp_path):
+    sys.path.insert(0, ROOT)
+    import train
+    from config import ConfigError
+    for extra, says in (('tasks = [{name = "hellaswg"}]', "unknown eval task 'hellaswg'; did you mean hellaswag?"),
+                        ('limit = 0\ntasks = [{name = "piqa"}]', "eval.limit = 0: must be -1 or >= 1"),
+                        ("", "eval.enable is set but eval.tasks is empty")):
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(f"[eval]\nenable = true\n{extra}\n")
+        with pytest.raises(ConfigError, match="^" + says.replace("?", r"\?")):
+            train.validate(train.load_config(["--config", str(cfg)]), 1)
