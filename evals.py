@@ -127,30 +127,30 @@ def read_examples(src: DataSource, manifest: dict, limit: int, timeout: float) -
     return rows
 
 
-def load(cfg, tokenizer, max_seq_len: int, manifest: dict, timeout: float) -> dict:
+def load(e: Eval, tokenizer, max_seq_len: int, manifest: dict, timeout: float) -> dict:
     """Per task: its examples as scoring requests, the same on every rank. A request is (tokens, n): BOS + context
     + continuation, the last n of which are the choice's; a choice's log-likelihood is the sum over those n."""
     tasks = {}
-    for src in sources(cfg.eval):
+    for src in sources(e):
         task, requests, examples = TASKS[src.name], [], []
-        rows = read_examples(src, manifest, cfg.eval.limit, timeout)
+        rows = read_examples(src, manifest, e.limit, timeout)
         for i, row in enumerate(rows):
             try:
                 context, choices, answer = task.context(row), task.choices(row), task.answer(row)
                 if not 0 <= answer < len(choices) or not all(isinstance(c, str) for c in choices):
                     raise ValueError(f"answer {answer} of {len(choices)} choices")
-            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as bad:
                 raise DataError(f"eval task {src.name!r}: example {i} of {src.path} is not in the task's layout "
-                                f"({type(e).__name__}: {str(e)[:200]}); point [[eval.tasks]] path at a copy of "
+                                f"({type(bad).__name__}: {str(bad)[:200]}); point [[eval.tasks]] path at a copy of "
                                 f"{task.path}".replace("\n", " "))
             # lm-eval moves the context's trailing spaces to the continuation, encodes context + continuation
             # whole and takes the tokens after the context's own encoding as the continuation's.
-            stripped = context.rstrip()
-            context_ids = tokenizer.encode(stripped, bos=True, eos=False)
+            context_ids = tokenizer.encode(context.rstrip(), bos=True, eos=False)
             for choice in choices:
-                ids = tokenizer.encode(stripped + context[len(stripped):] + " " + choice, bos=True, eos=False)
-                # Longer than the model's window: the last max_seq_len + 1 tokens, as lm-eval truncates.
-                requests.append((ids[-(max_seq_len + 1):], len(ids) - len(context_ids)))
+                ids = tokenizer.encode(context + " " + choice, bos=True, eos=False)
+                n = len(ids) - len(context_ids)  # the choice's tokens
+                ids = ids[-(max_seq_len + 1):]  # longer than the model's window: the last tokens, as lm-eval keeps
+                requests.append((ids, min(n, len(ids) - 1)))
             examples.append((len(choices), answer, [len(c) for c in choices]))
         if not examples:
             raise DataError(f"eval task {src.name!r}: no examples in the {src.split!r} split of {src.path}")

@@ -672,7 +672,7 @@ def main(cfg: Config):
     try:  # every rank opens every source where it resumes: a bad one stops all ranks alike before step 1
         loader.check()
         heldout = load_heldout(cfg, tokenizer, model_args, dp_rank, dp, manifest) if cfg.validation.enable else {}
-        tasks = evals.load(cfg, tokenizer, model_args.max_seq_len, manifest, cfg.data.hub_timeout_seconds)
+        tasks = evals.load(cfg.eval, tokenizer, model_args.max_seq_len, manifest, cfg.data.hub_timeout_seconds)
     except DataError as e:
         error = str(e)
     agree(error, device)

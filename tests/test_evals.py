@@ -37,7 +37,8 @@ def config(dump, tasks: dict) -> str:
     """configs/debug_model.toml with an [eval] section; tasks: name -> path ("" = its Hub dataset)."""
     table = ", ".join(f'{{name = "{name}", path = "{path}"}}' for name, path in tasks.items())
     with open(os.path.join(ROOT, "configs", "debug_model.toml")) as f:
-        text = f.read() + f"\n[eval]\nenable = true\nfreq = 5\nlimit = {LIMIT}\nlocal_batch_size = 8\ntasks = [{table}]\n"
+        text = f.read() + f"\n[eval]\nenable = true\nfreq = 5\nlimit = {LIMIT}\nlocal_batch_size = 8\n"
+    text += f"tasks = [{table}]\n"
     path = os.path.join(dump, "eval.toml")
     with open(path, "w") as f:
         f.write(text)
@@ -62,8 +63,8 @@ def runs(hub, tmp_path_factory):
     local = {"hellaswag": folder / "Rowan/hellaswag", "arc_easy": folder / "allenai/ai2_arc",
              "arc_challenge": folder / "allenai/ai2_arc", "piqa": folder / "baber/piqa"}
     out = {}
-    for name, tasks, args, nproc in (("fsdp", on_hub, FSDP, 2), ("tp", local, TP, 2),
-                                     ("one", on_hub, ("--training.local_batch_size", "8"), 1)):
+    one = ("--training.local_batch_size", "8", "--metrics.enable_tensorboard")
+    for name, tasks, args, nproc in (("fsdp", on_hub, FSDP, 2), ("tp", local, TP, 2), ("one", on_hub, one, 1)):
         dump = tmp_path_factory.mktemp(f"eval_{name}")
         out[name] = (dump, *train(dump, config(dump, tasks), *args, nproc=nproc,
                                   env={**env, "OMP_NUM_THREADS": "1", "MKL_DYNAMIC": "FALSE"}))
@@ -84,7 +85,14 @@ def test_rounds_are_logged_and_leave_training_bitwise_unchanged(runs, fsdp_refer
 
 
 def test_one_process_fsdp_and_tp_score_alike(runs):
-    one = [(r["eval_acc"], r["eval_acc_norm"]) for r in runs["one"][3]]
+    dump, _, _, rounds = runs["one"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tb = EventAccumulator(str(dump / "tb"))
+    tb.Reload()
+    for task in TASKS:  # a scalar per task and metric, as W&B gets them (metrics.py sends both the same dict)
+        assert [(e.step, e.value) for e in tb.Scalars(f"eval_acc_norm/{task}")] == \
+            [(r["step"], pytest.approx(r["eval_acc_norm"][task])) for r in rounds]
+    one = [(r["eval_acc"], r["eval_acc_norm"]) for r in rounds]
     assert one == [(r["eval_acc"], r["eval_acc_norm"]) for r in runs["fsdp"][3]]
     assert one == [(r["eval_acc"], r["eval_acc_norm"]) for r in runs["tp"][3]]
 
@@ -109,7 +117,7 @@ def test_accuracies_equal_lm_evaluation_harness_on_the_exported_weights(runs, hu
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert export.returncode == 0, export.stderr
     proc = subprocess.run([sys.executable, "-c", LM_EVAL, str(tmp_path / "hf"), str(LIMIT), *TASKS], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600, env={**hub[2], "TOKENIZERS_PARALLELISM": "false"})
+                          capture_output=True, text=True, timeout=600, env=hub[2])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     theirs = json.loads(proc.stdout.split("RESULTS ", 1)[1])
     ours = rounds[-1]
