@@ -74,8 +74,8 @@ class EvalTask:
 class Eval:  # train.py's [eval] section
     enable: bool = False  # score the tasks every freq steps and at the last step (0-shot, as lm-eval does)
     freq: int = 1000  # steps between rounds
-    limit: int = 500  # examples per task: the first ones of its split, the same every round; -1: all of them
-    local_batch_size: int = 16  # sequences (one per choice) per forward on each data-parallel rank
+    limit: int = 1000  # examples per task: the first ones of its split, the same every round; -1: all of them
+    local_batch_size: int = 8  # sequences (one per choice) per forward on each data-parallel rank
     tasks: list[EvalTask] = field(default_factory=list)  # [[eval.tasks]] tables: name, optional path and revision
 
 
