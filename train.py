@@ -565,8 +565,8 @@ def share_manifest(cfg: Config, rank: int, device) -> dict:
     if rank == 0:
         logger.info("data manifest: rank 0 reads or makes it; the others wait up to data.resolve_timeout_seconds")
         try:
-            result[0] = pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources,
-                                        cfg.validation.sources + evals.sources(cfg.eval))
+            held_out = (cfg.validation.sources if cfg.validation.enable else []) + evals.sources(cfg.eval)  # in use
+            result[0] = pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, held_out)
         except DataError as e:
             result[0] = str(e)  # every rank raises it below
     try:
