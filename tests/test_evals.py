@@ -37,7 +37,7 @@ def config(dump, tasks: dict) -> str:
     """configs/debug_model.toml with an [eval] section; tasks: name -> path ("" = its Hub dataset)."""
     table = ", ".join(f'{{name = "{name}", path = "{path}"}}' for name, path in tasks.items())
     with open(os.path.join(ROOT, "configs", "debug_model.toml")) as f:
-        text = f.read() + f"\n[eval]\nenable = true\nfreq = 5\nlimit = {LIMIT}\nlocal_batch_size = 8\n"
+        text = f.read() + f"\n[eval]\nenable = true\nfreq = 5\nlimit = {LIMIT}\nlocal_batch_size = 32\n"
     text += f"tasks = [{table}]\n"
     path = os.path.join(dump, "eval.toml")
     with open(path, "w") as f:
@@ -128,15 +128,23 @@ def test_accuracies_equal_lm_evaluation_harness_on_the_exported_weights(runs, hu
 
 
 def test_a_missing_or_malformed_task_is_one_line_at_start_up(hub, tmp_path):
+    """A missing folder through train.py (exit 2 before step 1); a task pointed at another task's files (the
+    columns are not its own) through the same load() train.py calls at start-up."""
     _, folder, env = hub
     (tmp_path / "empty").mkdir()
-    for tasks, says in (({"arc_easy": tmp_path / "empty"}, "data source 'arc_easy': no 'test' files"),
-                        ({"hellaswag": folder / "baber/piqa"}, "eval task 'hellaswag': example 0 of")):
-        dump = tmp_path / next(iter(tasks))
-        dump.mkdir()
-        proc, _, _ = train(dump, config(dump, tasks), env=env, expect=2)
-        assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {says}"), proc.stderr[-2000:]
-        assert "Traceback" not in proc.stderr and "step: 1 " not in proc.stdout
+    proc, _, _ = train(tmp_path, config(tmp_path, {"arc_easy": tmp_path / "empty"}), env=env, expect=2)
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: data source 'arc_easy': no 'test' files")
+    assert "Traceback" not in proc.stderr and "step: 1 " not in proc.stdout
+    sys.path.insert(0, ROOT)
+    import evals
+    import sources
+    from data import Tokenizer
+    e = evals.Eval(enable=True, limit=2, tasks=[evals.EvalTask(name="hellaswag", path=str(folder / "baber/piqa"))])
+    manifest = sources.make_manifest([], evals.sources(e))
+    with pytest.raises(sources.DataError, match=r"^eval task 'hellaswag': example 0 of .*baber/piqa is not in the "
+                       r"task's layout \(KeyError: 'activity_label'\); point \[\[eval.tasks\]\] path at a copy of "
+                       r"Rowan/hellaswag$"):
+        evals.load(e, Tokenizer(os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model")), 2048, manifest, 5.0)
 
 
 def test_an_unknown_task_or_a_bad_key_is_a_config_error(tmp_path):
