@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from float8 import plain
 
 logger = logging.getLogger("checkpoint")
 
@@ -36,22 +37,7 @@ def json_tensor(obj) -> torch.Tensor:
 
 
 def json_from(t: torch.Tensor):
-    return json.loads(bytes(t.tolist()))
-
-
-def plain(t):
-    """The fp32 tensor inside torchao's float8 weight wrapper (the float8 all-gather's), sharing its memory:
-    checkpoints hold plain tensors, loadable without torchao, and a load into the plain view fills the parameter."""
-    local, float8_weight = t._local_tensor if isinstance(t, DTensor) else t, "WeightWithDynamicFloat8CastTensor"
-    if not torch.utils._python_dispatch.is_traceable_wrapper_subclass(local):  # plain (or a dry run's fake one)
-        return t
-    if f"{type(local).__module__}.{type(local).__name__}" != f"torchao.float8.fsdp_utils.{float8_weight}":
-        # by type: another subclass's inner tensors need not be the value, and saving one would lose the weight
-        raise TypeError(f"a {type(local).__name__} in the state dict: checkpoints unwrap only torchao's "
-                        f"{float8_weight}; teach checkpoint.plain which of its tensors holds the value")
-    inner = local._tensor
-    return DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                              stride=t.stride()) if isinstance(t, DTensor) else inner
+    return json.loads(t.numpy().tobytes())
 
 
 def incomplete(path: str):
@@ -86,12 +72,14 @@ class Checkpointer:
     must not change (a resume with others is refused); `steps` is training.steps; `notes` are values a resume
     may change, saved so that the log can say when one did (model.converters: float8 on or off)."""
 
-    def __init__(self, cfg, folder: str, run_keys: dict, steps: int, model, optimizer, scheduler, loader, notes: dict):
+    def __init__(self, cfg, folder: str, run_keys: dict, steps: int, model, optimizer, scheduler, loader, notes: dict,
+                 timeout=None):
         self.cfg, self.folder, self.run_keys, self.steps, self.rank = cfg, folder, run_keys, steps, dist.get_rank()
         self.model, self.optimizer, self.scheduler, self.loader, self.notes = model, optimizer, scheduler, loader, notes
         self.sd_options = StateDictOptions(flatten_optimizer_state_dict=True)
-        # Async saves write from a background thread on their own gloo group, apart from training's collectives.
-        self.group = dist.new_group(backend="gloo") if cfg.enable and cfg.async_mode == "async" else None
+        # Async saves write from a background thread on a gloo group of their own, bounded by [comm]'s timeout too.
+        async_saves = cfg.enable and cfg.async_mode == "async"
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if async_saves else None
         self.pending = None  # (future, step) of an async save not yet renamed into place
 
     def state(self, step: int, tokens_seen: int, model_only: bool = False) -> dict:
@@ -117,8 +105,9 @@ class Checkpointer:
 
     def resume(self):
         """(step, tokens_seen): from the newest complete step-N (or load_step), else initial_load_path."""
-        cfg = self.cfg
-        done = checkpoints(self.folder, warn=self.rank == 0) if cfg.enable else []
+        cfg, done = self.cfg, [checkpoints(self.folder, warn=True) if self.cfg.enable and self.rank == 0 else []]
+        dist.broadcast_object_list(done, src=0)  # rank 0 lists, every rank loads what it chose: NFS listings can differ
+        done = done[0]
         if cfg.load_step >= 0 and cfg.load_step not in done:
             path = os.path.join(self.folder, f"step-{cfg.load_step}")
             why = incomplete(path) if os.path.isdir(path) else "no such folder"
@@ -208,7 +197,8 @@ class Checkpointer:
             for d in [d for d in os.listdir(self.folder) if re.fullmatch(r"\.step-\d+\.tmp", d)]:
                 shutil.rmtree(os.path.join(self.folder, d), ignore_errors=True)
         dist.barrier()
-        state = self.state(step, tokens_seen, model_only=final and self.cfg.last_save_model_only)
+        # Only the last step's save is the export: a save on a signal (final too) must let the requeued job resume.
+        state = self.state(step, tokens_seen, model_only=step == self.steps and self.cfg.last_save_model_only)
         try:
             if self.group is not None and not final:
                 self.pending = (dcp.async_save(state, checkpoint_id=tmp, process_group=self.group), step)
@@ -231,21 +221,28 @@ class Checkpointer:
             self.failed(step, e, final=False)
 
     def commit(self, step: int):
-        """Once every rank has written (dcp fsyncs each file): one rename makes step-N appear whole."""
+        """Once every rank has written (dcp fsyncs each file): one rename makes step-N appear whole. Rank 0 alone
+        renames, and every rank learns how that went: a failure (a stale step-N, a quota) is every rank's."""
         dist.barrier()
+        outcome = [""]
         if self.rank == 0:
             tmp, final = os.path.join(self.folder, f".step-{step}.tmp"), os.path.join(self.folder, f"step-{step}")
-            with open(os.path.join(tmp, "params.json"), "w") as f:  # what checkpoint_convert.py needs
-                json.dump(self.model.args.params(), f, indent=2)
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-            dir_fd = os.open(self.folder, os.O_RDONLY)
-            os.fsync(dir_fd)  # make the rename itself survive a power loss
-            os.close(dir_fd)
-            keep = self.cfg.keep_latest_k  # old checkpoints go only now, after the new one is complete
-            for old in (checkpoints(self.folder)[:-keep] if keep > 0 else []):
-                shutil.rmtree(os.path.join(self.folder, f"step-{old}"), ignore_errors=True)
-        dist.barrier()
+            try:
+                with open(os.path.join(tmp, "params.json"), "w") as f:  # what checkpoint_convert.py needs
+                    json.dump(self.model.args.params(), f, indent=2)
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)
+                dir_fd = os.open(self.folder, os.O_RDONLY)
+                os.fsync(dir_fd)  # make the rename itself survive a power loss
+                os.close(dir_fd)
+            except OSError as e:
+                outcome[0] = f"{type(e).__name__}: {e}"
+        dist.broadcast_object_list(outcome, src=0)  # a string: rank 0's outcome
+        if outcome[0]:
+            raise OSError(f"putting it in place: {outcome[0]}")
+        keep = self.cfg.keep_latest_k  # old checkpoints go only now, after the new one is complete
+        for old in (checkpoints(self.folder)[:-keep] if keep > 0 and self.rank == 0 else []):
+            shutil.rmtree(os.path.join(self.folder, f"step-{old}"), ignore_errors=True)
 
     def failed(self, step: int, e: BaseException, final: bool):
         """The previous checkpoint is untouched; training goes on and the next interval tries again,

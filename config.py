@@ -76,6 +76,8 @@ def _set(cfg, section: str, key: str, value, where: str):
         raise unknown("config section", section, sections)
     obj = getattr(cfg, section)
     keys = {f.name: f for f in dataclasses.fields(obj)}
+    if key in getattr(obj, "RENAMED", {}):  # a key a section no longer has: what replaced it, not a close match
+        raise ConfigError(f"[{section}] {key} was replaced by {obj.RENAMED[key]}")
     if key not in keys:
         raise unknown(f"key in [{section}]", key, keys)
     typ = typing.get_type_hints(type(obj))[key]

@@ -20,6 +20,7 @@ import functools
 import io
 import json
 import logging
+import math
 import os
 import queue
 import random
@@ -104,9 +105,10 @@ class SourceReader:
     """
 
     def __init__(self, src: DataSource, files: list, stream: int, num_streams: int, seed: int, ordered: bool = False,
-                 timeout: float = HUB_TIMEOUT):
+                 timeout: float = HUB_TIMEOUT, budget: float = math.inf):
         self.src, self.stream, self.num_streams, self.seed, self.ordered = src, stream, num_streams, seed, ordered
         self.timeout = timeout  # seconds a hub read may go without a byte before it is retried
+        self.budget = budget  # seconds a failing read is retried for, from its start: [comm] init_timeout_seconds
         self.files = [tuple(f) for f in files]
         self.epoch, self.file, self.row = 0, 0, 0  # the next document to read
         self.at, self._it = 0, None  # the row being read (for error messages), the document iterator
@@ -152,9 +154,9 @@ class SourceReader:
     def texts(self, one_pass: bool = False):
         """Yield texts from the current position on, keeping (epoch, file, row) up to date; `one_pass`
         stops at the end of the epoch. A transient error re-opens the file at the row after the last
-        document handed out, after a growing pause, so the stream is the same; anything else stops with
-        one line naming the file and the row."""
-        failures = 0
+        document handed out, after a growing pause, so the stream is the same, while that can end within
+        the budget from the start of the read; anything else stops with one line naming the file and the row."""
+        failures, started = 0, time.monotonic()  # started: when the read of the next document began
         while True:
             files, whole_epoch, found = self._files(), self.file == 0 and self.row == 0, False
             by_rows = len(files) < self.num_streams  # too few files: split rows instead
@@ -164,9 +166,10 @@ class SourceReader:
                         if not by_rows or row % self.num_streams == self.stream:
                             self.row, found, failures = row + 1, True, 0
                             yield text or ""
-                except Exception as e:
+                            started = time.monotonic()  # the next document is asked for
+                except Exception as e:  # a next try the Hub does not answer fails within one request's `timeout`
                     retry_or_raise(self.src.name, self.src.path, f"reading {files[self.file][0]} at row {self.at}", e,
-                                    failures)
+                                   failures, started, self.budget, self.timeout)
                     failures += 1
                     continue
                 self.file, self.row = self.file + 1, 0
@@ -195,13 +198,13 @@ class SourceReader:
 
 
 def heldout_windows(src: DataSource, tokenizer: Tokenizer, seq_len: int, limit: Optional[int] = None,
-                    manifest: Optional[dict] = None, timeout: float = HUB_TIMEOUT) -> list:
+                    manifest: Optional[dict] = None, timeout: float = HUB_TIMEOUT, budget: float = math.inf) -> list:
     """The first `limit` (None: all) windows of seq_len + 1 tokens of one source, for validation: its files
     (from the manifest's validation sources; None: resolved now) in sorted order, read once from the start
     (no shuffle, no epochs), documents packed as in training. The same arguments give the same windows."""
     out, buf = [], []
-    files = source_files(manifest or make_manifest([], [src]), src, "validation")
-    for text in SourceReader(src, files, 0, 1, 0, ordered=True, timeout=timeout).texts(one_pass=True):
+    files = source_files(manifest or make_manifest([], [src], timeout, budget), src, "validation")
+    for text in SourceReader(src, files, 0, 1, 0, True, timeout, budget).texts(one_pass=True):
         buf += tokenizer.encode(text)
         while len(buf) > seq_len and (limit is None or len(out) < limit):
             out.append(buf[:seq_len + 1])
@@ -226,10 +229,11 @@ class PackedStream:
     """
 
     def __init__(self, sources, files: list, tokenizer: Tokenizer, seq_len: int, stream: int, num_streams: int,
-                 seed: int, timeout: float = HUB_TIMEOUT):
+                 seed: int, timeout: float = HUB_TIMEOUT, budget: float = math.inf):
         total = sum(s.weight for s in sources)
         self.shares = [s.weight / total for s in sources]
-        self.readers = [SourceReader(s, f, stream, num_streams, seed, timeout=timeout) for s, f in zip(sources, files)]
+        self.readers = [SourceReader(s, f, stream, num_streams, seed, False, timeout, budget)
+                        for s, f in zip(sources, files)]
         self.tok, self.seq_len = tokenizer, seq_len
         self.counts = [0] * len(sources)  # tokens emitted per source
         self.positions = [r.state_dict() for r in self.readers]  # per source: where its next document is
@@ -284,8 +288,8 @@ def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int):
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked from the fork to here: none got through
     tok, readers = Tokenizer(tokenizer_path), {}
-    for key, src, files, stream, num_streams, seed, timeout, position in jobs:  # the files come from the trainer
-        readers[key] = SourceReader(src, files, stream, num_streams, seed, timeout=timeout)
+    for key, src, files, stream, num_streams, seed, timeout, budget, position in jobs:  # files: from the trainer
+        readers[key] = SourceReader(src, files, stream, num_streams, seed, False, timeout, budget)
         readers[key].load_state_dict(position)
     try:
         while not stop.is_set() and os.getppid() == parent:  # another parent pid: the trainer died
@@ -325,8 +329,8 @@ class Workers:
         old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             for w in range(min(num_workers, len(pairs))):
-                jobs = [((s, i), r.src, r.files, r.stream, r.num_streams, r.seed, r.timeout, streams[s].positions[i])
-                        for s, i in pairs[w::num_workers] for r in [streams[s].readers[i]]]
+                jobs = [((s, i), r.src, r.files, r.stream, r.num_streams, r.seed, r.timeout, r.budget,
+                         streams[s].positions[i]) for s, i in pairs[w::num_workers] for r in [streams[s].readers[i]]]
                 self.procs.append(ctx.Process(target=_worker, daemon=True, args=(
                     streams[0].tok.path, jobs, {k: self.queues[k] for k, *_ in jobs}, self.stop, os.getpid())))
                 self.procs[-1].start()
@@ -374,7 +378,7 @@ class DataLoader:
 
     def __init__(self, sources, tokenizer, seq_len: int, local_batch_size: int, dp_rank: int, dp_degree: int,
                  num_streams: int = 0, seed: int = 0, num_workers: int = 0, manifest: Optional[dict] = None,
-                 timeout: float = HUB_TIMEOUT):
+                 timeout: float = HUB_TIMEOUT, budget: float = math.inf):
         num_streams = num_streams or dp_degree
         if num_streams % dp_degree or local_batch_size % (num_streams // dp_degree):
             raise DataError(f"data.num_streams={num_streams} must be a multiple of the data-parallel "
@@ -383,9 +387,9 @@ class DataLoader:
         per_rank = num_streams // dp_degree
         self.names = [s.name for s in sources]
         self.stream_ids = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
-        manifest = manifest or make_manifest(sources)  # None: resolved here (tests, the CLI); train.py pins one per run
+        manifest = manifest or make_manifest(sources, (), timeout, budget)  # None: resolved here (tests, the CLI)
         files = [source_files(manifest, s) for s in sources]
-        self.streams = [PackedStream(sources, files, tokenizer, seq_len, s, num_streams, seed, timeout)
+        self.streams = [PackedStream(sources, files, tokenizer, seq_len, s, num_streams, seed, timeout, budget)
                         for s in self.stream_ids]
         self.per_stream = local_batch_size // per_rank
         self.num_workers, self.workers = num_workers, None
@@ -396,7 +400,7 @@ class DataLoader:
         unreadable source is a DataError there, not inside a step."""
         for st in self.streams:
             for r, position in zip(st.readers, st.positions):
-                probe = SourceReader(r.src, r.files, r.stream, r.num_streams, r.seed, timeout=r.timeout)
+                probe = SourceReader(r.src, r.files, r.stream, r.num_streams, r.seed, False, r.timeout, r.budget)
                 probe.load_state_dict(position)
                 probe.next_text()
 
@@ -438,7 +442,8 @@ def main(argv=None):
                                 epilog="Every other --section.key value sets train.py's config as for training; this "
                                 "reads --model.tokenizer_path, --training.seq_len, --training.local_batch_size, "
                                 "--data.seed, --data.num_streams (one stream is read), --data.num_workers, "
-                                "--data.manifest and the [[data.sources]] (python train.py --help lists them).")
+                                "--data.manifest, --data.hub_timeout_seconds, --comm.init_timeout_seconds (the "
+                                "retries' budget) and the [[data.sources]] (python train.py --help lists them).")
     p.add_argument("--config", action="append", help="train.py's TOML config, e.g. configs/debug_model.toml")
     p.add_argument("--show", type=int, default=0, help="decode this many packed samples instead of timing")
     p.add_argument("--tokens", type=int, default=1_000_000, help="tokens to read for the shares and tokens/s")
@@ -448,16 +453,17 @@ def main(argv=None):
     cfg = train.load_config([x for path in args.config or [] for x in ("--config", path)] + rest)  # as train.py
     train.validate(cfg, world_size=1)
     sources, validation = cfg.data.sources, cfg.validation.sources + train.evals.sources(cfg.eval)  # [eval]'s tasks too
+    timeout, budget = cfg.data.hub_timeout_seconds, cfg.comm.init_timeout_seconds  # as train.py waits and retries
     if args.manifest:
-        write_manifest(manifest := make_manifest(sources, validation), args.manifest)
+        write_manifest(manifest := make_manifest(sources, validation, timeout, budget), args.manifest)
         for e in manifest["data"] + manifest["validation"]:
             print(f"{e['name']:>16}: {len(e['files']):>6,} files {sum(f[1] for f in e['files']):>18,} bytes  "
                   + (f"{e['path']}@{e['commit']}" if e["commit"] else e["path"]))
         return print(f"wrote {args.manifest} (sha256 {manifest_sha256(manifest)}); use it with [data] manifest")
-    manifest = pinned_manifest(cfg.data.manifest, "", sources, []) if cfg.data.manifest else None
+    manifest = pinned_manifest(cfg.data.manifest, "", sources, [], timeout, budget) if cfg.data.manifest else None
     tok, workers = Tokenizer(cfg.model.tokenizer_path), cfg.data.num_workers
     loader = DataLoader(sources, tok, cfg.training.seq_len, cfg.training.local_batch_size, 0, 1, 1,
-                        cfg.data.seed, workers, manifest, cfg.data.hub_timeout_seconds)
+                        cfg.data.seed, workers, manifest, timeout, budget)
     import torch  # noqa: F401  (imported by the first batch otherwise, and timed with it)
     try:
         for i in range(args.show):

@@ -3,18 +3,20 @@
 
 Each rank shown (rank 0 and the last rank, each in a forked process) joins a "fake" process group of N ranks
 (collectives return at once) and runs under fake tensors (every op runs on shapes and dtypes only, no data),
-through the trainer's own code: train.validate, train.init_distributed, the model on the meta device,
+through the trainer's own code: train.validate and the config rules of a GPU job (float8.check(gpu=True): the
+cluster's start-up refuses what the CPU would let through), train.init_distributed, the model on the meta device,
 float8.convert, train.parallelize (TP, activation checkpointing, FSDP2; not torch.compile: fake tensors are not
-compiled here, so the step is eager's, which keeps more than compiled blocks), train.build_optimizer, one step
-(train.forward_backward, gradient clipping, optimizer.step, the lr schedule) and the checkpoint's state dict
-(Checkpointer.state) planned as DCP would write it.
+compiled here, so the step is eager's, which keeps more than compiled blocks), train.build_optimizer, two steps
+(train.forward_backward, gradient clipping, optimizer.step, the lr schedule: AdamW makes its moments in the first
+step, so the second is the steady state's) and the checkpoint's state dict (Checkpointer.state) planned as DCP
+would write it.
 
 Memory per rank is counted, not estimated: LiveStorages sees the output of every op and adds the bytes of each
 tensor storage once while it lives (a weakref's callback takes it off when it is freed; FSDP2's storage resizes
-are followed). The peak is taken after every op, so it is the step's true peak at op granularity, not a sample
-at phase boundaries (the peak sits inside backward). A GPU adds its allocator's fragmentation and the CUDA
-context on top: the verdicts keep 15% free, as `bench.py memory` does. Errors are train.py's: one `error:` line,
-exit 2."""
+are followed). The peak is taken after every op, so it is the steps' true peak at op granularity, not a sample
+at phase boundaries (the peak sits inside step 2's backward). Not counted: NCCL's buffers, the CUDA context, the
+caching allocator's fragmentation, compile's workspaces and a validation or eval round: the verdicts keep 15%
+free for them, as `bench.py memory` does. Errors are train.py's: one `error:` line, exit 2."""
 
 import argparse
 import dataclasses
@@ -120,7 +122,9 @@ def model_args(cfg):
 
 
 def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
-    """train.main's set-up and one step as `rank`, under fake tensors (`counter` counts their memory)."""
+    """train.main's set-up and two steps as `rank`, under fake tensors (`counter` counts their memory). Two: AdamW
+    makes its moments (2 x fp32 per parameter shard) inside the first optimizer.step, so only the second step's
+    forward and backward hold them, as every later step's does: its peak is the steady state's."""
     device, mesh = train.init_distributed(cfg, sizes, fake_rank=rank)
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     args, t, tp = model_args(cfg), cfg.training, cfg.parallelism.tensor_parallel_degree
@@ -137,32 +141,33 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
         model.train()
         optimizer, scheduler = train.build_optimizer(model, cfg, device)
         setup = counter.live
-        counter.phase = "forward and backward"
-        optimizer.zero_grad(set_to_none=True)
-        batches = []
-        for _ in range(sizes["grad_accum"]):
-            tokens = torch.randint(0, args.vocab_size, (t.local_batch_size, t.seq_len + 1), device=device)
-            batches.append((tokens[:, :-1], train.ignore_boundaries(tokens[:, 1:], args)))
-        counted = sum((y != -100).sum() for _, y in batches).float()
-        dist.all_reduce(counted, group=dp_mesh.get_group())
-        for inputs, labels in batches:
-            train.forward_backward(model, inputs, labels, counted.clamp(min=1), dp_mesh.size(), tp)
-        del batches, inputs, labels
-        counter.phase = "gradient clipping"
         params = [q for q in model.parameters() if q.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_norm or float("inf"), foreach=True)
-        grad_norm.full_tensor() if isinstance(grad_norm, train.DTensor) else grad_norm
-        counter.phase = "optimizer step"
-        optimizer.step()
-        if float8_scales:
-            float8_scales(model)
-        scheduler.step()
+        for step in (1, 2):
+            counter.phase = f"forward and backward of step {step}"
+            optimizer.zero_grad(set_to_none=True)
+            batches = []
+            for _ in range(sizes["grad_accum"]):
+                tokens = torch.randint(0, args.vocab_size, (t.local_batch_size, t.seq_len + 1), device=device)
+                batches.append((tokens[:, :-1], train.ignore_boundaries(tokens[:, 1:], args)))
+            counted = sum((y != -100).sum() for _, y in batches).float()
+            dist.all_reduce(counted, group=dp_mesh.get_group())
+            for inputs, labels in batches:
+                train.forward_backward(model, inputs, labels, counted.clamp(min=1), dp_mesh.size(), tp)
+            del batches, inputs, labels
+            counter.phase = f"gradient clipping of step {step}"
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_norm or float("inf"), foreach=True)
+            grad_norm.full_tensor() if isinstance(grad_norm, train.DTensor) else grad_norm
+            counter.phase = f"optimizer step {step}"
+            optimizer.step()
+            if float8_scales:
+                float8_scales(model)
+            scheduler.step()
         after = counter.live
         counter.phase = "checkpoint state dict"
         folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
         ckpt = Checkpointer(dataclasses.replace(cfg.checkpoint, async_mode="disabled"), folder, {}, t.steps, model,
                             optimizer, scheduler, NoData(), {"model.converters": cfg.model.converters})
-        state = ckpt.state(1, 0)
+        state = ckpt.state(2, 0)
     planner = dcp.DefaultSavePlanner()  # outside the fake mode: the shards' offsets come from the mesh's real tensor
     planner.set_up_planner(state, is_coordinator=rank == 0)
     items = planner.create_local_plan().items
@@ -186,9 +191,17 @@ def child(cfg, sizes, rank, conn):
     conn.close()
 
 
+def validate(cfg, world_size: int) -> dict:
+    """train.validate, then the rules train.py applies only on a GPU (float8.check's): the dry run models the GPU
+    job, so a config its GPUs refuse at start-up ends here with the same line. train.validate's sizes."""
+    sizes = train.validate(cfg, world_size)
+    float8.check(cfg, gpu=True)
+    return sizes
+
+
 def dry_run(cfg, world_size: int, ranks=None) -> list:
     """Results for `ranks` (default: 0 and world_size - 1), each rank in a forked process, in parallel."""
-    sizes = train.validate(cfg, world_size)
+    sizes = validate(cfg, world_size)
     ctx, results = multiprocessing.get_context("fork"), []
     procs = []
     for rank in ranks if ranks is not None else sorted({0, world_size - 1}):
@@ -212,8 +225,10 @@ def verdict(total: float, capacity: float) -> str:
     return "fits" if 1.15 * total <= capacity else "tight" if total <= capacity else "too big"
 
 
-HELP = "train.py's set-up and one step at the job's world size, as rank 0 and the last rank: memory per rank"
-EPILOG = "One CPU process, no GPU. Other --section.key value arguments set train.py's config."
+HELP = ("train.py's set-up and two steps (the second holds the optimizer's state) at the job's world size, as rank 0 "
+        "and the last rank: steady-state memory per rank")
+EPILOG = ("One CPU process, no GPU; train.py's config rules for GPUs apply (H100-class: float8 matmuls). Other "
+          "--section.key value arguments set train.py's config.")
 
 
 def arguments(p: argparse.ArgumentParser):
@@ -227,7 +242,7 @@ def run(world_size: int, rest: list) -> int:
     t0 = time.perf_counter()
     try:
         cfg = train.load_config(rest)
-        sizes = train.validate(cfg, world_size)
+        sizes = validate(cfg, world_size)
         results = dry_run(cfg, world_size)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -243,11 +258,14 @@ def run(world_size: int, rest: list) -> int:
           f"dp_replicate {par.data_parallel_replicate_degree} x dp_shard {sizes['dp_shard']} x tp "
           f"{par.tensor_parallel_degree}, grad accumulation {sizes['grad_accum']}, activation checkpoint "
           f"{cfg.activation_checkpoint.mode}{', float8' if 'float8' in cfg.model.converters else ''}; fake process "
-          f"group and fake tensors, eager (compile{' is skipped' if cfg.compile.enable else ' is off'})")
+          f"group and fake tensors, eager (compile{' is skipped' if cfg.compile.enable else ' is off'}); two steps, "
+          "the second holding AdamW's moments as every later step does")
     for r in results:
         print(f"rank {r['rank']}: peak {r['peak'] / GIB:.2f} GiB in {r['peak_phase']} (after set-up "
-              f"{r['setup'] / GIB:.2f}, after the step {r['after'] / GIB:.2f}); checkpoint: {r['items']} items, "
+              f"{r['setup'] / GIB:.2f}, after step 2 {r['after'] / GIB:.2f}); checkpoint: {r['items']} items, "
               f"{r['written'] / GIB:.2f} GiB from this rank")
+    print("not counted: NCCL's buffers, the CUDA context, the caching allocator's fragmentation, compile's "
+          "workspaces, a validation or eval round; \"fits\" keeps 15% of the GPU free for them")
     estimate = bench.estimate_memory(model, cfg, sizes, cuda=True)
     print(f"bench.py memory's {bench.format_estimate(estimate)}")
     peak = max(r["peak"] for r in results)

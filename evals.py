@@ -1,7 +1,9 @@
 """Downstream accuracy in the training loop: multiple-choice tasks scored as lm-evaluation-harness scores them
 (0-shot, its prompts, its answer keys), so a number here is the number `lm_eval --model hf` gives for the same
-weights exported with `checkpoint_convert.py dcp2hf`. train.py calls check() with the config, load() at start-up
-(a missing or malformed task is one error line then, not a crash at step N) and evaluate() every [eval] freq steps.
+weights exported with `checkpoint_convert.py dcp2hf`. train.py calls check() with the config, read_once() at start-up
+(which reads [validation]'s held-out windows and load()s the tasks on rank 0 and hands both to every rank: a missing
+or malformed task is one error line then, not a crash at step N), evaluate() every [eval] freq steps and validate()
+(held-out loss) every [validation] freq steps.
 
 Scoring (lm_eval/api/task.py and models/huggingface.py, v0.4): an example's context is the task's prompt, each
 choice is scored as the continuation " " + choice, by the sum of its tokens' log-probabilities given BOS + context
@@ -14,7 +16,9 @@ To add a task: one entry in TASKS (where its data is, which split, the prompt, t
 import contextlib
 import io
 import json
+import math
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -27,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from config import ConfigError, unknown
+from data import heldout_windows
 from sources import RETRY_DELAYS, DataError, DataSource, HubFile, open_file, retry_or_raise, source_files
 
 
@@ -104,10 +109,12 @@ def sources(e: Eval) -> list:
                        split=TASKS[t.name].split, revision=t.revision) for t in e.tasks] if e.enable else []
 
 
-def read_examples(src: DataSource, manifest: dict, limit: int, timeout: float) -> list:
-    """The first `limit` (-1: all) rows of the task's split, whole, from the files the manifest pinned."""
+def read_examples(src: DataSource, manifest: dict, limit: int, timeout: float, budget: float = math.inf) -> list:
+    """The first `limit` (-1: all) rows of the task's split, whole, from the files the manifest pinned. A read waits
+    `timeout` seconds for a byte; a file's retries stop within `budget` seconds ([comm] init_timeout_seconds)."""
     rows = []
     for path, size in source_files(manifest, src, "validation"):
+        started = time.monotonic()
         for failures in range(len(RETRY_DELAYS) + 1):
             try:
                 with open_file(path, size, timeout) as f:
@@ -119,21 +126,22 @@ def read_examples(src: DataSource, manifest: dict, limit: int, timeout: float) -
                         f = fsspec.compression.compr[compression](f, mode="rb") if compression else f
                         part = [json.loads(line) for line in f if line.strip()]
                 break
-            except Exception as e:
-                retry_or_raise(src.name, src.path, f"reading {path}", e, failures)
+            except Exception as e:  # a next try the Hub does not answer fails within one request's `timeout`
+                retry_or_raise(src.name, src.path, f"reading {path}", e, failures, started, budget, timeout)
         rows += part
         if 0 <= limit <= len(rows):
             return rows[:limit]
     return rows
 
 
-def load(e: Eval, tokenizer, max_seq_len: int, manifest: dict, timeout: float) -> dict:
+def load(e: Eval, tokenizer, max_seq_len: int, manifest: dict, timeout: float, budget: float = math.inf) -> dict:
     """Per task: its examples as scoring requests, the same on every rank. A request is (tokens, n): BOS + context
-    + continuation, the last n of which are the choice's; a choice's log-likelihood is the sum over those n."""
+    + continuation, the last n of which are the choice's; a choice's log-likelihood is the sum over those n.
+    `timeout`, `budget`: read_examples'."""
     tasks = {}
     for src in sources(e):
         task, requests, examples = TASKS[src.name], [], []
-        rows = read_examples(src, manifest, e.limit, timeout)
+        rows = read_examples(src, manifest, e.limit, timeout, budget)
         for i, row in enumerate(rows):
             try:
                 context, choices, answer = task.context(row), task.choices(row), task.answer(row)
@@ -194,3 +202,77 @@ def evaluate(model, tasks: dict, batch: int, device, dp_group, tp: int) -> dict:
         result["eval_examples"][name] = len(examples)
     model.train()
     return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# Read once per job, and [validation]'s held-out loss
+# ---------------------------------------------------------------------------------------------------
+
+def read_once(cfg, tokenizer, max_seq_len: int, manifest: dict, device) -> tuple:
+    """[validation]'s held-out windows ({source: (sequences, seq_len + 1) tokens}) and [eval]'s requests (load()),
+    the same on every rank of the job (`cfg`: train.py's config): rank 0 alone reads and tokenizes them and hands
+    them over in three broadcasts, so 2,048 ranks read the Hub once, not 2,048 times. A source or task that cannot
+    be read is rank 0's one line, raised on every rank."""
+    v, seq_len, windows, head = cfg.validation, cfg.training.seq_len, [], {}
+    # The other ranks wait in the broadcast below: rank 0's retries stop within the collectives' timeout.
+    limits = cfg.data.hub_timeout_seconds, cfg.comm.init_timeout_seconds
+    if dist.get_rank() == 0:
+        try:
+            windows = [torch.tensor(heldout_windows(src, tokenizer, seq_len, None if v.sequences == -1 else v.sequences,
+                                                    manifest, *limits), dtype=torch.int32)
+                       for src in (v.sources if v.enable else [])]  # each (sequences, seq_len + 1)
+            tasks = load(cfg.eval, tokenizer, max_seq_len, manifest, *limits)
+            head = {"counts": [len(w) for w in windows], "tasks": tasks}
+        except DataError as e:
+            head = {"error": str(e)}
+    # JSON, not pickle: what a rank receives is data, never code
+    head = json.loads(from_rank0(torch.frombuffer(bytearray(json.dumps(head).encode()), dtype=torch.uint8),
+                                 device).numpy().tobytes())
+    if "error" in head:
+        raise DataError(head["error"])
+    flat = from_rank0(torch.cat([w.flatten() for w in windows]) if windows else torch.zeros(0, dtype=torch.int32),
+                      device)
+    names = [src.name for src in v.sources] if v.enable else []
+    return dict(zip(names, flat.view(-1, seq_len + 1).split(head["counts"]))), head["tasks"]
+
+
+def from_rank0(t: torch.Tensor, device) -> torch.Tensor:
+    """Rank 0's 1-D tensor on every rank (the others pass any tensor of its dtype): its length, then its data."""
+    n = torch.tensor(len(t), device=device)
+    dist.broadcast(n, src=0)
+    out = t.to(device) if dist.get_rank() == 0 else torch.empty(int(n), dtype=t.dtype, device=device)
+    dist.broadcast(out, src=0)
+    return out.cpu()
+
+
+def heldout_share(windows: dict, batch: int, dp_rank: int, dp: int, ignore: Callable) -> dict:
+    """Per validation source, this rank's (inputs, labels): window i goes to dp rank i % dp. Ranks with fewer rows
+    are padded with label -100 (ignored) to as many whole batches as every other rank (FSDP's collectives). `ignore`:
+    train.ignore_boundaries, so the positions training leaves out are left out here too."""
+    heldout = {}
+    for name, rows in windows.items():
+        n = -(-len(rows) // (dp * batch)) * batch  # rows per rank, whole batches
+        mine, seq_len = rows[dp_rank::dp].long(), rows.shape[1] - 1  # (rows, seq_len + 1)
+        inputs = torch.zeros(n, seq_len, dtype=torch.long)
+        labels = torch.full((n, seq_len), -100, dtype=torch.long)
+        inputs[:len(mine)], labels[:len(mine)] = mine[:, :-1], ignore(mine[:, 1:])
+        heldout[name] = (inputs, labels)
+    return heldout
+
+
+@torch.no_grad()
+def validate(model, heldout: dict, batch: int, device, dp_group, tp: int) -> dict:
+    """Mean held-out loss per source and overall (per token), and the tokens evaluated."""
+    model.eval()
+    sums = torch.zeros(len(heldout), 2, dtype=torch.float64, device=device)  # per source: loss sum, tokens
+    for i, (inputs, labels) in enumerate(heldout.values()):
+        for b in range(0, len(inputs), batch):
+            x, y = inputs[b:b + batch].to(device), labels[b:b + batch].to(device)
+            with loss_parallel() if tp > 1 else contextlib.nullcontext():
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")  # -100 is ignored
+            sums[i, 0] += loss.full_tensor() if isinstance(loss, DTensor) else loss
+            sums[i, 1] += (y != -100).sum()
+    dist.all_reduce(sums, group=dp_group)
+    model.train()
+    return {"validation_loss": (sums[:, 0].sum() / sums[:, 1].sum()).item(), "validation_tokens": int(sums[:, 1].sum()),
+            "validation_source_loss": {name: (s[0] / s[1]).item() for name, s in zip(heldout, sums)}}

@@ -1,7 +1,7 @@
 """float8 training with torchao, as torchtitan v0.2 does it: `[model] converters = ["float8"]` and the `[float8]`
 keys. train.py calls these three: check() before any process group exists, convert() on the meta-device model
 before parallelize(), tp_styles() for the tensor-parallel plan. Checkpoints keep plain weights under Meta's names
-(checkpoint.plain unwraps torchao's all-gather wrapper), so float8 may be turned on or off on a resume."""
+(plain() unwraps torchao's all-gather wrapper), so float8 may be turned on or off on a resume."""
 
 import dataclasses
 import importlib.util
@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from config import ConfigError
 
@@ -26,9 +27,11 @@ class Float8:  # train.py's [float8] section, used when model.converters has "fl
     filter_fqns: list = field(default_factory=lambda: ["output"])  # Linear layers whose name contains one of these stay in high precision
 
 
-def check(cfg) -> None:
+def check(cfg, gpu: bool | None = None) -> None:
     """The [float8] rules, on train.py's config, before any process group exists. float8 needs torchao, and on a
-    GPU float8 matmuls: CUDA SM 8.9+ or ROCm MI300+ (gfx942 reports 9.4)."""
+    GPU float8 matmuls: CUDA SM 8.9+ or ROCm MI300+ (gfx942 reports 9.4). `gpu`: whether the job runs on GPUs;
+    None (train.py) asks this machine. dryrun.py passes True: the GPU rules of a job it models without a GPU,
+    whose GPUs are taken to be H100-class (so this machine's GPU, if any, is not asked about float8 matmuls)."""
     f8 = cfg.float8
     if f8.recipe_name not in RECIPES:
         raise ConfigError(f"float8.recipe_name = {f8.recipe_name!r}: must be one of {', '.join(RECIPES)}")
@@ -42,9 +45,10 @@ def check(cfg) -> None:
         return
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("model.converters = [\"float8\"] needs torchao: pip install torchao==0.18.0")
-    gpu, index = torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0))
+    here, index = gpu is None, int(os.environ.get("LOCAL_RANK", 0))
+    gpu = torch.cuda.is_available() if here else gpu
     needs = (9, 4) if torch.version.hip else (8, 9)
-    if gpu and torch.cuda.get_device_capability(index) < needs:
+    if here and gpu and torch.cuda.get_device_capability(index) < needs:
         raise ConfigError(f"float8 needs float8 matmuls (H100, H200, B200, MI300 or newer), which this "
                           f"{torch.cuda.get_device_name(index)} lacks: remove \"float8\" from model.converters")
     # What torch._scaled_mm enforces on a GPU (the CPU's emulation multiplies in fp32 and enforces neither):
@@ -101,3 +105,18 @@ def tp_styles(model: torch.nn.Module, device_type: str, recipe_name: str):
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
     from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
     return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+
+def plain(t):
+    """The fp32 tensor inside torchao's float8 weight wrapper (the float8 all-gather's), sharing its memory:
+    checkpoints hold plain tensors, loadable without torchao, and a load into the plain view fills the parameter."""
+    local, float8_weight = t._local_tensor if isinstance(t, DTensor) else t, "WeightWithDynamicFloat8CastTensor"
+    if not torch.utils._python_dispatch.is_traceable_wrapper_subclass(local):  # plain (or a dry run's fake one)
+        return t
+    if f"{type(local).__module__}.{type(local).__name__}" != f"torchao.float8.fsdp_utils.{float8_weight}":
+        # by type: another subclass's inner tensors need not be the value, and saving one would lose the weight
+        raise TypeError(f"a {type(local).__name__} in the state dict: checkpoints unwrap only torchao's "
+                        f"{float8_weight}; teach float8.plain which of its tensors holds the value")
+    inner = local._tensor
+    return DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride()) if isinstance(t, DTensor) else inner

@@ -22,7 +22,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -158,18 +157,13 @@ def rank0_manifest(cfg) -> tuple:
 
 
 def share_sources(cfg, rank: int) -> tuple:
-    """rank0_manifest on every rank. The others wait for rank 0 in a group with a deadline of its own, as
-    train.share_manifest does: resolving many sources on a rate-limited Hub may take longer than a collective."""
-    result, wait = [None], cfg.data.resolve_timeout_seconds
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait))
-    if rank == 0:
-        result[0] = rank0_manifest(cfg)
+    """rank0_manifest on every rank, through the job's store with a deadline of its own, as train.share_manifest
+    does (sources.shared_manifest): resolving many sources on a rate-limited Hub may take longer than a collective."""
     try:
-        dist.broadcast_object_list(result, src=0, group=group, device=torch.device("cpu"))
-    except RuntimeError:
-        fail(f"rank {rank} waited data.resolve_timeout_seconds = {wait} s for rank 0 to resolve the data sources")
-    dist.destroy_process_group(group)
-    return result[0]
+        return sources.shared_manifest(dist.distributed_c10d._get_default_store(), rank,
+                                       cfg.data.resolve_timeout_seconds, lambda: rank0_manifest(cfg))
+    except sources.DataError as e:
+        fail(str(e))
 
 
 def read_share(cfg, manifest: dict, fresh: list, part: int, parts: int) -> dict:

@@ -13,17 +13,19 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import re
 import socket
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import fsspec
 
 # Pauses before retrying after a transient error (connection, timeout, HTTP 408/429/5xx): about 4 minutes
-# in all, then stop. Anything else (a corrupt file, 401/403/404) stops at once.
+# in all, then stop, or sooner where the retry budget ends. Anything else (a corrupt file, 401/403/404) stops at once.
 RETRY_DELAYS = (1, 2, 4, 8, 16, 32, 60, 60, 60)
 TRANSIENT = ("ConnectionError", "TimeoutError", "TransportError", "Timeout", "TimeoutException", "NetworkError",
              "RemoteProtocolError", "ChunkedEncodingError", "IncompleteRead", "ClientConnectionError")
@@ -67,11 +69,16 @@ def transient(e: BaseException) -> bool:
     return False
 
 
-def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int):
-    """Pause before retrying a transient error; anything else, or one failure too many, is one DataError line."""
+def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int, started: float = 0.0,
+                   budget: float = math.inf, next_try: float = 0.0):
+    """Pause before retrying a transient error; anything else, or one failure too many, is one DataError line.
+    So is a retry that could end more than `budget` seconds ([comm] init_timeout_seconds: how long the other ranks
+    wait for this one in a collective) after `started`, the time.monotonic() at which the first failed try began:
+    its pause, then `next_try` seconds (the longest the next try may take)."""
     if isinstance(e, DataError):
         raise e
-    if transient(e) and failures < len(RETRY_DELAYS):
+    spent = time.monotonic() - started
+    if transient(e) and failures < len(RETRY_DELAYS) and spent + RETRY_DELAYS[failures] + next_try <= budget:
         logger.warning(f"data source {name!r}: {type(e).__name__} {what}; retrying in {RETRY_DELAYS[failures]} s")
         return time.sleep(RETRY_DELAYS[failures])
     reason, status = f"{type(e).__name__}: {str(e)[:300]}", getattr(getattr(e, "response", None), "status_code", None)
@@ -79,19 +86,51 @@ def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int)
         why = (f"the Hub refused {path!r}{f' (HTTP {status})' if status else ''} while {what}: check the dataset id "
                "and revision; for a gated or private set log in (`hf auth login` or `huggingface-cli login`, or set "
                "HF_TOKEN) and accept its terms on the dataset's Hub page")
+    elif transient(e) and failures < len(RETRY_DELAYS):  # the retries left would not fit in the budget
+        why = (f"{what} failed {'once' if not failures else f'{failures + 1} times'} in {spent:.0f} s and stopped "
+               f"retrying: another try could end past comm.init_timeout_seconds = {budget:g} s, how long the other "
+               "ranks wait for this one in a collective; raise it to give the Hub longer")
     else:
         why = f"{what} failed " + (f"{failures + 1} times" if failures
                                    else "at once: the file is damaged or unreadable")
     raise DataError(f"data source {name!r}: {why} ({reason})".replace("\n", " ")) from e
 
 
+def bound_hub_requests(timeout: float):
+    """From here on in this process, a huggingface_hub request that names no timeout of its own waits at most
+    `timeout` seconds for a byte, then fails with a TimeoutException (transient: retried). Such are the listings
+    `datasets` makes through HfFileSystem (list_repo_tree, get_paths_info): huggingface_hub's client waits forever
+    by default, and a timeout on the client would not reach list_repo_tree, which passes timeout=None (to httpx:
+    "no timeout"). So the client fills the bound in as each request leaves."""
+    import httpx2
+    from huggingface_hub import get_session, set_client_factory
+    from huggingface_hub.utils._http import default_client_factory  # the library's own client (its hooks, redirects)
+
+    def fill_in(request):
+        if all(t is None for t in request.extensions.get("timeout", {}).values()):
+            request.extensions["timeout"] = httpx2.Timeout(timeout).as_dict()
+
+    def client():
+        c = default_client_factory()
+        c.event_hooks = {**c.event_hooks, "request": [*c.event_hooks["request"], fill_in]}
+        c.hub_timeout = timeout  # read below: a new factory closes the open client, so set one only for a new bound
+        return c
+
+    if getattr(get_session(), "hub_timeout", None) != timeout:
+        set_client_factory(client)
+
+
 def resolve_files(path: str, config: Optional[str], data_files: Optional[str], split: str, revision: Optional[str],
-                  name: str = "") -> tuple:
+                  name: str = "", timeout: float = HUB_TIMEOUT, budget: float = math.inf) -> tuple:
     """The source's files, sorted: `datasets` resolves a hub id (to hf:// URLs pinned to the commit the
-    revision points at; README configs and data_files globs as on the Hub) and a local folder alike."""
+    revision points at; README configs and data_files globs as on the Hub) and a local folder alike. A Hub
+    request waits `timeout` seconds for a byte; the retries of a listing stop within `budget` seconds."""
     from datasets import load_dataset_builder
+    bound_hub_requests(timeout)
     what = f"resolving the {split!r} files of path={path!r} config={config!r} data_files={data_files!r}"
+    started = time.monotonic()
     for failures in range(len(RETRY_DELAYS) + 1):
+        tried = time.monotonic()
         try:
             builder = load_dataset_builder(path, name=config, data_files=data_files, revision=revision)
             return tuple(sorted(builder.config.data_files[split]))
@@ -100,7 +139,8 @@ def resolve_files(path: str, config: Optional[str], data_files: Optional[str], s
                     and type(e).__name__ != "DatasetNotFoundError":
                 raise DataError(f"data source {name!r}: no {split!r} files for path={path!r} config={config!r} "
                                 f"data_files={data_files!r} ({type(e).__name__}: {e})".replace("\n", " "))
-            retry_or_raise(name, path, what, e, failures)
+            # A listing is many requests, each retried by huggingface_hub itself: the next may take as long as this one
+            retry_or_raise(name, path, what, e, failures, started, budget, max(timeout, time.monotonic() - tried))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -123,19 +163,21 @@ def ends_sha256(path: str, size: int) -> str:
     return h.hexdigest()
 
 
-def resolve_source(src: DataSource) -> dict:
+def resolve_source(src: DataSource, timeout: float = HUB_TIMEOUT, budget: float = math.inf) -> dict:
     """One manifest entry: the source's key, the commit a hub revision points at (None for a local folder)
     and its sorted files as [name in the repo or folder, size] (+ the ends' sha256 for a local file)."""
-    urls, entry = resolve_files(src.path, src.config, src.data_files, src.split, src.revision, src.name), \
-        {k: getattr(src, k) for k in KEY}
+    urls, entry = resolve_files(src.path, src.config, src.data_files, src.split, src.revision, src.name, timeout,
+                                budget), {k: getattr(src, k) for k in KEY}
     hub = [re.fullmatch(r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)", u) for u in urls]
     if all(hub):  # the listing `datasets` just made filled HfFileSystem's cache: the sizes cost no request
-        fs = fsspec.filesystem("hf")
+        fs, started = fsspec.filesystem("hf"), time.monotonic()
         for failures in range(len(RETRY_DELAYS) + 1):  # (unless the cache was cleared: then it is a request)
+            tried = time.monotonic()
             try:
                 return {**entry, "commit": hub[0][2], "files": [[m[3], fs.info(u)["size"]] for m, u in zip(hub, urls)]}
             except Exception as e:
-                retry_or_raise(src.name, src.path, "reading the sizes of its files", e, failures)
+                retry_or_raise(src.name, src.path, "reading the sizes of its files", e, failures, started, budget,
+                               max(timeout, time.monotonic() - tried))
     root, files = os.path.abspath(src.path), []
     for u in urls:
         size = os.path.getsize(u)
@@ -143,9 +185,9 @@ def resolve_source(src: DataSource) -> dict:
     return {**entry, "commit": None, "files": files}
 
 
-def make_manifest(sources, validation=()) -> dict:
-    return {"version": 1, "data": [resolve_source(s) for s in sources],
-            "validation": [resolve_source(s) for s in validation]}
+def make_manifest(sources, validation=(), timeout: float = HUB_TIMEOUT, budget: float = math.inf) -> dict:
+    return {"version": 1, "data": [resolve_source(s, timeout, budget) for s in sources],
+            "validation": [resolve_source(s, timeout, budget) for s in validation]}
 
 
 def manifest_sha256(manifest: dict) -> str:
@@ -191,12 +233,14 @@ def source_files(manifest: dict, src: DataSource, section: str = "data") -> list
     return [(at + name if at else os.path.join(e["path"], name), size) for name, size, *_ in e["files"]]
 
 
-def pinned_manifest(given: str, dump_folder: str, sources, validation) -> dict:
+def pinned_manifest(given: str, dump_folder: str, sources, validation, timeout: float = HUB_TIMEOUT,
+                    budget: float = math.inf) -> dict:
     """The run's manifest: `given` ([data] manifest), else the dump folder's, made at the first start. Call it
-    on one rank. Local files that appeared since it was made are counted (one line per source), never read."""
+    on one rank. Local files that appeared since it was made are counted (one line per source), never read.
+    `timeout` and `budget`: a Hub request's wait for a byte, and how long a failing listing is retried."""
     path = given or os.path.join(dump_folder, MANIFEST)
     if not os.path.exists(path) and not given:
-        write_manifest(make_manifest(sources, validation), path)
+        write_manifest(make_manifest(sources, validation, timeout, budget), path)
         logger.info(f"data manifest: resolved {len(sources) + len(validation)} sources once, pinned in {path}")
     try:
         with open(path) as f:
@@ -209,14 +253,14 @@ def pinned_manifest(given: str, dump_folder: str, sources, validation) -> dict:
                "then is resolved again: only if no checkpoint is in the dump folder) or use a new dump_folder")
         raise DataError(f"data manifest {path} cannot be used: {str(e)[:300]}; {fix}".replace("\n", " "))
     if new:  # validation sources are pinned when first used: a resume may add one (or drop one)
-        manifest["validation"] += [resolve_source(s) for s in new]
+        manifest["validation"] += [resolve_source(s, timeout, budget) for s in new]
         if not given:  # a manifest the user made is theirs: the added sources are pinned for this start only
             write_manifest(manifest, path)
         logger.info(f"data manifest: validation source(s) {', '.join(s.name for s in new)} pinned now")
     for e in manifest["data"] + manifest["validation"]:  # local folders: listing one costs no request
         if e["commit"] is None and os.path.isdir(e["path"]):
             try:
-                now = resolve_files(*(e[k] for k in KEY[1:]), e["name"])
+                now = resolve_files(*(e[k] for k in KEY[1:]), e["name"], timeout, budget)
             except DataError:
                 continue  # no files left: verify_manifest names them
             new = len({os.path.relpath(u, os.path.abspath(e["path"])) for u in now} - {f[0] for f in e["files"]})
@@ -226,11 +270,35 @@ def pinned_manifest(given: str, dump_folder: str, sources, validation) -> dict:
     return manifest
 
 
-def verify_manifest(manifest: dict, part: int = 0, parts: int = 1) -> str:
+def shared_manifest(store, rank: int, wait: float, make):
+    """The run's manifest on every rank of a job: rank 0 alone calls make() (pinned_manifest) and puts what it returns,
+    or its one-line DataError, in the job's c10d store; every rank reads it there, waiting up to `wait` seconds (a
+    rate-limited Hub may take longer than a collective should). The store, not a process group of the whole job:
+    gloo's would open a socket to every rank. Returns the manifest, or rank 0's error line."""
+    key = f"data_manifest_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"  # a restarted job's store keeps old keys
+    if rank == 0:
+        try:
+            result = make()
+        except DataError as e:
+            result = str(e)
+        store.set(key, json.dumps(result))
+    try:
+        store.wait([key], timedelta(seconds=wait))
+    except RuntimeError as e:  # c10d's DistStoreError
+        raise DataError(f"rank {rank} waited data.resolve_timeout_seconds = {wait} s for rank 0 to resolve the data: "
+                        "raise it, or make the manifest before the job (python data.py --config C --manifest PATH; "
+                        "[data] manifest = PATH)") from e
+    return json.loads(store.get(key))
+
+
+def verify_manifest(manifest: dict, part: int = 0, parts: int = 1, sources=None) -> str:
     """'' if every local file of the manifest (this rank's share: every parts-th one) is there with its size
-    and the sha256 of its ends, else one line naming the first that is not. Hub files are immutable at a commit."""
-    local = sorted({(e["name"], e["path"], *f) for e in manifest["data"] + manifest["validation"] if not e["commit"]
-                    for f in e["files"]})
+    and the sha256 of its ends, else one line naming the first that is not. Hub files are immutable at a commit.
+    `sources`: only the entries of these (the ones the run reads); None: every entry."""
+    entries = manifest["data"] + manifest["validation"]
+    if sources is not None:  # a source the config dropped is not read, so not checked
+        entries = [e for e in entries if any(all(e[k] == getattr(s, k) for k in KEY) for s in sources)]
+    local = sorted({(e["name"], e["path"], *f) for e in entries if not e["commit"] for f in e["files"]})
     for name, root, rel, size, ends in local[part::parts]:
         path, now = os.path.join(root, rel), None
         try:
@@ -274,10 +342,11 @@ class HubFile(io.RawIOBase):
             return 0
         first, last = self.pos, self.pos + n - 1
         # huggingface_hub's client waits forever by default: a connection that stops sending would hang the rank.
-        # A timeout makes it a TimeoutException, retried by http_backoff for the same bytes (past its retries,
-        # data.py re-opens the file where the stream was). Redirects (to the CDN) keep the Range header.
+        # A timeout makes it a TimeoutException. One try: huggingface_hub's own retries (pauses of up to 8 s, or as
+        # long as a 429 says) would be out of sight of the reader's retry budget; the reader retries, re-opening
+        # the file where the stream was. Redirects (to the CDN) keep the Range header.
         r = http_backoff("GET", self.url, headers={**build_hf_headers(), "Range": f"bytes={first}-{last}"},
-                         timeout=self.timeout)
+                         timeout=self.timeout, max_retries=0)
         hf_raise_for_status(r)
         body = r.content
         if r.status_code == 200 and len(body) == self.size:  # Range ignored: the whole file, which has our bytes

@@ -21,11 +21,14 @@ import hashlib
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
+from typing import ClassVar
 from datetime import timedelta
 from functools import partial
 
@@ -43,13 +46,14 @@ import evals
 import float8
 from checkpoint import Checkpointer, CheckpointError, SaveError
 from config import ConfigError, to_toml, unknown
-from data import DataLoader, Tokenizer, heldout_windows
+from data import DataLoader, Tokenizer
 from float8 import Float8
 from metrics import MetricsLogger, memory_stats, peak_tflops
 from model import Transformer, flavors, keyed_normal_
-from sources import DataError, DataSource, manifest_sha256, pinned_manifest, verify_manifest
+from sources import DataError, DataSource, manifest_sha256, pinned_manifest, shared_manifest, verify_manifest
 
 logger = logging.getLogger("train")
+HERE = os.path.dirname(os.path.abspath(__file__))  # frames of this trainer's files, in lost_rank's line
 
 
 # -------------------------------------------------------------------------------------------------
@@ -165,9 +169,11 @@ class Data:
 class Validation:
     enable: bool = False  # evaluate held-out loss every freq steps and at the last step
     freq: int = 500  # steps between rounds
-    steps: int = 10  # batches per source per round (the same sequences every round); -1: the whole held-out set
+    sequences: int = 64  # held-out windows per source: its first N, the same set on every layout and resume; -1: all
     local_batch_size: int = 8  # sequences per data-parallel rank per batch
     sources: list[DataSource] = field(default_factory=list)  # [[validation.sources]] tables, keys as in [[data.sources]] (weight unused)
+    RENAMED: ClassVar[dict] = {"steps": "sequences = N, the first N windows of each source on every layout (steps x "
+                                        "local_batch_size x data-parallel ranks gives the old set)"}
 
 
 @dataclass
@@ -227,7 +233,7 @@ def validate(cfg: Config, world_size: int) -> dict:
         "checkpoint.keep_latest_k": nonneg, "checkpoint.load_step": (lambda x: x >= -1, "-1 or >= 0"),
         "metrics.peak_tflops": nonneg, "data.num_streams": nonneg, "data.num_workers": nonneg, "model.n_layers": nonneg,
         "data.hub_timeout_seconds": positive, "data.resolve_timeout_seconds": pos,
-        "validation.freq": pos, "validation.steps": minus1_or, "validation.local_batch_size": pos,
+        "validation.freq": pos, "validation.sequences": minus1_or, "validation.local_batch_size": pos,
         "activation_checkpoint.mode": one_of("none", "full", "selective"),
         "model.attn_mask_type": one_of("causal", "block_causal"),
         "lr_scheduler.decay_type": one_of("linear", "cosine", "sqrt"),
@@ -269,6 +275,13 @@ def validate(cfg: Config, world_size: int) -> dict:
         raise ConfigError("data.sources is empty or its weights sum to 0: add [[data.sources]] with a weight > 0")
     if v.enable and not v.sources:
         raise ConfigError("validation.enable is set but validation.sources is empty; add [[validation.sources]] tables")
+    # While one rank waits up to hub_timeout_seconds for a Hub read, the others wait in a collective: it must fit there
+    hub = [s.name for s in cfg.data.sources + (v.sources if v.enable else []) + evals.sources(cfg.eval)
+           if not os.path.isdir(s.path)]  # not a local folder: a Hub dataset id
+    if hub and not cfg.data.hub_timeout_seconds < cfg.comm.init_timeout_seconds:
+        raise ConfigError(f"data.hub_timeout_seconds = {cfg.data.hub_timeout_seconds:g} must be below "
+                          f"comm.init_timeout_seconds = {cfg.comm.init_timeout_seconds} (source {hub[0]!r} is on the "
+                          "Hub): one read that waits that long outlasts the other ranks' wait in a collective")
     streams = cfg.data.num_streams or dp
     if streams % dp or t.local_batch_size % (streams // dp):
         raise ConfigError(f"data.num_streams = {streams} must be a multiple of the data-parallel degree {dp} "
@@ -433,7 +446,7 @@ def layout_independent_normal(seed: int):
 
 
 # -------------------------------------------------------------------------------------------------
-# Optimizer, lr schedule, the loss, validation (metrics.py: where the numbers go)
+# Optimizer, lr schedule, the loss (validation and evals: evals.py; where the numbers go: metrics.py)
 # -------------------------------------------------------------------------------------------------
 
 def build_optimizer(model, cfg: Config, device: torch.device):
@@ -482,45 +495,27 @@ def lr_factor(step: int, cfg: Config) -> float:
     return s.min_lr_factor + (1 - s.min_lr_factor) * shape
 
 
-def load_heldout(cfg: Config, tokenizer, model_args, dp_rank: int, dp: int, manifest: dict) -> dict:
-    """Per validation source, this rank's (inputs, labels): the first steps x local_batch_size x dp held-out
-    sequences (all of them for steps = -1), row i on rank i % dp. Ranks with fewer rows are padded with
-    label -100 (ignored), so every rank runs the same number of forwards (FSDP's collectives); the positions
-    training leaves out (ignore_boundaries) are left out here too."""
-    v, seq_len, heldout = cfg.validation, cfg.training.seq_len, {}
-    for src in v.sources:
-        limit = None if v.steps == -1 else v.steps * v.local_batch_size * dp
-        windows = heldout_windows(src, tokenizer, seq_len, limit, manifest, cfg.data.hub_timeout_seconds)
-        n = -(-len(windows) // (dp * v.local_batch_size)) * v.local_batch_size  # rows per rank, whole batches
-        mine = torch.tensor(windows[dp_rank::dp], dtype=torch.long).reshape(-1, seq_len + 1)  # (rows, seq_len + 1)
-        inputs = torch.zeros(n, seq_len, dtype=torch.long)
-        labels = torch.full((n, seq_len), -100, dtype=torch.long)
-        inputs[:len(mine)], labels[:len(mine)] = mine[:, :-1], ignore_boundaries(mine[:, 1:], model_args)
-        heldout[src.name] = (inputs, labels)
-    return heldout
-
-
-@torch.no_grad()
-def evaluate(model, heldout: dict, batch: int, device, dp_group, tp: int) -> dict:
-    """Mean held-out loss per source and overall (per token), and the tokens evaluated."""
-    model.eval()
-    sums = torch.zeros(len(heldout), 2, dtype=torch.float64, device=device)  # per source: loss sum, tokens
-    for i, (inputs, labels) in enumerate(heldout.values()):
-        for b in range(0, len(inputs), batch):
-            x, y = inputs[b:b + batch].to(device), labels[b:b + batch].to(device)
-            with loss_parallel() if tp > 1 else contextlib.nullcontext():
-                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")  # -100 is ignored
-            sums[i, 0] += loss.full_tensor() if isinstance(loss, DTensor) else loss
-            sums[i, 1] += (y != -100).sum()
-    dist.all_reduce(sums, group=dp_group)
-    model.train()
-    return {"validation_loss": (sums[:, 0].sum() / sums[:, 1].sum()).item(), "validation_tokens": int(sums[:, 1].sum()),
-            "validation_source_loss": {name: (s[0] / s[1]).item() for name, s in zip(heldout, sums)}}
-
-
 # -------------------------------------------------------------------------------------------------
 # Every rank alike: one rank's user error, the dump folder (checkpoints are in checkpoint.py)
 # -------------------------------------------------------------------------------------------------
+
+def lost_rank(e: BaseException) -> str:
+    """One line for a collective another rank never joined (gloo's timeout, or the peer gone), naming where this rank
+    waited; '' for anything else. NCCL's watchdog ends a rank itself, with its own lines."""
+    text = str(e).replace("\n", " ")
+    waited = re.search(r"Timed out waiting (\d+)ms", text)
+    if not isinstance(e, RuntimeError) or not (waited or "Connection closed by peer" in text):
+        return ""
+    ours = [f for f in traceback.extract_tb(e.__traceback__) if os.path.dirname(os.path.abspath(f.filename)) == HERE]
+    where = f" in {ours[-1].name} ({os.path.basename(ours[-1].filename)}:{ours[-1].lineno})" if ours else ""
+    rank = os.environ.get("RANK", "0")
+    if waited:
+        return (f"rank {rank}: a collective{where} waited {int(waited[1]) / 1000:g} s (comm.init_timeout_seconds) for "
+                "a rank that never joined it: a rank stopped (crashed, froze, ran out of memory, lost its node); its "
+                "log or its node's says which. Raise the timeout only if a step can take longer than that")
+    return (f"rank {rank}: a collective{where} lost its connection to another rank, which ended: that rank's own "
+            "error line or traceback says why")
+
 
 def agree(error: str, device) -> None:
     """Every rank learns whether any rank failed (error non-empty), and all raise that rank's one line, so
@@ -557,27 +552,18 @@ def open_dump_folder(cfg: Config, rank: int, device):
 
 
 def share_manifest(cfg: Config, rank: int, device) -> dict:
-    """The files of every source: rank 0 alone resolves them (or reads the run's pinned manifest) and sends them to
-    every rank, which wait in a group with a deadline of its own (a rate-limited Hub may take longer than a collective
-    should). Then each node checks every local file once, split over its ranks (a node-local copy may differ)."""
-    wait, result = cfg.data.resolve_timeout_seconds, [None]
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait))
+    """The files of every source: rank 0 alone resolves them (or reads the run's pinned manifest), every rank gets them
+    through the job's store (sources.shared_manifest). Then each node checks the local files in use once, split over
+    its ranks (a node-local copy may differ)."""
+    held_out = (cfg.validation.sources if cfg.validation.enable else []) + evals.sources(cfg.eval)  # in use
     if rank == 0:
         logger.info("data manifest: rank 0 reads or makes it; the others wait up to data.resolve_timeout_seconds")
-        try:
-            held_out = (cfg.validation.sources if cfg.validation.enable else []) + evals.sources(cfg.eval)  # in use
-            result[0] = pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, held_out)
-        except DataError as e:
-            result[0] = str(e)  # every rank raises it below
-    try:
-        dist.broadcast_object_list(result, src=0, group=group, device=torch.device("cpu"))
-    except RuntimeError as e:
-        raise DataError(f"rank {rank} waited data.resolve_timeout_seconds = {wait} s for rank 0 to resolve the data: "
-                        "raise it, or make the manifest before the job (python data.py --config C --manifest PATH; "
-                        "[data] manifest = PATH)") from e
-    dist.destroy_process_group(group)
-    manifest, local = result[0], (int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    agree(manifest if isinstance(manifest, str) else verify_manifest(manifest, *local), device)
+    make = partial(pinned_manifest, cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, held_out,
+                   cfg.data.hub_timeout_seconds)  # each Hub request waits at most this for a byte
+    manifest = shared_manifest(dist.distributed_c10d._get_default_store(), rank, cfg.data.resolve_timeout_seconds, make)
+    local = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    in_use = [*cfg.data.sources, *held_out]
+    agree(manifest if isinstance(manifest, str) else verify_manifest(manifest, *local, in_use), device)
     return manifest
 
 
@@ -602,6 +588,11 @@ def init_distributed(cfg: Config, sizes: dict, fake_rank: int = -1):
         # The gradient norm is a sum over FSDP and TP shards: with this mesh DTensor does it in one all-reduce,
         # not one per dimension in sequence (which can differ between ranks, and which it warns about).
         mesh["dp_shard", "tp"]._flatten()
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")  # all ranks that see different data (main's dp group)
+    # The mesh's subgroups get the backend's default timeout (NCCL 10 min, gloo 30 min), not the one above: set it
+    # on every group, so a rank that freezes ends the job after init_timeout_seconds whichever group waits for it.
+    for group in list(dist.distributed_c10d._world.pg_map) if backend != "fake" else []:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
     return device, mesh
 
 
@@ -630,7 +621,7 @@ def main(cfg: Config):
     if cfg.job.print_config:
         logger.info(to_toml(cfg))
     p = cfg.parallelism
-    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")  # all ranks that see different data
+    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")  # made in init_distributed: all ranks that see other data
     dp_rank, dp = dp_mesh.get_local_rank(), dp_mesh.size()
     torch.use_deterministic_algorithms(cfg.training.deterministic)
     torch.manual_seed(cfg.training.seed)
@@ -661,21 +652,23 @@ def main(cfg: Config):
     manifest = share_manifest(cfg, rank, device)
     loader = DataLoader(cfg.data.sources, tokenizer, cfg.training.seq_len, cfg.training.local_batch_size,
                         dp_rank, dp, cfg.data.num_streams, cfg.data.seed, cfg.data.num_workers, manifest,
-                        cfg.data.hub_timeout_seconds)
+                        cfg.data.hub_timeout_seconds, cfg.comm.init_timeout_seconds)
 
     # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path -----------
     checkpointer = Checkpointer(cfg.checkpoint, os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder),
                                 run_keys(cfg, model_args, sizes, manifest), cfg.training.steps, model, optimizer,
-                                scheduler, loader, {"model.converters": cfg.model.converters})  # float8 on/off: logged
+                                scheduler, loader, {"model.converters": cfg.model.converters},  # float8 on/off: logged
+                                timedelta(seconds=cfg.comm.init_timeout_seconds))
     step, tokens_seen = checkpointer.resume()
-    error, heldout, tasks = "", {}, {}
+    error = ""
     try:  # every rank opens every source where it resumes: a bad one stops all ranks alike before step 1
         loader.check()
-        heldout = load_heldout(cfg, tokenizer, model_args, dp_rank, dp, manifest) if cfg.validation.enable else {}
-        tasks = evals.load(cfg.eval, tokenizer, model_args.max_seq_len, manifest, cfg.data.hub_timeout_seconds)
     except DataError as e:
         error = str(e)
     agree(error, device)
+    windows, tasks = evals.read_once(cfg, tokenizer, model_args.max_seq_len, manifest, device)
+    heldout = evals.heldout_share(windows, cfg.validation.local_batch_size, dp_rank, dp,
+                                  partial(ignore_boundaries, args=model_args))
     if step >= cfg.training.steps:
         logger.info(f"the run is at step {step} of training.steps = {cfg.training.steps}: nothing left to do "
                     "(raise --training.steps to train further)")
@@ -757,7 +750,7 @@ def main(cfg: Config):
 
         if cfg.validation.enable and (step % cfg.validation.freq == 0 or last):
             t0 = time.perf_counter()
-            result = evaluate(model, heldout, cfg.validation.local_batch_size, device, dp_mesh.get_group(), tp)
+            result = evals.validate(model, heldout, cfg.validation.local_batch_size, device, dp_mesh.get_group(), tp)
             metrics.log({"step": step, **result, "validation_seconds": time.perf_counter() - t0})
             log_t0 += time.perf_counter() - t0  # the next training log's tps leaves the round out
         if cfg.eval.enable and (step % cfg.eval.freq == 0 or last):
@@ -790,11 +783,14 @@ def main(cfg: Config):
 if __name__ == "__main__":
     try:
         main(load_config(sys.argv[1:]))
-    except (ConfigError, DataError, CheckpointError, RunError, SaveError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+    except Exception as e:
+        line = str(e) if isinstance(e, (ConfigError, DataError, CheckpointError, RunError, SaveError)) else lost_rank(e)
+        if not line:
+            raise  # a bug: its traceback
+        print(f"error: {line}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         # Leave at once: a rank lingering in teardown gets torchrun's SIGTERM, a process group freed at interpreter
         # shutdown can abort in gloo's threads. Saved state is on disk; loader workers exit when their rank is gone.
-        os._exit(3 if isinstance(e, (RunError, SaveError)) else 2)
+        os._exit(2 if isinstance(e, (ConfigError, DataError, CheckpointError)) else 3)
     # FSDP's state outlives main() in reference cycles (process groups): free it now, not at interpreter shutdown.
     gc.collect()

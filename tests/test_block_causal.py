@@ -44,7 +44,7 @@ def train(toml, dump, *args, nproc=1):
                                                     f"--nproc_per_node={nproc}"]
     cmd = [*launcher, "train.py", "--config", str(toml), "--job.dump_folder", str(dump), "--metrics.log_freq", "1",
            "--model.attn_mask_type", "block_causal", "--training.steps", "4", "--training.global_batch_size", "8",
-           "--validation.freq", "4", "--validation.steps", "-1", "--validation.local_batch_size", "4",
+           "--validation.freq", "4", "--validation.sequences", "-1", "--validation.local_batch_size", "4",
            *map(str, args)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -304,8 +304,9 @@ def test_preemption_signal_saves_and_ends_the_job_however_it_is_delivered(refere
     SIGTERM to torchrun alone; SIGUSR1 to every process of the job, loader workers included (Slurm's
     --signal=USR1 without B:), which kills torchrun itself. Each time it saves and every process is gone
     within 30 s by itself; the four launches together log the uninterrupted run's losses, bit for bit. Loader
-    workers (which a resume may add or drop) only where the signal reaches them: they cost seconds to start."""
-    args = (*FSDP, "--checkpoint.interval", 100)
+    workers (which a resume may add or drop) only where the signal reaches them: they cost seconds to start. With
+    last_save_model_only, as only the last step's save is the weights-only export."""
+    args = (*FSDP, "--checkpoint.interval", 100, "--checkpoint.last_save_model_only", "true")  # a signal's save: whole
     stopped = 0
     for delivery in ("ranks", "launcher", "every process"):
         workers = 2 if delivery == "every process" else 0

@@ -42,6 +42,7 @@ BAD_INPUT = [
     (["--training.seq_len", "4096"], "training.seq_len = 4096 exceeds the debugmodel model's max_seq_len 2048"),
     (["--parallelism.tensor_parallel_degree", "2"], "must equal the world size 1"),
     (["stray"], "unexpected argument 'stray'"),
+    (["--validation.steps", "20"], "[validation] steps was replaced by sequences = N, the first N windows of each"),
 ]
 
 

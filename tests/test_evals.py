@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from hub_fixture import Hub, task_repos, write_mirror
+from hub_fixture import Hub, make_repos, task_repos, write_mirror
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa")
@@ -18,14 +18,15 @@ LIMIT = 8  # examples per task
 COMMON = ("--metrics.log_freq", "1", "--validation.enable", "false", "--training.steps", "10")
 FSDP = ("--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "5")
 TP = ("--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective")
+HELD_OUT = '[[validation.sources]]\nname = "c4"\npath = "allenai/c4"\nconfig = "en"\nsplit = "validation"\n'
 
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    """The local Hub serving the task repos, a local copy of each (what `hf download` makes), and the environment
-    that points a process at the Hub."""
+    """The local Hub serving the task repos (and C4, for held-out data), a local copy of each task repo (what `hf
+    download` makes), and the environment that points a process at the Hub."""
     repos, folder = task_repos(), tmp_path_factory.mktemp("tasks")
-    server = Hub(repos)
+    server = Hub({**repos, **make_repos()})
     for repo in repos:
         write_mirror(repos, str(folder / repo), repo)
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE")}
@@ -34,10 +35,12 @@ def hub(tmp_path_factory):
 
 
 def config(dump, tasks: dict) -> str:
-    """configs/debug_model.toml with an [eval] section; tasks: name -> path ("" = its Hub dataset)."""
+    """configs/debug_model.toml with an [eval] section, and C4's validation split on the Hub as its held-out data;
+    tasks: name -> path ("" = its Hub dataset)."""
     table = ", ".join(f'{{name = "{name}", path = "{path}"}}' for name, path in tasks.items())
     with open(os.path.join(ROOT, "configs", "debug_model.toml")) as f:
-        text = f.read() + f"\n[eval]\nenable = true\nfreq = 5\nlimit = {LIMIT}\nlocal_batch_size = 32\n"
+        text = f.read().split("# Held-out data")[0] + HELD_OUT
+    text += f"\n[eval]\nenable = true\nfreq = 5\nlimit = {LIMIT}\nlocal_batch_size = 32\n"
     text += f"tasks = [{table}]\n"
     path = os.path.join(dump, "eval.toml")
     with open(path, "w") as f:
@@ -52,28 +55,33 @@ def train(dump, cfg: str, *args, nproc=1, env=None, expect=0):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == expect, proc.stdout[-2000:] + proc.stderr[-3000:]
     records = [json.loads(ln) for ln in open(os.path.join(dump, "metrics.jsonl"))] if expect == 0 else []
-    return proc, [r for r in records if "loss" in r], [r for r in records if "eval_acc" in r]
+    return proc, [r for r in records if "loss" in r], [r for r in records if "eval_acc" in r], \
+        [r for r in records if "validation_loss" in r]
 
 
 @pytest.fixture(scope="module")
 def runs(hub, tmp_path_factory):
-    """The three layouts with [eval] (tasks from the Hub for 1 process and FSDP 2, from local folders for TP 2)."""
-    _, folder, env = hub
+    """The three layouts with [eval] and [validation] (tasks from the Hub for 1 process and FSDP 2, from local folders
+    for TP 2; held-out data from the Hub): name -> (dump, process, steps, eval rounds, validation rounds, bytes the
+    Hub served of data files, all held-out or task files: the training data is local; dataset cards, which
+    resolution reads once per HF_HOME, are left out)."""
+    server, folder, env = hub
     on_hub = {name: "" for name in TASKS}
     local = {"hellaswag": folder / "Rowan/hellaswag", "arc_easy": folder / "allenai/ai2_arc",
              "arc_challenge": folder / "allenai/ai2_arc", "piqa": folder / "baber/piqa"}
     out = {}
     one = ("--training.local_batch_size", "8", "--metrics.enable_tensorboard")
     for name, tasks, args, nproc in (("fsdp", on_hub, FSDP, 2), ("tp", local, TP, 2), ("one", on_hub, one, 1)):
-        dump = tmp_path_factory.mktemp(f"eval_{name}")
-        out[name] = (dump, *train(dump, config(dump, tasks), *args, nproc=nproc,
-                                  env={**env, "OMP_NUM_THREADS": "1", "MKL_DYNAMIC": "FALSE"}))
+        dump, start = tmp_path_factory.mktemp(f"eval_{name}"), len(server.log)
+        out[name] = (dump, *train(dump, config(dump, tasks), *args, "--validation.enable", "true", nproc=nproc,
+                                  env={**env, "OMP_NUM_THREADS": "1", "MKL_DYNAMIC": "FALSE"}),
+                     sum(r["bytes"] for r in server.log[start:] if r["path"].endswith((".parquet", ".json.gz"))))
     return out
 
 
 def test_rounds_are_logged_and_leave_training_bitwise_unchanged(runs, fsdp_reference, tp_reference):
     for name, reference in (("fsdp", fsdp_reference), ("tp", tp_reference)):
-        dump, proc, steps, rounds = runs[name]
+        dump, proc, steps, rounds, _, _ = runs[name]
         assert [r["step"] for r in rounds] == [5, 10]  # every freq steps, and at the last step
         for r in rounds:
             assert set(r) == {"step", "eval_acc", "eval_acc_norm", "eval_examples", "eval_seconds"}
@@ -85,7 +93,7 @@ def test_rounds_are_logged_and_leave_training_bitwise_unchanged(runs, fsdp_refer
 
 
 def test_one_process_fsdp_and_tp_score_alike(runs):
-    dump, _, _, rounds = runs["one"]
+    dump, _, _, rounds, _, _ = runs["one"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     tb = EventAccumulator(str(dump / "tb"))
     tb.Reload()
@@ -95,6 +103,16 @@ def test_one_process_fsdp_and_tp_score_alike(runs):
     one = [(r["eval_acc"], r["eval_acc_norm"]) for r in rounds]
     assert one == [(r["eval_acc"], r["eval_acc_norm"]) for r in runs["fsdp"][3]]
     assert one == [(r["eval_acc"], r["eval_acc_norm"]) for r in runs["tp"][3]]
+
+
+def test_heldout_and_task_files_are_read_once_per_job_and_validate_alike(runs):
+    """Rank 0 alone reads the held-out windows and the task files and hands them to the other ranks: the Hub serves
+    a 2-rank job the bytes it serves one process, and both evaluate the same sequences (validation.sequences of the
+    source, whatever the layout and batch), so the same loss."""
+    one, fsdp = runs["one"], runs["fsdp"]
+    assert one[5] == fsdp[5] > 0, (one[5], fsdp[5])
+    assert [r["validation_tokens"] for r in one[4]] == [r["validation_tokens"] for r in fsdp[4]] == [8 * 256]
+    assert [r["validation_loss"] for r in fsdp[4]] == pytest.approx([r["validation_loss"] for r in one[4]], rel=1e-5)
 
 
 LM_EVAL = """
@@ -111,7 +129,7 @@ print("RESULTS " + json.dumps({t: out["results"][t] for t in sys.argv[3:]}))
 def test_accuracies_equal_lm_evaluation_harness_on_the_exported_weights(runs, hub, tmp_path):
     """The FSDP run's step-10 checkpoint exported with dcp2hf, scored by lm-eval reading the same task files from the
     local Hub: the same number of right answers per task, for acc and acc_norm."""
-    dump, _, _, rounds = runs["fsdp"]
+    dump, _, _, rounds, _, _ = runs["fsdp"]
     export = subprocess.run([sys.executable, "checkpoint_convert.py", "dcp2hf", "--input_dir",
                              str(dump / "checkpoint" / "step-10"), "--output_dir", str(tmp_path / "hf")],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -132,7 +150,7 @@ def test_a_missing_or_malformed_task_is_one_line_at_start_up(hub, tmp_path):
     columns are not its own) through the same load() train.py calls at start-up."""
     _, folder, env = hub
     (tmp_path / "empty").mkdir()
-    proc, _, _ = train(tmp_path, config(tmp_path, {"arc_easy": tmp_path / "empty"}), env=env, expect=2)
+    proc, *_ = train(tmp_path, config(tmp_path, {"arc_easy": tmp_path / "empty"}), env=env, expect=2)
     assert proc.stderr.strip().splitlines()[-1].startswith("error: data source 'arc_easy': no 'test' files")
     assert "Traceback" not in proc.stderr and "step: 1 " not in proc.stdout
     sys.path.insert(0, ROOT)

@@ -293,12 +293,11 @@ def test_gpu_rules_that_follow_torchtitan(monkeypatch, caplog):
 def test_checkpoints_unwrap_only_torchaos_float8_weight():
     """Another tensor subclass in the state dict is an error, not its first inner tensor saved as the weight."""
     from torch.testing._internal.two_tensor import TwoTensor
-    import checkpoint
     T.logging.disable(T.logging.WARNING)
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
     T.logging.disable(T.logging.NOTSET)
     w = torch.randn(16, 16)
     wrapped = WeightWithDynamicFloat8CastTensor(w, None, torch.float8_e4m3fn)
-    assert type(checkpoint.plain(wrapped)) is torch.Tensor and checkpoint.plain(wrapped).data_ptr() == w.data_ptr()
+    assert type(float8.plain(wrapped)) is torch.Tensor and float8.plain(wrapped).data_ptr() == w.data_ptr()
     with pytest.raises(TypeError, match="a TwoTensor in the state dict: checkpoints unwrap only torchao's "):
-        checkpoint.plain(TwoTensor(torch.randn(4), torch.randn(4)))
+        float8.plain(TwoTensor(torch.randn(4), torch.randn(4)))

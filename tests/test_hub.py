@@ -7,18 +7,22 @@ the `config` / `data_files` values of configs/llama3_8b.toml resolve as they do 
 
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
+from huggingface_hub import HfFileSystem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import data  # noqa: E402
+import evals  # noqa: E402
 import train  # noqa: E402
 from data import DataLoader, Tokenizer  # noqa: E402
 import sources  # noqa: E402
@@ -64,6 +68,26 @@ def shipped_sources() -> list:
 
 def batches(loader, n: int) -> list:
     return [next(loader)[0] for _ in range(n)]
+
+
+def within(seconds: float, fn, *args):
+    """fn(*args) in a thread: a call still running after `seconds` fails the test rather than hanging it (the
+    thread is a daemon: it ends when the test's hub closes the connection it waits on, or with pytest)."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args)
+        except BaseException as e:  # raised again in the test's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
 
 
 def test_shipped_hub_sources_stream_like_their_local_mirror_and_resume_exactly(hub, repos, tok, tmp_path):
@@ -143,7 +167,7 @@ def test_transient_answers_are_retried_with_backoff(hub, tok, monkeypatch):
     monkeypatch.setattr(time, "sleep", sleeps.append)  # the libraries' and data.py's pauses, recorded, not slept
     sources = [DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz"),
                DataSource(name="fm", path="HuggingFaceTB/finemath", config="finemath-3plus")]
-    # more consecutive failures than huggingface_hub's own 5 retries: data.py's retry must take over
+    # more consecutive failures than huggingface_hub's own 5 retries of a listing; a file read is retried by data.py
     hub.faults = {"/api/datasets/allenai/c4/revision": [503, 502], "/tree/": [429],
                   "c4-train.": [503] * 7, "finemath-3plus/train-": [500, 429, 504, 503, 503, 503, 500]}
     got = batches(DataLoader(sources, tok, 128, 1, 0, 1, 1), 30)
@@ -154,10 +178,10 @@ def test_transient_answers_are_retried_with_backoff(hub, tok, monkeypatch):
 
 
 def test_a_stalled_redirected_or_whole_file_answer_gives_the_same_batches(hub, tok):
-    """A read that gets no byte for `timeout` seconds (before the answer, or mid-body) is retried for the same
-    bytes; reads follow the Hub's redirect to its CDN with their Range; a server that ignores Range sends the
-    whole file, whose bytes are used. The batches equal those of a Hub that did none of this. An answer that
-    is neither the bytes asked for nor the whole file is refused, never misread."""
+    """A read that gets no byte for `timeout` seconds (before the answer, or mid-body) is retried (the file
+    re-opened where the stream was); reads follow the Hub's redirect to its CDN with their Range; a server that
+    ignores Range sends the whole file, whose bytes are used. The batches equal those of a Hub that did none of
+    this. An answer that is neither the bytes asked for nor the whole file is refused, never misread."""
     srcs = [DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz"),
             DataSource(name="dclm", path="Zyphra/Zyda-2", config="dclm_crossdeduped")]
     manifest = sources.make_manifest(srcs)
@@ -205,6 +229,76 @@ def test_hub_refusals_end_with_one_line_naming_the_repo_and_what_to_do(hub, tok,
     assert "failed 3 times (HfHubHTTPError" in msg and "503" in msg
 
 
+def test_a_stalled_listing_is_retried_and_ends_in_one_line_within_the_budget(hub, monkeypatch):
+    """A listing page that never comes (the fixture keeps the connection open: huggingface_hub's client would wait
+    forever) fails after the Hub timeout and is retried; one that keeps stalling ends the resolution with one line
+    before the budget (comm.init_timeout_seconds) is spent."""
+    monkeypatch.setattr(time, "sleep", lambda s: None)  # huggingface_hub's and sources.py's pauses: the waits are real
+    monkeypatch.setattr(sources, "RETRY_DELAYS", (0.01,) * 9)  # so that a retry of ours fits in the budget below
+    src = DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz")
+    hub.faults = {"/tree/": ["stall"]}
+    assert len(within(15, sources.resolve_source, src, 0.2)["files"]) == 4 and not hub.faults["/tree/"]
+    HfFileSystem.clear_instance_cache()  # it keeps listings per thread, and thread ids are reused: list anew
+    hub.faults, start, t0 = {"/tree/": ["stall"] * 1000}, len(hub.log), time.monotonic()
+    with pytest.raises(DataError) as e:
+        within(15, sources.resolve_source, src, 0.2, 3.0)
+    took, msg = time.monotonic() - t0, str(e.value)
+    tries = len([r for r in hub.log[start:] if "/tree/" in r["path"]])  # huggingface_hub tries a page 6 times
+    print(f"{tries} stalled requests, one line after {took:.1f} s: {msg}")
+    # (took: under the budget give or take the last try, which is taken to last as long as the one before it)
+    assert took < 3.5 and tries >= 12 and "\n" not in msg
+    assert msg.startswith("data source 'c4': resolving the 'train' files of path='allenai/c4'")
+    assert "Timeout" in msg and "comm.init_timeout_seconds = 3 s" in msg and "raise it" in msg
+
+
+def test_a_read_that_keeps_failing_gives_up_within_the_budget_with_one_line(hub, tok, monkeypatch):
+    """While one rank retries a Hub read, the other ranks wait in a collective for up to comm.init_timeout_seconds:
+    a read that keeps stalling gives up before that, with one line naming the source, the file and what to raise:
+    the loader in the trainer's process and in a worker, the held-out and the eval readers."""
+    monkeypatch.setattr(sources, "RETRY_DELAYS", (0.1,) * 9)
+    src = DataSource(name="fm", path="HuggingFaceTB/finemath", config="finemath-3plus")
+    manifest = sources.make_manifest([src])
+    manifest["validation"] = manifest["data"]
+    hub.faults, budget = {"finemath-3plus/train-": ["stall"] * 1000}, 0.8
+
+    def loader(workers):
+        return DataLoader([src], tok, 64, 1, 0, 1, 1, num_workers=workers, manifest=manifest, timeout=0.1,
+                          budget=budget)
+
+    in_worker = loader(1)  # (a new process: its pauses are RETRY_DELAYS' own, and its first, 1 s, does not fit)
+    reads = {"loader": loader(0).check, "worker": lambda: next(in_worker),
+             "held-out": lambda: data.heldout_windows(src, tok, 64, 1, manifest, 0.1, budget),
+             "eval": lambda: evals.read_examples(src, manifest, 1, 0.1, budget)}
+    try:
+        for name, read in reads.items():
+            t0 = time.monotonic()
+            with pytest.raises(DataError) as e:
+                within(15, read)
+            took, msg = time.monotonic() - t0, str(e.value)
+            print(f"{name}: one line after {took:.1f} s: {msg}")
+            # within the budget, give or take the last try's own few ms past its timeout; a worker starts up first
+            assert name == "worker" or took < budget + 0.2
+            assert re.match(r"data source 'fm': reading hf://datasets/HuggingFaceTB/finemath@[0-9a-f]{40}/"
+                            r"finemath-3plus/train-0000\d-of-00002.parquet( at row 0)? failed (once|\d+ times) in \d+ "
+                            r"s and stopped retrying: .* comm.init_timeout_seconds = 0.8 s, .* raise it .*"
+                            r"\(ReadTimeout", msg), msg
+    finally:
+        in_worker.close()
+
+
+def test_a_hub_read_must_fit_in_the_collectives_wait():
+    """One Hub read may wait data.hub_timeout_seconds while the other ranks wait comm.init_timeout_seconds in a
+    collective: a config with Hub sources where the first is not below the second is refused."""
+    hub_cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "llama3_8b.toml"),
+                                 "--comm.init_timeout_seconds", "60"])
+    with pytest.raises(train.ConfigError, match=r"^data.hub_timeout_seconds = 60 must be below comm.init_timeout_"
+                       r"seconds = 60 \(source '\w+' is on the Hub\)"):
+        train.validate(hub_cfg, world_size=8)
+    local = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml"),
+                               "--comm.init_timeout_seconds", "10"])  # local folders only: no Hub read to wait for
+    train.validate(local, world_size=1)
+
+
 def test_hf_token_is_sent_as_a_header_and_never_printed(hub, tok, monkeypatch, capsys, caplog):
     hub.tokens["org/gated-set"] = TOKEN
     monkeypatch.setenv("HF_TOKEN", TOKEN)
@@ -237,7 +331,7 @@ def test_train_py_on_the_shipped_hub_sources_trains_resumes_and_eats_the_mirrors
     """The debug model trained by train.py on the 8B config's six hub sources and its C4 validation split: it
     trains, a resume from step 2 replays steps 3-4 exactly, the tokens it eats per source are those a loader
     reads from local mirrors of the same files, and HF_TOKEN reaches neither the output nor the dump folder."""
-    cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml"), "--validation.steps", "1",
+    cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml"), "--validation.sequences", "4",
                              "--validation.local_batch_size", "4"])
     cfg.data.sources = shipped_sources()
     cfg.validation.sources = train.load_config(["--config", os.path.join(ROOT, "configs", "llama3_8b.toml")]

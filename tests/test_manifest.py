@@ -82,7 +82,7 @@ def hub_job(tmp_path_factory):
         shipped = open(os.path.join(ROOT, "configs", "llama3_8b.toml")).read()  # its sources, and its validation one
         config.write_text(debug[:debug.index("[[data.sources]]")] + shipped[shipped.index("[[data.sources]]"):])
         env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp / "hf"), "HF_HUB_OFFLINE": "0"}
-        args = ("--training.steps", 4, "--data.num_workers", 2, "--validation.freq", 4, "--validation.steps", 1,
+        args = ("--training.steps", 4, "--data.num_workers", 2, "--validation.freq", 4, "--validation.sequences", 8,
                 "--validation.local_batch_size", 4)
         train(config, tmp / "dump", *args, nproc=2, env=env)
         first_start, first = sorted(api_requests(hub.log)), losses(tmp / "dump")
@@ -323,6 +323,32 @@ def test_ranks_waiting_for_rank_0s_resolution_stop_at_their_own_deadline_with_on
     assert procs[1].returncode == 2 and len(errors) == 1 and "Traceback" not in out, out
     assert "rank 1 waited data.resolve_timeout_seconds = 3 s for rank 0" in errors[0]
     assert "--manifest PATH" in errors[0] and time.time() - t0 < 60
+
+
+def test_rank_0s_manifest_reaches_a_rank_through_the_store_and_a_dropped_source_is_not_checked(tmp_path):
+    """Rank 1 of a 2-rank job (a fake process group in this process) reads rank 0's manifest from the job's c10d
+    store: no process group is made for it (gloo's would connect to every rank, and here would wait for a rank 0
+    that is not there). A validation source the config dropped, whose files are gone, is not checked."""
+    import torch
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers the "fake" backend)
+
+    import train
+    cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml"), "--job.dump_folder",
+                             str(tmp_path), "--data.resolve_timeout_seconds", "3"])
+    manifest = sources.make_manifest(cfg.data.sources, cfg.validation.sources)
+    gone = {"name": "old", "path": str(tmp_path / "gone"), "config": None, "data_files": None, "split": "train",
+            "revision": None, "commit": None, "files": [["a.jsonl", 10, "0" * 64]]}
+    manifest["validation"].append(gone)
+    dist.init_process_group("fake", store=dist.HashStore(), rank=1, world_size=2)
+    try:
+        dist.distributed_c10d._get_default_store().set("data_manifest_0", json.dumps(manifest))  # as rank 0 does
+        assert train.share_manifest(cfg, 1, torch.device("cpu")) == manifest
+    finally:
+        dist.destroy_process_group()
+    old = DataSource(name="old", path=str(tmp_path / "gone"))
+    assert "data source 'old': " in sources.verify_manifest(manifest, sources=[*cfg.data.sources, old])
+    assert sources.verify_manifest(manifest, sources=cfg.data.sources) == ""
 
 
 def test_the_changed_check_reads_only_the_ends_of_a_big_file(tmp_path):

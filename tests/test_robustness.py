@@ -117,24 +117,25 @@ def alive(pid):
         return False
 
 
-def test_a_hung_rank_ends_the_run_within_the_configured_timeout(tmp_path):
-    """SIGSTOP one rank: the other's next collective must give up after comm.init_timeout_seconds."""
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             *cmd(tmp_path, "--training.steps", 500, "--training.local_batch_size", 4,
-                                  "--comm.init_timeout_seconds", 10)[1:]],
+def test_a_frozen_rank_ends_a_2x2_job_within_the_timeout_on_every_group(tmp_path):
+    """SIGSTOP one rank of an FSDP 2 x TP 2 job: its TP and FSDP partners wait in the mesh's subgroups (not the
+    default group), which must give up after comm.init_timeout_seconds too, each with one line, no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                             *cmd(tmp_path, "--training.steps", 500, "--training.local_batch_size", 2,
+                                  "--parallelism.tensor_parallel_degree", 2, "--comm.init_timeout_seconds", 10)[1:]],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "metrics.jsonl"
     while not metrics.exists():
-        assert proc.poll() is None
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
         time.sleep(0.2)
     with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
         ranks = [int(p) for p in f.read().split()]
-    os.kill(ranks[1], signal.SIGSTOP)
-    start = time.time()
-    try:  # the healthy rank gives up; torchrun would then wait 30 s for the stopped one before killing it
-        while alive(ranks[0]) and time.time() - start < 120:
+    os.kill(ranks[3], signal.SIGSTOP)  # rank 3: TP partner of rank 2, FSDP partner of rank 1
+    start, ended = time.time(), {}
+    try:  # every other rank gives up (torchrun then waits for the stopped one before killing it)
+        while len(ended) < 3 and time.time() - start < 120:
+            ended.update({r: time.time() - start for r in range(3) if r not in ended and not alive(ranks[r])})
             time.sleep(0.2)
-        gave_up = time.time() - start
     finally:
         for pid in ranks:
             try:
@@ -142,8 +143,55 @@ def test_a_hung_rank_ends_the_run_within_the_configured_timeout(tmp_path):
             except ProcessLookupError:
                 pass
         proc.wait(timeout=60)
-    assert gave_up < 60, proc.stdout.read()[-3000:]  # a 10 s collective timeout plus the step it hit, not hours
-    assert proc.returncode != 0
+    out = proc.stdout.read()
+    assert len(ended) == 3 and max(ended.values()) < 45, (ended, out[-3000:])  # 10 s plus the step it hit, not 30 min
+    lines = re.findall(r"error: rank (\d): a collective in \w+ \(\w+\.py:\d+\) (waited 10 s|lost its connection)", out)
+    assert {r for r, _ in lines} == {"0", "1", "2"} and len(lines) == 3, out[-3000:]
+    assert 'train.py", line' not in out and proc.returncode != 0  # no rank's traceback (torchrun prints its own)
+
+
+def test_a_failed_commit_and_the_step_to_resume_reach_every_rank(tmp_path):
+    """Rank 0 alone puts a checkpoint in place, and lists the folder on resume: every rank must learn both. One
+    launch of this file as a script, two runs: stale files at step-4 and step-6 (as NFS leaves them) make those
+    commits fail: step 4's is logged and training goes on, step 6's (the last) ends both ranks with the same line.
+    Then rank 1's listing shows no checkpoint (a stale NFS cache): both resume from rank 0's step-2, exactly."""
+    (tmp_path / "checkpoint").mkdir()
+    for stale in ("step-4", "step-6"):
+        (tmp_path / "checkpoint" / stale).write_text("stale")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           __file__, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert out.count("checkpoint step-4 failed (OSError: putting it in place: NotADirectoryError") == 2, out[-3000:]
+    ends = re.findall(r"run 1 rank \d: (checkpoint step-6 failed .*)", out)
+    assert len(ends) == 2 and ends[0] == ends[1] and ends[0].endswith(f"still {tmp_path}/checkpoint/step-2"), out
+    assert f"resumed from {tmp_path}/checkpoint/step-2 at step 2" in out
+    records = [json.loads(ln) for ln in open(tmp_path / "metrics.jsonl") if '"loss"' in ln]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 3, 4, 5, 6]
+    assert [r["loss"] for r in records[6:]] == [r["loss"] for r in records[2:6]]  # bitwise
+
+
+def two_runs(dump: str):
+    """The script side of the test above, on each rank of a 2-process torchrun."""
+    import torch.distributed as dist
+
+    import checkpoint
+    import train
+    rank, args = int(os.environ["RANK"]), cmd(dump, "--training.steps", 6, "--checkpoint.enable", "--checkpoint.interval",
+                                              2, "--training.local_batch_size", 4, "--comm.init_timeout_seconds", 30)[2:]
+    try:
+        train.main(train.load_config(args))
+    except checkpoint.SaveError as e:
+        print(f"run 1 rank {rank}: {e}", flush=True)
+        dist.destroy_process_group()
+    if rank == 0:
+        for stale in ("step-4", "step-6"):
+            os.remove(os.path.join(dump, "checkpoint", stale))
+    else:
+        checkpoint.checkpoints = lambda folder, warn=False: []  # rank 1's listing: nothing there
+    # torchrun's store keeps the first run's keys: a store of its own for the second run
+    os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False", MASTER_PORT=str(int(os.environ["MASTER_PORT"]) + 1))
+    train.main(train.load_config(args))
 
 
 def test_a_data_error_on_one_rank_ends_every_rank_with_the_same_line(tmp_path):
@@ -174,3 +222,8 @@ def test_a_data_error_on_one_rank_ends_every_rank_with_the_same_line(tmp_path):
     assert "exitcode  : 2" in proc.stderr  # torchrun's report (it may stop the second rank before it exits)
     assert 'train.py", line' not in proc.stderr and "Connection closed" not in proc.stderr  # no rank's traceback
     assert time.time() - start < 120
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    two_runs(sys.argv[1])

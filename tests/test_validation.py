@@ -57,7 +57,7 @@ def test_validation_rounds_are_reported_and_leave_training_untouched(one_process
 
 def test_validation_loss_is_the_same_on_fsdp_hsdp_and_tp_and_on_resume(one_process, tmp_path):
     rounds = one_process[2]
-    _, _, fsdp = train(tmp_path / "fsdp", "--training.local_batch_size", 4, "--validation.local_batch_size", 4,
+    _, _, fsdp = train(tmp_path / "fsdp", "--training.local_batch_size", 4, "--validation.local_batch_size", 2,
                        "--checkpoint.enable", "--checkpoint.interval", 2, nproc=2)
     _, _, hsdp = train(tmp_path / "hsdp", "--training.local_batch_size", 4, "--validation.local_batch_size", 4,
                        "--parallelism.data_parallel_replicate_degree", 2, nproc=2)
@@ -67,7 +67,7 @@ def test_validation_loss_is_the_same_on_fsdp_hsdp_and_tp_and_on_resume(one_proce
         assert [r["validation_loss"] for r in other] == pytest.approx([r["validation_loss"] for r in rounds], rel=1e-5)
         assert [r["validation_tokens"] for r in other] == [r["validation_tokens"] for r in rounds]
     # Resuming from step 2 replays steps 3-5 and the step-4 and step-5 rounds exactly.
-    _, steps, again = train(tmp_path / "fsdp", "--training.local_batch_size", 4, "--validation.local_batch_size", 4,
+    _, steps, again = train(tmp_path / "fsdp", "--training.local_batch_size", 4, "--validation.local_batch_size", 2,
                             "--checkpoint.enable", "--checkpoint.load_step", 2, nproc=2)
     assert [r["validation_loss"] for r in again[-2:]] == [r["validation_loss"] for r in fsdp[-2:]]
     assert steps[-1]["step"] == 5 and steps[-1]["loss"] == steps[-4]["loss"]  # step 5: first run, then the replay
