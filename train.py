@@ -28,9 +28,9 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import ClassVar
 from datetime import timedelta
 from functools import partial
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
