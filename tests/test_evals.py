@@ -110,6 +110,7 @@ def test_heldout_and_task_files_are_read_once_per_job_and_validate_alike(runs):
     a 2-rank job the bytes it serves one process, and both evaluate the same sequences (validation.sequences of the
     source, whatever the layout and batch), so the same loss."""
     one, fsdp = runs["one"], runs["fsdp"]
+    print(f"held-out and task bytes the Hub served: 1 rank {one[5]:,}, 2 ranks {fsdp[5]:,}")
     assert one[5] == fsdp[5] > 0, (one[5], fsdp[5])
     assert [r["validation_tokens"] for r in one[4]] == [r["validation_tokens"] for r in fsdp[4]] == [8 * 256]
     assert [r["validation_loss"] for r in fsdp[4]] == pytest.approx([r["validation_loss"] for r in one[4]], rel=1e-5)
