@@ -559,7 +559,7 @@ def share_manifest(cfg: Config, rank: int, device) -> dict:
     if rank == 0:
         logger.info("data manifest: rank 0 reads or makes it; the others wait up to data.resolve_timeout_seconds")
     make = partial(pinned_manifest, cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, held_out,
-                   cfg.data.hub_timeout_seconds)  # each Hub request waits at most this for a byte
+                   cfg.data.hub_timeout_seconds, cfg.comm.init_timeout_seconds)  # a request's wait, the retries' budget
     manifest = shared_manifest(dist.distributed_c10d._get_default_store(), rank, cfg.data.resolve_timeout_seconds, make)
     local = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     in_use = [*cfg.data.sources, *held_out]

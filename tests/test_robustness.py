@@ -144,6 +144,7 @@ def test_a_frozen_rank_ends_a_2x2_job_within_the_timeout_on_every_group(tmp_path
                 pass
         proc.wait(timeout=60)
     out = proc.stdout.read()
+    print(f"seconds after the SIGSTOP until each other rank ended: {ended}")
     assert len(ended) == 3 and max(ended.values()) < 45, (ended, out[-3000:])  # 10 s plus the step it hit, not 30 min
     lines = re.findall(r"error: rank (\d): a collective in \w+ \(\w+\.py:\d+\) (waited 10 s|lost its connection)", out)
     assert {r for r, _ in lines} == {"0", "1", "2"} and len(lines) == 3, out[-3000:]
