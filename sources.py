@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import time
+import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -281,14 +282,14 @@ def shared_manifest(store, rank: int, wait: float, make):
             result = make()
         except DataError as e:
             result = str(e)
-        store.set(key, json.dumps(result))
+        store.set(key, zlib.compress(json.dumps(result).encode()))  # every rank GETs it: paths compress ~10x
     try:
         store.wait([key], timedelta(seconds=wait))
     except RuntimeError as e:  # c10d's DistStoreError
         raise DataError(f"rank {rank} waited data.resolve_timeout_seconds = {wait} s for rank 0 to resolve the data: "
                         "raise it, or make the manifest before the job (python data.py --config C --manifest PATH; "
                         "[data] manifest = PATH)") from e
-    return json.loads(store.get(key))
+    return json.loads(zlib.decompress(store.get(key)))
 
 
 def verify_manifest(manifest: dict, part: int = 0, parts: int = 1, sources=None) -> str:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import tomllib
+import zlib
 
 import pytest
 
@@ -342,7 +343,8 @@ def test_rank_0s_manifest_reaches_a_rank_through_the_store_and_a_dropped_source_
     manifest["validation"].append(gone)
     dist.init_process_group("fake", store=dist.HashStore(), rank=1, world_size=2)
     try:
-        dist.distributed_c10d._get_default_store().set("data_manifest_0", json.dumps(manifest))  # as rank 0 does
+        store = dist.distributed_c10d._get_default_store()
+        store.set("data_manifest_0", zlib.compress(json.dumps(manifest).encode()))  # as rank 0 does
         assert train.share_manifest(cfg, 1, torch.device("cpu")) == manifest
     finally:
         dist.destroy_process_group()
