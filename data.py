@@ -440,22 +440,21 @@ def fetch(todo: list, to: str, workers: int, timeout: float, budget: float) -> i
     """fetch_file for each (hf:// URL, size), `workers` at once, with a progress bar (bytes, files, rate, ETA)."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
     from tqdm import tqdm
-    fetched, pool = 0, ThreadPoolExecutor(workers)
+    pool = ThreadPoolExecutor(workers)
     with tqdm(total=sum(size for _, size in todo), unit="B", unit_scale=True, unit_divisor=1024) as bar:
         jobs = {pool.submit(fetch_file, to, url, size, timeout, budget, bar.update): size for url, size in todo}
         try:
             for done, job in enumerate(as_completed(jobs), 1):
-                fetched += job.result()
                 bar.update(jobs[job] - job.result())  # a file already there, or the part of it fetched before
                 bar.set_postfix_str(f"{done}/{len(jobs)} files")
         finally:  # on an error, stop at once: the files not started are left for the next run
             pool.shutdown(wait=False, cancel_futures=True)
-    return fetched
+    return sum(job.result() for job in jobs)  # the bytes fetched
 
 
 def download(cfg, held_out: list, tokens: int, streams: int, to: str, workers: int):
     """data.py download: the run's pinned Hub files into `to` (DIR/<repo id>/<path>): all held-out and eval files, and
-    those each stream reads first for its source's share of `tokens`, with a margin (tokens per byte: the first file)."""
+    those each stream reads first for its source's share of `tokens`, with a margin (tokens/byte: the first file)."""
     timeout, budget = cfg.data.hub_timeout_seconds, cfg.comm.init_timeout_seconds
     manifest = pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, held_out, timeout, budget)
     plan = {f: 0 for s in held_out for f in source_files(manifest, s, "validation") if f[0].startswith("hf://")}
@@ -466,17 +465,17 @@ def download(cfg, held_out: list, tokens: int, streams: int, to: str, workers: i
             continue
         orders = [SourceReader(s, files, k, streams, cfg.data.seed)._files()  # too few files: all, split by rows
                   for k in range(1 if len(files) < streams else streams)]
-        (url, size), have = orders[0][0], 0.0
+        url, size = orders[0][0]
         fetched += fetch([(url, size)], to, workers, timeout, budget)
         reader = SourceReader(s, [(f"{os.path.abspath(to)}::{url}", size)], 0, 1, 0, True)
         per_byte = sum(len(tok.encode(t)) for t in reader.texts(one_pass=True)) / size
         need = 1.25 * tokens * s.weight / total / len(orders)  # per stream, with a quarter more as the margin
         for order in orders:  # each stream's files, as it reads them, until they cover its share
+            have = 0.0
             for i, (url, size) in enumerate(order):
                 if have >= need:
                     break
                 plan[(url, size)], have = min(plan.get((url, size), i), i), have + size * per_byte
-            have = 0.0
     fetched += fetch(sorted(plan, key=plan.get), to, workers, timeout, budget)  # the streams' first files first
     print(f"{to}: {len(plan):,} files, {sum(n for _, n in plan):,} bytes ({fetched:,} fetched now) for {tokens:,} "
           f"tokens; run from it with --data.mirror {to} ([data] mirror), HF_HUB_OFFLINE=1 where no Hub is")
