@@ -399,20 +399,20 @@ def mirrored(mirror: str, url: str, size: int) -> str:
     a truncated or damaged copy is one line, never another stream. Hashing all bytes at every open would read whole
     shards again on each start (2,048 ranks x their files) for one row group."""
     local, record = mirror_paths(mirror, url)
-    if not os.path.exists(record):
+    if not os.path.exists(record) or not os.path.exists(local):
         return ""
     with open(record) as f:
         done = json.load(f)  # written whole or not at all (write_manifest)
-    now = os.path.getsize(local) if os.path.exists(local) else None
     if done["commit"] != re.fullmatch(HF_URL, url)[2]:
         return ""  # the mirror holds the file at another commit
-    if now != size or done["size"] != size or ends_sha256(local, size) != done["ends"]:
+    if (now := os.path.getsize(local)) != size or done["size"] != size or ends_sha256(local, size) != done["ends"]:
         what = f"is {now:,} bytes, not {size:,} (size check)" if now != size else "is damaged (sha256 check)"
         raise DataError(f"data mirror file {local} {what}: delete it and run data.py download again")
     return local
 
 
-def fetch_file(mirror: str, url: str, size: int, timeout: float, budget: float = math.inf, progress=print) -> int:
+def fetch_file(mirror: str, url: str, size: int, timeout: float, budget: float = math.inf,
+               progress=lambda n: None) -> int:
     """One pinned Hub file into the mirror, unless there: into <path>.part (a killed download goes on where it stopped)
     by training's ranged reads and retries, then checked (its size; for an LFS file the sha256 the Hub lists, one
     listing per folder), renamed into place and recorded. Returns the bytes fetched; `progress(n)` as they come."""
