@@ -440,8 +440,8 @@ def fetch(todo: list, to: str, workers: int, timeout: float, budget: float) -> i
     """fetch_file for each (hf:// URL, size), `workers` at once, with a progress bar (bytes, files, rate, ETA)."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
     from tqdm import tqdm
-    pool = ThreadPoolExecutor(workers)
-    with tqdm(total=sum(size for _, size in todo), unit="B", unit_scale=True, unit_divisor=1024) as bar:
+    with tqdm(total=sum(n for _, n in todo), unit="B", unit_scale=True, unit_divisor=1024) as bar, \
+            ThreadPoolExecutor(workers) as pool:
         jobs = {pool.submit(fetch_file, to, url, size, timeout, budget, bar.update): size for url, size in todo}
         try:
             for done, job in enumerate(as_completed(jobs), 1):
@@ -465,8 +465,7 @@ def download(cfg, held_out: list, tokens: int, streams: int, to: str, workers: i
             continue
         orders = [SourceReader(s, files, k, streams, cfg.data.seed)._files()  # too few files: all, split by rows
                   for k in range(1 if len(files) < streams else streams)]
-        url, size = orders[0][0]
-        fetched += fetch([(url, size)], to, workers, timeout, budget)
+        (url, size), fetched = orders[0][0], fetched + fetch(orders[0][:1], to, workers, timeout, budget)
         reader = SourceReader(s, [(f"{os.path.abspath(to)}::{url}", size)], 0, 1, 0, True)
         per_byte = sum(len(tok.encode(t)) for t in reader.texts(one_pass=True)) / size
         need = 1.25 * tokens * s.weight / total / len(orders)  # per stream, with a quarter more as the margin
@@ -484,10 +483,11 @@ def download(cfg, held_out: list, tokens: int, streams: int, to: str, workers: i
 def main(argv=None):
     """The data loader alone, with train.py's config (read through config.py, checked by train.validate)."""
     import train  # here, not at the top: train.py imports this module
-    p = argparse.ArgumentParser(prog="data.py", description=__doc__.split("\n")[0], allow_abbrev=False,
-                                epilog="Every other --section.key value sets train.py's config as for training: "
-                                "--model.tokenizer_path, --training.*, --data.* (one stream is read unless download), "
-                                "--comm.init_timeout_seconds (the retries' budget); python train.py --help lists them.")
+    p = argparse.ArgumentParser(prog="data.py", description=__doc__.split("\n")[0], allow_abbrev=False, epilog=(
+        "Every other --section.key value sets train.py's config as for training; this reads --model.tokenizer_path, "
+        "--training.seq_len, --training.local_batch_size, --data.seed, --data.num_streams (one stream is read, all by "
+        "download), --data.num_workers, --data.manifest, --data.hub_timeout_seconds, --comm.init_timeout_seconds (the "
+        "retries' budget) and the [[data.sources]] (python train.py --help lists them)."))
     p.add_argument("--config", action="append", help="train.py's TOML config, e.g. configs/debug_model.toml")
     p.add_argument("--show", type=int, default=0, help="decode this many packed samples instead of timing")
     p.add_argument("--tokens", type=int, help="tokens to read for the shares and tokens/s (default 1,000,000); "
