@@ -197,6 +197,35 @@ def test_a_run_moves_from_the_hub_to_a_mirror_that_data_py_download_made_and_sta
         sources.open_file(url, size)
 
 
+def test_data_py_download_fetches_the_files_the_stream_reads_first_and_more_for_more_tokens(tmp_path, monkeypatch):
+    """In-process, one stream: a few tokens fetch the stream's first file; more tokens add the next ones in the order
+    the stream reads them (the seed's shuffle), without fetching the first again."""
+    hub = Hub(make_repos())
+    point_libraries_at(hub.endpoint, monkeypatch, str(tmp_path / "cache"))
+    debug = open(os.path.join(ROOT, "configs", "debug_model.toml")).read()
+    (tmp_path / "c4.toml").write_text(debug[:debug.index("[[data.sources]]")] + '[[data.sources]]\nname = "c4"\n'
+                                      'path = "allenai/c4"\ndata_files = "en/c4-train.*.json.gz"\n')
+    args = ["download", "--config", str(tmp_path / "c4.toml"), "--to", str(tmp_path / "mirror"), "--workers", "1",
+            "--job.dump_folder", str(tmp_path / "dump"), "--data.num_streams", "1", "--validation.enable", "false",
+            "--model.tokenizer_path", os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model")]
+
+    def fetched(tokens):
+        hub.log.clear()
+        data.main(args + ["--tokens", str(tokens)])
+        return [r["path"].rsplit("/", 1)[1] for r in hub.log if "/resolve/" in r["path"] and r["bytes"]
+                and r["path"].endswith(".json.gz")]  # not the dataset card, read by the resolution
+
+    try:
+        few, more = fetched(1000), fetched(150_000)
+    finally:
+        hub.close()
+    manifest = json.load(open(tmp_path / "dump" / "data_manifest.json"))
+    src = DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz")
+    order = [os.path.basename(u) for u, _ in data.SourceReader(src, sources.source_files(manifest, src), 0, 1,
+                                                                1234)._files()]
+    assert few == order[:1] and 1 < len(few + more) < len(order) and few + more == order[:len(few + more)]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Local folders, a manifest made by data.py on a "login node", HF_HUB_OFFLINE=1
 # ---------------------------------------------------------------------------------------------------
