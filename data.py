@@ -445,7 +445,7 @@ def fetch(todo: list, to: str, workers: int, timeout: float, budget: float) -> i
         jobs = {pool.submit(fetch_file, to, url, size, timeout, budget, bar.update): size for url, size in todo}
         try:
             for done, job in enumerate(as_completed(jobs), 1):
-                bar.update(jobs[job] - job.result())  # a file already there, or the part of it fetched before
+                bar.total -= jobs[job] - job.result()  # a file there before, or its part fetched before: rate, ETA
                 bar.set_postfix_str(f"{done}/{len(jobs)} files")
         finally:  # on an error, stop at once: the files not started are left for the next run
             pool.shutdown(wait=False, cancel_futures=True)
