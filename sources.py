@@ -5,7 +5,8 @@ the data manifest, and read back byte for byte. data.py turns what is read here 
     resolve_files         the source's files (a Hub id as `datasets` resolves it, or a local folder), with retries
     pinned_manifest       the run's data_manifest.json: made once by rank 0 at the first start, read on resume
     verify_manifest       local files still the bytes the manifest recorded
-    open_file             one file of the manifest: HubFile (ranged GETs at the pinned commit) or fsspec
+    open_file             one file of the manifest: HubFile (ranged GETs at the pinned commit), its checked copy in
+                          [data] mirror (fetch_file's, for `data.py download`), or fsspec
 """
 
 import contextlib
@@ -231,6 +232,7 @@ def source_files(manifest: dict, src: DataSource, section: str = "data") -> list
                         f"config={src.config!r} data_files={src.data_files!r} split={src.split!r}): it was made for "
                         "other sources; make a new one (python data.py --config C --manifest PATH) for a new run")
     at = f"hf://datasets/{e['path']}@{e['commit']}/" if e["commit"] else ""
+    at = f"{os.path.abspath(manifest['mirror'])}::{at}" if at and manifest.get("mirror") else at  # read there first
     return [(at + name if at else os.path.join(e["path"], name), size) for name, size, *_ in e["files"]]
 
 
@@ -363,8 +365,86 @@ class HubFile(io.RawIOBase):
 
 def open_file(path: str, size: int, timeout: float = HUB_TIMEOUT):
     """A file of the manifest, for reading: a hub one at its commit (`timeout`: seconds without a byte before a
-    read is retried), anything else through fsspec."""
+    read is retried), from the mirror when it holds it ("MIRROR::hf://..."), anything else through fsspec."""
+    mirror, _, url = path.rpartition("::")
+    if mirror and url.startswith("hf://"):
+        local = mirrored(mirror, url, size)
+        if local:
+            return open(local, "rb")
+        if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):  # as huggingface_hub reads it
+            raise DataError(f"{mirror_paths(mirror, url)[0]} is not in the data mirror (HF_HUB_OFFLINE=1): fetch it "
+                            f"with python data.py download --config C --to {mirror} --tokens N (all the run's tokens)")
+        path = url  # not mirrored: read from the Hub
     if path.startswith("hf://"):
         return HubFile(path, size, timeout)
     fs, fs_path = fsspec.core.url_to_fs(path)
     return fs.open(fs_path, "rb", cache_type="none")
+
+
+# ---------------------------------------------------------------------------------------------------
+# A local mirror of pinned Hub files: DIR/<repo id>/<path>, as the repos are, read instead of the Hub
+# ---------------------------------------------------------------------------------------------------
+
+HF_URL = r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)"
+
+
+def mirror_paths(mirror: str, url: str) -> tuple:
+    """A pinned Hub file's place in a mirror, and the record of data.py download's checks (outside the repos' tree)."""
+    repo, _, name = re.fullmatch(HF_URL, url).groups()
+    return os.path.join(mirror, repo, name), os.path.join(mirror, ".verified", repo, name + ".json")
+
+
+def mirrored(mirror: str, url: str, size: int) -> str:
+    """The mirror's copy of a pinned Hub file, or '' if it holds none at its commit. The download checked all of it (the
+    Hub's sha256); each open checks the size and the sha256 of its ends (all of a file up to 2 MiB) against that record:
+    a truncated or damaged copy is one line, never another stream. Hashing all bytes at every open would read whole
+    shards again on each start (2,048 ranks x their files) for one row group."""
+    local, record = mirror_paths(mirror, url)
+    if not os.path.exists(record) or not os.path.exists(local):
+        return ""
+    with open(record) as f:
+        done = json.load(f)  # written whole or not at all (write_manifest)
+    if done["commit"] != re.fullmatch(HF_URL, url)[2]:
+        return ""  # the mirror holds the file at another commit
+    if (now := os.path.getsize(local)) != size or done["size"] != size or ends_sha256(local, size) != done["ends"]:
+        what = f"is {now:,} bytes, not {size:,} (size check)" if now != size else "is damaged (sha256 check)"
+        raise DataError(f"data mirror file {local} {what}: delete it and run data.py download again")
+    return local
+
+
+def fetch_file(mirror: str, url: str, size: int, timeout: float, budget: float = math.inf,
+               progress=lambda n: None) -> int:
+    """One pinned Hub file into the mirror, unless there: into <path>.part (a killed download goes on where it stopped)
+    by training's ranged reads and retries, then checked (its size; for an LFS file the sha256 the Hub lists, one
+    listing per folder), renamed into place and recorded. Returns the bytes fetched; `progress(n)` as they come."""
+    bound_hub_requests(timeout)  # the listing below
+    with contextlib.suppress(DataError):  # a damaged copy is fetched again
+        if mirrored(mirror, url, size):
+            return 0
+    (local, record), fetched, started = mirror_paths(mirror, url), 0, time.monotonic()
+    for folder in (os.path.dirname(local), os.path.dirname(record)):
+        os.makedirs(folder, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(record)  # the file is about to change: no record vouches for it
+    for failures in range(len(RETRY_DELAYS) + 1):
+        have = min(os.path.getsize(local + ".part") if os.path.exists(local + ".part") else 0, size)
+        try:
+            sha256 = getattr(fsspec.filesystem("hf").info(url).get("lfs"), "sha256", None)  # None: not in LFS
+            with HubFile(url, size, timeout) as f, open(local + ".part", "r+b" if have else "wb") as out:
+                f.seek(out.seek(have))
+                while chunk := f.read(8 * MIB):
+                    fetched += out.write(chunk)
+                    progress(len(chunk))
+            break
+        except Exception as e:
+            retry_or_raise(url, url, f"downloading {local}", e, failures, started, budget, timeout)
+    with open(local + ".part", "rb") as f:
+        h = hashlib.file_digest(f, "sha256")
+    if os.path.getsize(local + ".part") != size or sha256 not in (None, h.hexdigest()):
+        os.remove(local + ".part")
+        raise DataError(f"downloaded {url} is not the Hub's {size:,} bytes with sha256 {sha256}; run it again")
+    os.replace(local + ".part", local)
+    write_manifest({"commit": re.fullmatch(HF_URL, url)[2], "size": size, "sha256": h.hexdigest(),
+                    "ends": ends_sha256(local, size)}, record)
+    return fetched
+

@@ -160,6 +160,7 @@ class Data:
     num_streams: int = 0  # logical data streams (a multiple of the DP degree); 0: the DP degree
     num_workers: int = 0  # loader processes per rank that read and tokenize ahead; 0: in the training process
     manifest: str = ""  # a manifest from `data.py --manifest PATH`; empty: dump_folder/data_manifest.json, made at the first start
+    mirror: str = ""  # a folder from `data.py download --to DIR`: the pinned Hub files it holds are read there, checked
     hub_timeout_seconds: float = 60.0  # a Hub read that gets no byte for this long is retried from where it was
     resolve_timeout_seconds: int = 1800  # the other ranks wait this long for rank 0 to resolve the sources (first start)
     sources: list[DataSource] = field(default_factory=list)  # [[data.sources]] tables: name, path, config, data_files, split, revision, text_column, weight
@@ -292,14 +293,15 @@ def validate(cfg: Config, world_size: int) -> dict:
 # A resume must keep every key of these sections (a new hyperparameter is checked with no edit here)...
 RESUME_CHECKED = ("model", "training", "optimizer", "lr_scheduler", "data")
 # ...except these, which a resume may change: how long and how fast to train, clipping, precision (float8
-# included: the weights are the same), the layout's batch split, workers, and where the tokenizer and the data
-# manifest live (their sha256 is checked). The other sections (job, parallelism, checkpoint,
+# included: the weights are the same), the layout's batch split, workers, and where the tokenizer, the data
+# manifest and its mirror live (their sha256 is checked). The other sections (job, parallelism, checkpoint,
 # activation_checkpoint, compile, float8, metrics, comm, validation, eval) may always change.
 RESUME_MAY_CHANGE = {
     "training.steps", "training.local_batch_size", "training.max_norm", "training.seed", "training.deterministic",
     "training.mixed_precision_param", "training.mixed_precision_reduce", "optimizer.lr", "lr_scheduler.warmup_steps",
     "lr_scheduler.decay_ratio", "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor", "model.tokenizer_path",
-    "data.num_workers", "data.manifest", "data.hub_timeout_seconds", "data.resolve_timeout_seconds", "model.converters",
+    "model.converters", "data.num_workers", "data.manifest", "data.mirror", "data.hub_timeout_seconds",
+    "data.resolve_timeout_seconds",
 }
 
 
@@ -649,7 +651,7 @@ def main(cfg: Config):
 
     # --- 5. optimizer, lr schedule, data (each dp rank reads its own streams; TP ranks the same ones) ----------
     optimizer, scheduler = build_optimizer(model, cfg, device)
-    manifest = share_manifest(cfg, rank, device)
+    manifest = {**share_manifest(cfg, rank, device), "mirror": cfg.data.mirror}  # the same files, maybe read there
     loader = DataLoader(cfg.data.sources, tokenizer, cfg.training.seq_len, cfg.training.local_batch_size,
                         dp_rank, dp, cfg.data.num_streams, cfg.data.seed, cfg.data.num_workers, manifest,
                         cfg.data.hub_timeout_seconds, cfg.comm.init_timeout_seconds)

@@ -114,7 +114,8 @@ def make_repos() -> dict:
                                  ("HuggingFaceTB/finemath", finemath, {}), ("org/gated-set", {
                                      "README.md": _readme({"default": {"train": "data/*"}}),
                                      "data/train.parquet": _parquet([{"text": "gated " * 30}] * 4)}, {})]:
-        files = {".gitattributes": b"*.parquet filter=lfs diff=lfs merge=lfs -text\n", **files}
+        files = {".gitattributes": b"*.parquet filter=lfs diff=lfs merge=lfs -text\n*.json.gz filter=lfs diff=lfs "
+                 b"merge=lfs -text\n", **files}
         main = _sha(repo + "main")
         commits, refs = {main: files}, {"main": main}
         for tag, content in history.items():
@@ -321,8 +322,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             rest = p[len(prefix):].split("/")
             for depth in range(1, len(rest) if recursive else min(2, len(rest))):
                 dirs.add(prefix + "/".join(rest[:depth]))
-            if recursive or len(rest) == 1:
-                out.append({"type": "file", "oid": _sha(p + str(len(files[p]))), "size": len(files[p]), "path": p})
+            if recursive or len(rest) == 1:  # data files are in LFS, listed with their sha256 as on the Hub
+                lfs = {"lfs": {"oid": hashlib.sha256(files[p]).hexdigest(), "size": len(files[p]), "pointerSize": 134}}
+                out.append({"type": "file", "oid": _sha(p + str(len(files[p]))), "size": len(files[p]), "path": p,
+                            **(lfs if p.endswith((".parquet", ".json.gz")) else {})})
         out += [{"type": "directory", "oid": _sha(d), "size": 0, "path": d} for d in sorted(dirs)]
         return sorted(out, key=lambda e: e["path"])
 

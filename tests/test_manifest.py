@@ -132,6 +132,101 @@ def test_a_commit_pushed_between_save_and_resume_is_not_read(hub_job):
     assert "new file" not in hub_job["out"]  # hub repos are not listed again, so not counted
 
 
+def test_a_run_moves_from_the_hub_to_a_mirror_that_data_py_download_made_and_stays_exact(tmp_path, monkeypatch):
+    """A 2-rank run on Hub sources, 6 steps with a save at 3; `data.py download` fetches what steps 1-6 read (killed
+    once, then run again: finished files are not fetched again); the run resumes from step 3 with the Hub gone and
+    HF_HUB_OFFLINE=1, reading the mirror: steps 4-6 are the Hub run's, bit for bit. Then a damaged mirror file."""
+    repos = make_repos()
+    hub, mirror, dump = Hub(repos), tmp_path / "mirror", tmp_path / "dump"
+    debug = open(os.path.join(ROOT, "configs", "debug_model.toml")).read()
+    config = tmp_path / "hub.toml"
+    config.write_text(debug[:debug.index("[[data.sources]]")] + '[[data.sources]]\nname = "c4"\npath = "allenai/c4"\n'
+                      'data_files = "en/c4-train.*.json.gz"\n\n[[validation.sources]]\nname = "c4"\n'
+                      'path = "allenai/c4"\nconfig = "en"\nsplit = "validation"\n')
+    env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0"}
+    args = ("--training.steps", 6, "--checkpoint.interval", 3, "--validation.freq", 6, "--validation.sequences", 4,
+            "--validation.local_batch_size", 4)
+    download = [sys.executable, "data.py", "download", "--config", str(config), "--to", str(mirror), "--workers", 2,
+                "--world_size", 2, "--job.dump_folder", str(dump), *TRAIN, *args, "--model.tokenizer_path",
+                meta_tokenizer()]
+    try:
+        train(config, dump, *args, nproc=2, env=env)
+        first, read = losses(dump), hub.bytes_served("/resolve/")
+        # killed while the held-out file stalls, after the training files are in
+        hub.log.clear()
+        hub.stall_seconds, hub.faults = 20, {"c4-validation": ["stall"]}
+        proc = subprocess.Popen(list(map(str, download)), cwd=ROOT, env={**os.environ, **env}, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while len(list(mirror.glob(".verified/**/*.json"))) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+        proc.kill()
+        out = proc.communicate()[0]
+        assert len(list(mirror.glob(".verified/**/*.json"))) == 2, out
+        fetched = {r["path"] for r in hub.log if "/resolve/" in r["path"] and r["bytes"]}
+        hub.log.clear()
+        again = subprocess.run(list(map(str, download)), cwd=ROOT, env={**os.environ, **env}, text=True,
+                               capture_output=True, timeout=300)
+        assert again.returncode == 0, again.stdout + again.stderr
+        refetched = {r["path"] for r in hub.log if "/resolve/" in r["path"] and r["bytes"]}
+        assert refetched and not refetched & fetched and all("c4-validation" in p for p in refetched)
+        got = int(re.search(r"([\d,]+) bytes \(", again.stdout)[1].replace(",", ""))
+    finally:
+        hub.close()
+    print(f"downloaded {got:,} bytes for steps 1-6; the Hub run read {read:,}")
+    assert "--data.mirror" in again.stdout and 0 < got <= 1.5 * read
+    offline = {**env, "HF_HUB_OFFLINE": "1"}  # and nothing answers at HF_ENDPOINT
+    out = train(config, dump, *args, "--checkpoint.load_step", 3, "--data.mirror", mirror, nproc=2, env=offline)
+    assert losses(dump)[len(first):] == first[3:], out
+    # a truncated or damaged mirror file is one line naming it and the check
+    manifest = json.load(open(dump / "data_manifest.json"))
+    name, size = manifest["data"][0]["files"][0][:2]
+    url = f"{mirror}::hf://datasets/allenai/c4@{manifest['data'][0]['commit']}/{name}"
+    local = mirror / "allenai" / "c4" / name
+    original = local.read_bytes()
+    local.write_bytes(original[:-1])
+    with pytest.raises(DataError, match=rf"data mirror file {re.escape(str(local))} is {size - 1:,} bytes, not "
+                                        rf"{size:,} \(size check\): delete it and run data.py download again"):
+        sources.open_file(url, size)
+    local.write_bytes(original[:100] + bytes([original[100] ^ 1]) + original[101:])
+    with pytest.raises(DataError, match=r"is damaged \(sha256 check\)"):
+        sources.open_file(url, size)
+    os.remove(mirror / ".verified" / "allenai" / "c4" / (name + ".json"))  # not in the mirror: offline, one line
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError, match=rf"{re.escape(str(local))} is not in the data mirror \(HF_HUB_OFFLINE=1\): "
+                                        r"fetch it with python data.py download --config C --to"):
+        sources.open_file(url, size)
+
+
+def test_data_py_download_fetches_the_files_the_stream_reads_first_and_more_for_more_tokens(tmp_path, monkeypatch):
+    """In-process, one stream: a few tokens fetch the stream's first file; more tokens add the next ones in the order
+    the stream reads them (the seed's shuffle), without fetching the first again."""
+    hub = Hub(make_repos())
+    point_libraries_at(hub.endpoint, monkeypatch, str(tmp_path / "cache"))
+    debug = open(os.path.join(ROOT, "configs", "debug_model.toml")).read()
+    (tmp_path / "c4.toml").write_text(debug[:debug.index("[[data.sources]]")] + '[[data.sources]]\nname = "c4"\n'
+                                      'path = "allenai/c4"\ndata_files = "en/c4-train.*.json.gz"\n')
+    args = ["download", "--config", str(tmp_path / "c4.toml"), "--to", str(tmp_path / "mirror"), "--workers", "1",
+            "--job.dump_folder", str(tmp_path / "dump"), "--data.num_streams", "1", "--validation.enable", "false",
+            "--model.tokenizer_path", os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model")]
+
+    def fetched(tokens):
+        hub.log.clear()
+        data.main(args + ["--tokens", str(tokens)])
+        return [r["path"].rsplit("/", 1)[1] for r in hub.log if "/resolve/" in r["path"] and r["bytes"]
+                and r["path"].endswith(".json.gz")]  # not the dataset card, read by the resolution
+
+    try:
+        few, more = fetched(1000), fetched(150_000)
+    finally:
+        hub.close()
+    manifest = json.load(open(tmp_path / "dump" / "data_manifest.json"))
+    src = DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz")
+    order = [os.path.basename(u) for u, _ in data.SourceReader(src, sources.source_files(manifest, src), 0, 1,
+                                                                1234)._files()]
+    assert few == order[:1] and 1 < len(few + more) < len(order) and few + more == order[:len(few + more)]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Local folders, a manifest made by data.py on a "login node", HF_HUB_OFFLINE=1
 # ---------------------------------------------------------------------------------------------------
