@@ -237,24 +237,25 @@ def mask(args, extra):
                   for name in ("block_causal", "causal")}, args.repeats)
 
 
-def startup(args, extra):
-    def wall(cmd):
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if proc.returncode != 0:
-            sys.exit(f"error: {' '.join(cmd[:3])} failed:\n{proc.stdout[-2000:]}")
-        return time.perf_counter() - t0
+def startup(args, extra):  # launch to the first metrics.jsonl line (step 1, a small batch), beyond `import torch`
+    def wall(cmd, log=""):  # seconds until `log` has a line (or the process ends); its output to a file, not a pipe
+        with tempfile.TemporaryFile("w+") as out:
+            t0, proc = time.perf_counter(), subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+            while proc.poll() is None and not (log and os.path.exists(log) and os.path.getsize(log)):
+                time.sleep(0.005)
+            t, failed = time.perf_counter() - t0, proc.wait()
+            return sys.exit(f"error: {' '.join(cmd[:3])} failed:\n{out.seek(0) or out.read()[-2000:]}") if failed else t
 
     imports, runs = [], []
     for _ in range(args.repeats):
         imports.append(wall([sys.executable, "-c", "import torch"]))
         with tempfile.TemporaryDirectory() as dump:
-            # One step and a clean exit: an upper bound on the time to the first step.
-            runs.append(wall([sys.executable, "train.py", *extra, "--job.dump_folder", dump,
-                              "--training.steps", "1", "--checkpoint.enable", "false"]))
+            runs.append(wall([sys.executable, "train.py", "--training.local_batch_size", "2", "--training.seq_len",
+                              "64", "--validation.enable", "false", *extra, "--job.dump_folder", dump,
+                              "--training.steps", "1", "--checkpoint.enable", "false"], f"{dump}/metrics.jsonl"))
     imp, run = statistics.median(imports), statistics.median(runs)
-    print(f"startup: `import torch` {imp:.2f}s, train.py through step 1 and exit {run:.2f}s: "
-          f"{run - imp:.2f}s beyond importing torch (medians of {args.repeats})")
+    print(f"startup: `import torch` {imp:.2f}s, train.py to its first metrics.jsonl line {run:.2f}s: "
+          f"{run - imp:.2f}s beyond importing torch (medians of {args.repeats}; load average {os.getloadavg()[0]:.2f})")
 
 
 def matrix(args, extra):

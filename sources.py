@@ -10,6 +10,7 @@ the data manifest, and read back byte for byte. data.py turns what is read here 
 """
 
 import contextlib
+import glob
 import hashlib
 import io
 import json
@@ -22,6 +23,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path, PurePath
 from typing import Optional
 
 import fsspec
@@ -31,6 +33,9 @@ import fsspec
 RETRY_DELAYS = (1, 2, 4, 8, 16, 32, 60, 60, 60)
 TRANSIENT = ("ConnectionError", "TimeoutError", "TransportError", "Timeout", "TimeoutException", "NetworkError",
              "RemoteProtocolError", "ChunkedEncodingError", "IncompleteRead", "ClientConnectionError")
+# datasets' metadata files (FILES_TO_IGNORE, and the YAML that sets configs): never data unless a pattern names one
+METADATA_FILES = ("README.md", ".huggingface.yaml", "config.json", "dataset_info.json", "dataset_infos.json",
+                  "dataset_dict.json", "dummy_data.zip")
 HUB_TIMEOUT = 60.0  # seconds a Hub read may go without a byte: [data] hub_timeout_seconds
 logger = logging.getLogger("data")
 
@@ -58,9 +63,8 @@ class DataSource:
 
 
 def transient(e: BaseException) -> bool:
-    """A network blip worth a retry: a connection or timeout error, or HTTP 408/429/5xx, anywhere in the
-    chain of causes (the libraries wrap them). Corrupt content (a bad gzip, "ZSTD decompression failed")
-    is an OSError too, but no retry mends it."""
+    """A network blip worth a retry: a connection or timeout error, or HTTP 408/429/5xx, anywhere in the chain of
+    causes (the libraries wrap them). Corrupt content (a bad gzip) is an OSError too, but no retry mends it."""
     while e is not None:
         status = getattr(getattr(e, "response", None), "status_code", None)
         if status is not None:
@@ -73,10 +77,9 @@ def transient(e: BaseException) -> bool:
 
 def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int, started: float = 0.0,
                    budget: float = math.inf, next_try: float = 0.0):
-    """Pause before retrying a transient error; anything else, or one failure too many, is one DataError line.
-    So is a retry that could end more than `budget` seconds ([comm] init_timeout_seconds: how long the other ranks
-    wait for this one in a collective) after `started`, the time.monotonic() at which the first failed try began:
-    its pause, then `next_try` seconds (the longest the next try may take)."""
+    """Pause before retrying a transient error; anything else, or one failure too many, is one DataError line. So is
+    a retry (its pause, then `next_try`: the longest the next try may take) that could end more than `budget` s
+    (comm.init_timeout_seconds: the other ranks' wait in a collective) after `started`, when the first try failed."""
     if isinstance(e, DataError):
         raise e
     spent = time.monotonic() - started
@@ -99,11 +102,9 @@ def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int,
 
 
 def bound_hub_requests(timeout: float):
-    """From here on in this process, a huggingface_hub request that names no timeout of its own waits at most
-    `timeout` seconds for a byte, then fails with a TimeoutException (transient: retried). Such are the listings
-    `datasets` makes through HfFileSystem (list_repo_tree, get_paths_info): huggingface_hub's client waits forever
-    by default, and a timeout on the client would not reach list_repo_tree, which passes timeout=None (to httpx:
-    "no timeout"). So the client fills the bound in as each request leaves."""
+    """From here on in this process, a huggingface_hub request that names no timeout waits at most `timeout` seconds for
+    a byte, then fails with a TimeoutException (retried). Such are `datasets`' listings (list_repo_tree passes
+    timeout=None, "no timeout" to httpx, so a client timeout would not reach it): the client fills the bound in."""
     import httpx2
     from huggingface_hub import get_session, set_client_factory
     from huggingface_hub.utils._http import default_client_factory  # the library's own client (its hooks, redirects)
@@ -122,11 +123,27 @@ def bound_hub_requests(timeout: float):
         set_client_factory(client)
 
 
+def local_files(root: str, pattern: str) -> list:
+    """A local folder's files that a data_files glob names (`*` within a name, `**` across folders), sorted, as
+    `datasets` resolves them, without importing it (0.7 s of every start). [] where its rules say more (hidden or
+    special names, a README's configs, `**` inside a name, mixed formats, no match): resolve_files asks it then."""
+    root = str(Path(root).expanduser().resolve())
+    if re.search(r"[^/]\*\*|\*\*[^/]", pattern) or any(os.path.exists(os.path.join(root, f)) for f in METADATA_FILES):
+        return []
+    files = sorted(f for f in glob.glob(pattern, root_dir=root, recursive=True) if os.path.isfile(os.path.join(root, f))
+                   and os.path.basename(f) not in set(METADATA_FILES) - {os.path.basename(pattern)})
+    plain = not any(p.startswith((".", "__")) for f in files for p in PurePath(f).parts)
+    formats = {re.sub(r"\.(gz|bz2|xz|zst|lz4)$", "", f).rpartition(".")[2].replace("jsonl", "json") for f in files}
+    return [os.path.join(root, f) for f in files] if plain and formats in ({"parquet"}, {"json"}) else []
+
+
 def resolve_files(path: str, config: Optional[str], data_files: Optional[str], split: str, revision: Optional[str],
                   name: str = "", timeout: float = HUB_TIMEOUT, budget: float = math.inf) -> tuple:
-    """The source's files, sorted: `datasets` resolves a hub id (to hf:// URLs pinned to the commit the
-    revision points at; README configs and data_files globs as on the Hub) and a local folder alike. A Hub
-    request waits `timeout` seconds for a byte; the retries of a listing stop within `budget` seconds."""
+    """The source's files, sorted: `datasets` resolves a hub id (hf:// URLs at the revision's commit) and a local
+    folder (local_files the plain cases); a Hub request waits `timeout` s, a listing retries within `budget` s."""
+    if data_files and not config and split == "train" and os.path.isdir(path) and (
+            files := local_files(path, data_files)):
+        return tuple(files)
     from datasets import load_dataset_builder
     bound_hub_requests(timeout)
     what = f"resolving the {split!r} files of path={path!r} config={config!r} data_files={data_files!r}"
@@ -145,9 +162,7 @@ def resolve_files(path: str, config: Optional[str], data_files: Optional[str], s
             retry_or_raise(name, path, what, e, failures, started, budget, max(timeout, time.monotonic() - tried))
 
 
-# ---------------------------------------------------------------------------------------------------
-# The data manifest: each source's files, resolved once per run and read by every rank and worker
-# ---------------------------------------------------------------------------------------------------
+# --- The data manifest: each source's files, resolved once per run and read by every rank and worker ---------------
 
 MANIFEST = "data_manifest.json"  # in the dump folder, unless [data] manifest names one
 MIB = 1 << 20
@@ -180,10 +195,8 @@ def resolve_source(src: DataSource, timeout: float = HUB_TIMEOUT, budget: float 
             except Exception as e:
                 retry_or_raise(src.name, src.path, "reading the sizes of its files", e, failures, started, budget,
                                max(timeout, time.monotonic() - tried))
-    root, files = os.path.abspath(src.path), []
-    for u in urls:
-        size = os.path.getsize(u)
-        files.append([os.path.relpath(u, root), size, ends_sha256(u, size)])
+    files = [[os.path.relpath(u, os.path.abspath(src.path)), n, ends_sha256(u, n)] for u, n in
+             zip(urls, map(os.path.getsize, urls))]
     return {**entry, "commit": None, "files": files}
 
 
@@ -200,8 +213,7 @@ def manifest_sha256(manifest: dict) -> str:
 
 
 def write_manifest(manifest: dict, path: str):
-    """Atomically: a crash leaves the old file or the new one, never half of one. The temporary file is this
-    process's own (two jobs on one folder, or a node sharing it, never write into one file)."""
+    """Atomically: a crash leaves the old file or the new one. The temporary file is this process's own."""
     text = json.dumps(manifest, indent=1)  # one line per file: JSON strings never hold a raw newline
     text = re.sub(r"\[\n\s*([^\[\]{}]*?)\n\s*\]", lambda m: "[" + re.sub(r",\n\s*", ", ", m[1]) + "]", text)
     tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"
@@ -238,9 +250,8 @@ def source_files(manifest: dict, src: DataSource, section: str = "data") -> list
 
 def pinned_manifest(given: str, dump_folder: str, sources, validation, timeout: float = HUB_TIMEOUT,
                     budget: float = math.inf) -> dict:
-    """The run's manifest: `given` ([data] manifest), else the dump folder's, made at the first start. Call it
-    on one rank. Local files that appeared since it was made are counted (one line per source), never read.
-    `timeout` and `budget`: a Hub request's wait for a byte, and how long a failing listing is retried."""
+    """The run's manifest: `given` ([data] manifest), else the dump folder's, made at the first start, on one rank.
+    Local files new since then are counted (one line per source), never read. `timeout`, `budget`: as resolve_files."""
     path = given or os.path.join(dump_folder, MANIFEST)
     if not os.path.exists(path) and not given:
         write_manifest(make_manifest(sources, validation, timeout, budget), path)
@@ -266,23 +277,20 @@ def pinned_manifest(given: str, dump_folder: str, sources, validation, timeout: 
                 now = resolve_files(*(e[k] for k in KEY[1:]), e["name"], timeout, budget)
             except DataError:
                 continue  # no files left: verify_manifest names them
-            new = len({os.path.relpath(u, os.path.abspath(e["path"])) for u in now} - {f[0] for f in e["files"]})
-            if new:
+            if new := len({os.path.relpath(u, os.path.abspath(e["path"])) for u in now} - {f[0] for f in e["files"]}):
                 logger.info(f"data source {e['name']!r}: {new} new file(s) in {e['path']} since {path} was made are "
                             "not read by this run; a new run (from the weights: checkpoint.initial_load_path) would")
     return manifest
 
 
 def shared_manifest(store, rank: int, wait: float, make):
-    """The run's manifest on every rank of a job: rank 0 alone calls make() (pinned_manifest) and puts what it returns,
-    or its one-line DataError, in the job's c10d store; every rank reads it there, waiting up to `wait` seconds (a
-    rate-limited Hub may take longer than a collective should). The store, not a process group of the whole job:
-    gloo's would open a socket to every rank. Returns the manifest, or rank 0's error line."""
+    """Each rank's copy of the run's manifest (or rank 0's DataError line): rank 0 alone calls make(), puts it in the
+    job's c10d store (not a gloo group: sockets to every rank); all wait `wait` s (a Hub may outlast a collective)."""
     key = f"data_manifest_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"  # a restarted job's store keeps old keys
     if rank == 0:
         try:
             result = make()
-        except DataError as e:
+        except DataError as e:  # the one line every rank prints
             result = str(e)
         store.set(key, zlib.compress(json.dumps(result).encode()))  # every rank GETs it: paths compress ~10x
     try:
@@ -295,9 +303,8 @@ def shared_manifest(store, rank: int, wait: float, make):
 
 
 def verify_manifest(manifest: dict, part: int = 0, parts: int = 1, sources=None) -> str:
-    """'' if every local file of the manifest (this rank's share: every parts-th one) is there with its size
-    and the sha256 of its ends, else one line naming the first that is not. Hub files are immutable at a commit.
-    `sources`: only the entries of these (the ones the run reads); None: every entry."""
+    """'' if every local file of the manifest's `sources` (None: all; this rank's share: every parts-th) has its size
+    and ends_sha256, else one line naming the first that has not. Hub files are immutable at a commit."""
     entries = manifest["data"] + manifest["validation"]
     if sources is not None:  # a source the config dropped is not read, so not checked
         entries = [e for e in entries if any(all(e[k] == getattr(s, k) for k in KEY) for s in sources)]
@@ -319,8 +326,7 @@ def verify_manifest(manifest: dict, part: int = 0, parts: int = 1, sources=None)
 
 
 class HubFile(io.RawIOBase):
-    """A hub file at its pinned commit, read by ranged GETs of its resolve URL: its bytes and nothing else
-    (HfFileSystem would look the repo up and list the file's folder once per process)."""
+    """A hub file at its pinned commit, read by ranged GETs of its resolve URL (HfFileSystem would list its folder)."""
 
     def __init__(self, url: str, size: int, timeout: float):
         from huggingface_hub import hf_hub_url
@@ -328,11 +334,10 @@ class HubFile(io.RawIOBase):
         self.url, self.size, self.pos = hf_hub_url(repo, name, repo_type="dataset", revision=commit), size, 0
         self.timeout = timeout
 
-    def readable(self):
+    def readable(self):  # (and seekable: io's defaults say no)
         return True
 
-    def seekable(self):
-        return True
+    seekable = readable
 
     def seek(self, offset: int, whence: int = 0):
         self.pos = (offset, self.pos + offset, self.size + offset)[whence]
@@ -368,8 +373,7 @@ def open_file(path: str, size: int, timeout: float = HUB_TIMEOUT):
     read is retried), from the mirror when it holds it ("MIRROR::hf://..."), anything else through fsspec."""
     mirror, _, url = path.rpartition("::")
     if mirror and url.startswith("hf://"):
-        local = mirrored(mirror, url, size)
-        if local:
+        if local := mirrored(mirror, url, size):
             return open(local, "rb")
         if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):  # as huggingface_hub reads it
             raise DataError(f"{mirror_paths(mirror, url)[0]} is not in the data mirror (HF_HUB_OFFLINE=1): fetch it "
@@ -381,9 +385,7 @@ def open_file(path: str, size: int, timeout: float = HUB_TIMEOUT):
     return fs.open(fs_path, "rb", cache_type="none")
 
 
-# ---------------------------------------------------------------------------------------------------
-# A local mirror of pinned Hub files: DIR/<repo id>/<path>, as the repos are, read instead of the Hub
-# ---------------------------------------------------------------------------------------------------
+# --- A local mirror of pinned Hub files: DIR/<repo id>/<path>, as the repos are, read instead of the Hub ---------
 
 HF_URL = r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)"
 
@@ -396,9 +398,8 @@ def mirror_paths(mirror: str, url: str) -> tuple:
 
 def mirrored(mirror: str, url: str, size: int) -> str:
     """The mirror's copy of a pinned Hub file, or '' if it holds none at its commit. The download checked all of it (the
-    Hub's sha256); each open checks the size and the sha256 of its ends (all of a file up to 2 MiB) against that record:
-    a truncated or damaged copy is one line, never another stream. Hashing all bytes at every open would read whole
-    shards again on each start (2,048 ranks x their files) for one row group."""
+    Hub's sha256); each open checks its size and ends_sha256 against that record (all bytes would read whole shards at
+    each start on 2,048 ranks): a truncated or damaged copy is one line, never another stream."""
     local, record = mirror_paths(mirror, url)
     if not os.path.exists(record) or not os.path.exists(local):
         return ""
@@ -414,18 +415,16 @@ def mirrored(mirror: str, url: str, size: int) -> str:
 
 def fetch_file(mirror: str, url: str, size: int, timeout: float, budget: float = math.inf,
                progress=lambda n: None) -> int:
-    """One pinned Hub file into the mirror, unless there: into <path>.part (a killed download goes on where it stopped)
-    by training's ranged reads and retries, then checked (its size; for an LFS file the sha256 the Hub lists, one
-    listing per folder), renamed into place and recorded. Returns the bytes fetched; `progress(n)` as they come."""
+    """One pinned Hub file into the mirror, unless there: into <path>.part (a killed download goes on) by training's
+    ranged reads and retries, checked (size; an LFS file's sha256), renamed and recorded. Returns the bytes fetched."""
     bound_hub_requests(timeout)  # the listing below
     with contextlib.suppress(DataError):  # a damaged copy is fetched again
         if mirrored(mirror, url, size):
             return 0
     (local, record), fetched, started = mirror_paths(mirror, url), 0, time.monotonic()
-    for folder in (os.path.dirname(local), os.path.dirname(record)):
-        os.makedirs(folder, exist_ok=True)
+    os.makedirs(os.path.dirname(local), exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
-        os.remove(record)  # the file is about to change: no record vouches for it
+        os.remove(record)  # the file is about to change: no record vouches for it (write_manifest makes its folder)
     for failures in range(len(RETRY_DELAYS) + 1):
         have = min(os.path.getsize(local + ".part") if os.path.exists(local + ".part") else 0, size)
         try:

@@ -16,7 +16,6 @@ import contextlib
 import ctypes
 import dataclasses
 import fcntl
-import gc
 import hashlib
 import logging
 import math
@@ -794,5 +793,8 @@ if __name__ == "__main__":
         # Leave at once: a rank lingering in teardown gets torchrun's SIGTERM, a process group freed at interpreter
         # shutdown can abort in gloo's threads. Saved state is on disk; loader workers exit when their rank is gone.
         os._exit(2 if isinstance(e, (ConfigError, DataError, CheckpointError)) else 3)
-    # FSDP's state outlives main() in reference cycles (process groups): free it now, not at interpreter shutdown.
-    gc.collect()
+    # main() closed the loader, the logs and the process group: skip tearing down torch's modules (0.7 s of every run)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

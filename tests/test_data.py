@@ -380,3 +380,30 @@ time.sleep(120)
     while any(alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids), "loader workers outlived their killed parent"
+
+
+def test_local_folders_resolve_as_datasets_does(tmp_path, monkeypatch):
+    """sources.local_files answers plain local globs without importing `datasets` (0.7 s of every start): the same
+    files as datasets' own resolution for each pattern, or [] where it leaves the answer to datasets."""
+    import datasets
+    from datasets import load_dataset_builder
+    for name in ["a.json.gz", "b.jsonl", "sub/c.json", "sub/deep/d.json", ".hid.json", ".hdir/e.json", "__sp/f.json",
+                 "sub/config.json", "p/x.parquet", "p/y.parquet", "p/notes.txt", "mixed/m.json", "mixed/n.parquet",
+                 "sub/dataset_info.json"]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    (tmp_path / "link.json").symlink_to(tmp_path / "b.jsonl")
+    answered = 0
+    for pattern in ["*.json*", "**", "**/*.json", "sub/**", "sub/*", ".*", ".hdir/*", "__sp/*", "__*/*", "*/config.json",
+                    "p/*.parquet", "p/*", "mixed/*", "**/*.parquet", "nothing/*", "*.gz", "s?b/[cd].json", "**/.*", "**.json"]:
+        ours = S.local_files(str(tmp_path), pattern)
+        try:
+            theirs = sorted(load_dataset_builder(str(tmp_path), data_files=pattern).config.data_files["train"])
+        except (FileNotFoundError, ValueError):
+            theirs = []
+        assert ours in (theirs, []), pattern
+        answered += bool(ours)
+    assert answered >= 8  # the plain cases
+    monkeypatch.setattr(datasets, "load_dataset_builder", lambda *a, **k: pytest.fail("datasets resolved a local glob"))
+    cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml")])
+    assert len(S.make_manifest(cfg.data.sources, cfg.validation.sources)["validation"]) == 4
