@@ -1,4 +1,5 @@
-"""Reference training runs shared by test_smoke.py and tests/: each costs ~20 s of CPU, run once.
+"""Reference training runs shared by test_smoke.py and tests/: each costs ~20 s of CPU, run once; and the two tiers'
+times at the end of every run.
 
 Training tests pass --validation.enable false: the held-out rounds (about 2 s a run) are tested in
 tests/test_validation.py, and they would add minutes to the suite."""
@@ -6,6 +7,7 @@ tests/test_validation.py, and they would add minutes to the suite."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -47,3 +49,23 @@ def tp_reference(tmp_path_factory):
     """(dump folder, stdout + stderr) of 10 steps on 2 ranks, tensor parallel 2, selective AC, global batch 8."""
     return _train_2proc(tmp_path_factory.mktemp("ref_tp"), "--parallelism.tensor_parallel_degree", 2,
                         "--activation_checkpoint.mode", "selective")
+
+
+# --- Two tiers: `python -m pytest -q -m "not slow"` after an edit, the whole suite in CI. A feature that adds tests
+# pays for them: its quick cases within QUICK_BUDGET, the rest marked slow, the whole within WHOLE_BUDGET (2 cores).
+QUICK_BUDGET, WHOLE_BUDGET = 180, 1200
+_seconds = {"quick": 0.0, "slow": 0.0, "start": time.perf_counter()}
+
+
+def pytest_runtest_logreport(report):  # setup, call and teardown of every test, by tier
+    _seconds["slow" if "slow" in report.keywords else "quick"] += report.duration
+
+
+@pytest.hookimpl(trylast=True)  # after the slowest tests' list
+def pytest_terminal_summary(terminalreporter):
+    quick, slow, whole = _seconds["quick"], _seconds["slow"], time.perf_counter() - _seconds["start"]
+    over = [f"quick tier over {QUICK_BUDGET} s"] * (quick > QUICK_BUDGET) + \
+        [f"whole suite over {WHOLE_BUDGET} s"] * (whole > WHOLE_BUDGET and slow > 0)
+    terminalreporter.write_line(f"tiers: the quick tests (-m \"not slow\") {quick:,.0f} s (budget {QUICK_BUDGET}), "
+                                f"the slow ones {slow:,.0f} s; this session {whole:,.0f} s wall (whole suite budget "
+                                f"{WHOLE_BUDGET}){'; OVER: ' + ', '.join(over) if over else ''}")

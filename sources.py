@@ -23,7 +23,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path, PurePath
+from pathlib import PurePath
 from typing import Optional
 
 import fsspec
@@ -127,7 +127,7 @@ def local_files(root: str, pattern: str) -> list:
     """A local folder's files that a data_files glob names (`*` within a name, `**` across folders), sorted, as
     `datasets` resolves them, without importing it (0.7 s of every start). [] where its rules say more (hidden or
     special names, a README's configs, `**` inside a name, mixed formats, no match): resolve_files asks it then."""
-    root = str(Path(root).expanduser().resolve())
+    root = os.path.abspath(os.path.expanduser(root))  # a symlinked folder stays as named, as datasets keeps it
     if re.search(r"[^/]\*\*|\*\*[^/]", pattern) or any(os.path.exists(os.path.join(root, f)) for f in METADATA_FILES):
         return []
     files = sorted(f for f in glob.glob(pattern, root_dir=root, recursive=True) if os.path.isfile(os.path.join(root, f))

@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 LOG_LINE = re.compile(r"^step: +(\d+)  loss: +[\d.]+  grad_norm: +[\d.]+  lr: [\d.]+e[-+]\d+  "
                       r"memory: [\d.]+GiB\([\d.]+%\)  tps: [\d,]+  tflops: [\d.]+  mfu: (n/a|[\d.]+%)  "
@@ -47,6 +49,7 @@ def test_fsdp_two_processes_trains_and_logs(fsdp_reference):
     assert sorted(os.listdir(os.path.join(dump, "checkpoint"))) == ["step-10", "step-5"]
 
 
+@pytest.mark.slow
 def test_one_process_matches_two_fsdp_processes(fsdp_reference, tmp_path):
     dump, _ = fsdp_reference
     train(tmp_path, "--training.steps", 10, "--training.local_batch_size", 8)
@@ -56,6 +59,7 @@ def test_one_process_matches_two_fsdp_processes(fsdp_reference, tmp_path):
         assert abs(one[step] - two[step]) <= 1e-5 * abs(one[step]), (step, one[step], two[step])
 
 
+@pytest.mark.slow
 def test_same_seed_same_losses_other_seed_differs(tmp_path):
     train(tmp_path / "a", "--training.steps", 3)
     train(tmp_path / "b", "--training.steps", 3)
@@ -76,6 +80,7 @@ def test_tensor_parallel_two_processes(tp_reference, fsdp_reference):
     assert abs(tp[1] - fsdp[1]) < 1e-5 and abs(tp[10] - fsdp[10]) < 1e-3
 
 
+@pytest.mark.slow
 def test_hsdp_replicate_two_matches_fsdp(fsdp_reference, tmp_path):
     train(tmp_path, "--training.steps", 10, "--training.local_batch_size", 4,
           "--parallelism.data_parallel_replicate_degree", 2, nproc=2)

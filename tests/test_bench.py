@@ -17,6 +17,7 @@ def bench(*args):
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_matrix_runs_every_combination_and_reports_failures():
     out = bench("matrix", "--config", "configs/debug_model.toml", "--model.n_layers", "2", "--steps", "4",
                 "--warmup", "2", "--vary", "activation_checkpoint.mode=none,full",
@@ -85,6 +86,7 @@ def test_help_documents_every_option_the_readme_uses(capsys):
     assert all(w in out for w in ("overhead", "startup", "memory", "matrix", "titan")), out
 
 
+@pytest.mark.slow
 def test_overhead_and_startup_run():
     out = bench("overhead", "--config", "configs/debug_model.toml", "--training.seq_len", "64", "--steps", "4",
                 "--warmup", "2", "--repeats", "1")
@@ -94,6 +96,7 @@ def test_overhead_and_startup_run():
     assert re.search(r"[\d.]+s beyond importing torch", out)
 
 
+@pytest.mark.slow
 def test_matrix_under_torchrun_and_bad_arguments():
     out = bench("matrix", "--nproc", "2", "--config", "configs/debug_model.toml", "--model.n_layers", "2",
                 "--steps", "4", "--warmup", "2", "--vary", "parallelism.tensor_parallel_degree=1,2")
@@ -199,6 +202,7 @@ def test_titan_refuses_without_torchtitan_and_bad_counts(monkeypatch, capsys):
         assert e.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan (requirements-bench.txt)")
 def test_titan_side_by_side_runs():
     out = bench("titan", "--config", "configs/debug_model.toml", "--model.n_layers", "2", "--training.seq_len", "64",

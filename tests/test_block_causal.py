@@ -54,6 +54,7 @@ def train(toml, dump, *args, nproc=1):
     return proc.stdout, records
 
 
+@pytest.mark.slow
 def test_one_process_fsdp_and_tp_give_the_same_losses_and_a_resume_is_exact(short_docs, tmp_path):
     out, one = train(short_docs, tmp_path / "one", "--training.local_batch_size", 4)  # 2 micro-batches
     _, fsdp = train(short_docs, tmp_path / "fsdp", "--training.local_batch_size", 2, "--checkpoint.enable",

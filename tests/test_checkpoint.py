@@ -82,6 +82,7 @@ def reference(fsdp_reference, tp_reference):
     return {"fsdp": logged(fsdp_reference[0]), "tp": logged(tp_reference[0])}
 
 
+@pytest.mark.slow
 def test_fsdp_sigkill_then_sigterm_then_finish_is_bitwise_exact(reference, tmp_path):
     args = (*FSDP, "--checkpoint.interval", 3)
     proc = launch(tmp_path, *args)
@@ -104,6 +105,7 @@ def test_fsdp_sigkill_then_sigterm_then_finish_is_bitwise_exact(reference, tmp_p
     assert logged(tmp_path) == reference["fsdp"]
 
 
+@pytest.mark.slow
 def test_tp_resume_with_loader_workers_is_bitwise_exact(reference, tmp_path):
     # The reference ran without loader workers: workers change neither the stream nor the resume.
     args = ("--parallelism.tensor_parallel_degree", 2, "--activation_checkpoint.mode", "selective",
@@ -116,6 +118,7 @@ def test_tp_resume_with_loader_workers_is_bitwise_exact(reference, tmp_path):
     assert logged(tmp_path) == reference["tp"]
 
 
+@pytest.mark.slow
 def test_resume_on_one_process_continues_the_same_stream(reference, tmp_path):
     """Data state is per logical stream, so a 2-rank run can resume on 1 rank (same num_streams)."""
     proc = launch(tmp_path, *FSDP, "--checkpoint.interval", 100)
@@ -127,6 +130,7 @@ def test_resume_on_one_process_continues_the_same_stream(reference, tmp_path):
         assert loss == pytest.approx(reference["fsdp"][step], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_async_save_keep_latest_and_model_only_export(tmp_path):
     args = ("--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", 2,
             "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16")
@@ -153,6 +157,7 @@ def test_async_save_keep_latest_and_model_only_export(tmp_path):
     assert logged(tmp_path / "new")[1] < first[1] - 2  # starts from trained weights
 
 
+@pytest.mark.slow
 def test_changed_config_refuses_to_resume(six_steps, tmp_path):
     dump = copy_of(six_steps, tmp_path)
     out = run(dump, "--training.steps", 8, "--training.seq_len", 128, nproc=1, expect=2)
@@ -167,6 +172,7 @@ def test_changed_config_refuses_to_resume(six_steps, tmp_path):
     assert re.search(r"memory: peak [\d.]+ GiB RSS$", out, re.M), out
 
 
+@pytest.mark.slow
 def test_initial_load_path_errors_are_one_line(tmp_path):
     out = run(tmp_path / "a", "--checkpoint.initial_load_path", tmp_path / "nothing", nproc=1, expect=2)
     assert "is not a complete DCP checkpoint" in out
@@ -178,6 +184,7 @@ def test_initial_load_path_errors_are_one_line(tmp_path):
     assert "model.layers.0.attention.wq.weight missing" in line[0] and "(and 51 more)" in line[0]
 
 
+@pytest.mark.slow
 def test_initial_load_from_converted_meta_weights(tmp_path):
     """Meta-format weights -> checkpoint_convert.py torch2dcp -> train.py starts from exactly them."""
     sys.path.insert(0, ROOT)
@@ -231,6 +238,7 @@ def write_tokenizer(path, n_ranks, swap=False):
     return path
 
 
+@pytest.mark.slow
 def test_vocab_follows_the_tokenizer_and_another_tokenizer_is_refused_on_resume(six_steps, tmp_path):
     big = write_tokenizer(tmp_path / "big.model", 6000)  # 6,000 ranks + 256 special tokens
     out = run(tmp_path / "big", "--model.tokenizer_path", big, "--training.steps", 2, nproc=1)
@@ -246,6 +254,7 @@ def test_vocab_follows_the_tokenizer_and_another_tokenizer_is_refused_on_resume(
     assert "checkpoint.initial_load_path" in line[0]
 
 
+@pytest.mark.slow
 def test_incomplete_checkpoints_are_skipped_and_refused_by_name(six_steps, tmp_path):
     dump = copy_of(six_steps, tmp_path)
     ckpt = dump / "checkpoint"
@@ -271,6 +280,7 @@ def test_incomplete_checkpoints_are_skipped_and_refused_by_name(six_steps, tmp_p
     assert len(line) == 1 and f"cannot load {ckpt}/step-2" in line[0] and "Traceback" not in out, out[-2000:]
 
 
+@pytest.mark.slow
 def test_resume_says_when_the_schedule_changes_and_when_nothing_is_left(six_steps, tmp_path):
     dump = copy_of(six_steps, tmp_path)
     out = run(dump, "--training.steps", 6, nproc=1)
@@ -299,6 +309,7 @@ def alive(pid):
         return False
 
 
+@pytest.mark.slow
 def test_preemption_signal_saves_and_ends_the_job_however_it_is_delivered(reference, tmp_path):
     """One run stopped three times, each time delivered another way, and resumed: SIGUSR1 to both ranks;
     SIGTERM to torchrun alone; SIGUSR1 to every process of the job, loader workers included (Slurm's

@@ -532,6 +532,7 @@ def check_error(name, returncode, stderr, tmp_path, out, words):
     assert not [d for d in os.listdir(tmp_path) if d.startswith(".out.")]  # no temp folder left
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ERROR_CASES)
 def test_errors_are_one_line(name, error_runs):
     check_error(name, *error_runs[name])
@@ -585,6 +586,7 @@ def measure_peak_rss(workdir, params: dict, dtype=torch.float32, n_shards=1,
     return {command: ((int(peak) - int(base)) * 1024, size) for command, base, peak in rows}
 
 
+@pytest.mark.slow
 def test_peak_rss_small(tmp_path):
     params = dict(PARAMS, dim=256, n_heads=8, n_kv_heads=4, n_layers=8, vocab_size=4096, multiple_of=64)
     for command, (growth, size) in measure_peak_rss(tmp_path, params).items():

@@ -146,6 +146,7 @@ def test_local_json_and_parquet_folders_and_errors(tok, tmp_path):
         first_batch(DataSource(name="e", path=str(tmp_path / "e")))
 
 
+@pytest.mark.slow
 def test_data_cli_prints_shares_and_throughput():
     # HF_HUB_OFFLINE=1 with local folders in the hub's layout: nothing may try the network.
     out = subprocess.run([sys.executable, "data.py", "--config", "configs/debug_model.toml", "--tokens", "200000"],
@@ -232,6 +233,7 @@ def test_loader_workers_give_the_same_stream_and_resume_exactly(tok, sources, wo
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
+@pytest.mark.slow
 def test_data_cli_bad_input_is_one_line(tmp_path):
     def cli(*args):
         return subprocess.run([sys.executable, "data.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -345,6 +347,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_loader_workers_ignore_stop_signals_and_die_with_their_parent(tok, sources):
     reference = DataLoader(sources, tok, 1024, 2, 0, 1, 1)
     loader = DataLoader(sources, tok, 1024, 2, 0, 1, 1, num_workers=2)
@@ -404,6 +407,10 @@ def test_local_folders_resolve_as_datasets_does(tmp_path, monkeypatch):
         assert ours in (theirs, []), pattern
         answered += bool(ours)
     assert answered >= 8  # the plain cases
+    (tmp_path / "node").mkdir()  # a folder reached through a symlink keeps the name it was given
+    (tmp_path / "node" / "data").symlink_to(tmp_path / "p")
+    assert S.local_files(str(tmp_path / "node" / "data"), "*.parquet") == sorted(
+        load_dataset_builder(str(tmp_path / "node" / "data"), data_files="*.parquet").config.data_files["train"])
     monkeypatch.setattr(datasets, "load_dataset_builder", lambda *a, **k: pytest.fail("datasets resolved a local glob"))
     cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml")])
     assert len(S.make_manifest(cfg.data.sources, cfg.validation.sources)["validation"]) == 4

@@ -81,6 +81,7 @@ def dry(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_dry_run_peak_is_the_real_peak_per_rank(real, dry):
     phases = {r["peak_phase"] for results in dry.values() for r in results}
     assert phases == {"forward and backward of step 2"}, phases  # the first step with AdamW's moments
@@ -111,6 +112,7 @@ def test_a_mistake_at_2048_ranks_is_the_trainers_one_line(extra, line, capsys):
     assert e.value.code == 2 and err == line + "\n" and out == ""
 
 
+@pytest.mark.slow
 def test_the_report(dry, monkeypatch, capsys, tmp_path):
     """The report of the TP 2 layout's dry run (its results from the fixture: dry_run is not run twice)."""
     import dryrun

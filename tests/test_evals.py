@@ -79,6 +79,7 @@ def runs(hub, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_rounds_are_logged_and_leave_training_bitwise_unchanged(runs, fsdp_reference, tp_reference):
     for name, reference in (("fsdp", fsdp_reference), ("tp", tp_reference)):
         dump, proc, steps, rounds, _, _ = runs[name]
@@ -92,6 +93,7 @@ def test_rounds_are_logged_and_leave_training_bitwise_unchanged(runs, fsdp_refer
         assert [r["loss"] for r in steps] == [r["loss"] for r in without if "loss" in r]  # bitwise
 
 
+@pytest.mark.slow
 def test_one_process_fsdp_and_tp_score_alike(runs):
     dump, _, _, rounds, _, _ = runs["one"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -105,6 +107,7 @@ def test_one_process_fsdp_and_tp_score_alike(runs):
     assert one == [(r["eval_acc"], r["eval_acc_norm"]) for r in runs["tp"][3]]
 
 
+@pytest.mark.slow
 def test_heldout_and_task_files_are_read_once_per_job_and_validate_alike(runs):
     """Rank 0 alone reads the held-out windows and the task files and hands them to the other ranks: the Hub serves
     a 2-rank job the bytes it serves one process, and both evaluate the same sequences (validation.sequences of the
@@ -127,6 +130,7 @@ print("RESULTS " + json.dumps({t: out["results"][t] for t in sys.argv[3:]}))
 """
 
 
+@pytest.mark.slow
 def test_accuracies_equal_lm_evaluation_harness_on_the_exported_weights(runs, hub, tmp_path):
     """The FSDP run's step-10 checkpoint exported with dcp2hf, scored by lm-eval reading the same task files from the
     local Hub: the same number of right answers per task, for acc and acc_norm."""
@@ -146,6 +150,7 @@ def test_accuracies_equal_lm_evaluation_harness_on_the_exported_weights(runs, hu
     assert not [r["path"] for r in hub[0].log if r.get("unhandled")]
 
 
+@pytest.mark.slow
 def test_a_missing_or_malformed_task_is_one_line_at_start_up(hub, tmp_path):
     """A missing folder through train.py (exit 2 before step 1); a task pointed at another task's files (the
     columns are not its own) through the same load() train.py calls at start-up."""
@@ -177,3 +182,33 @@ def test_an_unknown_task_or_a_bad_key_is_a_config_error(tmp_path):
         cfg.write_text(f"[eval]\nenable = true\n{extra}\n")
         with pytest.raises(ConfigError, match="^" + says.replace("?", r"\?")):
             train.validate(train.load_config(["--config", str(cfg)]), 1)
+
+
+def test_scoring_sums_each_choices_tokens_and_normalises_by_characters():
+    """evaluate() on a model whose next-token guess is known (the input id + 1, near-certain; a miss costs ~5 nats): a
+    choice's log-likelihood is the sum over its own tokens only, whatever the batching and padding; acc takes the
+    largest, acc_norm the largest per character. One process, a 1-rank gloo group."""
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, ROOT)
+    import evals
+
+    class NextId(torch.nn.Module):  # logits (bs, seqlen, vocab): 5 at input + 1, 0 elsewhere
+        def forward(self, ids):
+            return 5 * torch.nn.functional.one_hot((ids + 1) % 16, 16).float()
+
+    # (context after BOS, choices, answer, characters per choice) -> acc right?, acc_norm right?
+    examples = [([5, 6], [[7, 8], [9, 3], [7, 3]], 0, [2, 2, 2]),  # 2 hits beat 0 and 1: both right
+                ([6], [[7], [7, 8, 9]], 1, [1, 30]),  # 1 hit beats 3 (each a little below 0); per character, 3 win
+                ([2], [[3], [3, 4, 5]], 0, [1, 30]),  # the same, the other answer: acc right, acc_norm wrong
+                ([4], [[5, 9], [5, 6]], 1, [2, 2]),  # only the choices' last tokens differ: both right
+                ([4], [[5], [5, 6, 7]], 1, [1, 30])]  # acc wrong, acc_norm right
+    requests = [([0, *context, *choice], len(choice)) for context, choices, _, _ in examples for choice in choices]
+    tasks = {"t": (requests, [(len(choices), answer, chars) for _, choices, answer, chars in examples])}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for batch in (1, 4, 16):
+            got = evals.evaluate(NextId(), tasks, batch, torch.device("cpu"), dist.group.WORLD, 1)
+            assert got == {"eval_acc": {"t": 3 / 5}, "eval_acc_norm": {"t": 4 / 5}, "eval_examples": {"t": 5}}, batch
+    finally:
+        dist.destroy_process_group()

@@ -72,6 +72,7 @@ def gaps(records, reference):
     return [abs(a["loss"] - b["loss"]) for a, b in zip(records, reference)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["one", "fsdp", "tp"])
 def test_tensorwise_trains_within_the_bound_of_fp32(runs, layout):
     out, err, records = runs[layout][:3]
@@ -85,6 +86,7 @@ def test_tensorwise_trains_within_the_bound_of_fp32(runs, layout):
     assert not [n for n in NOISE if n in out + err], err[-2000:]  # torchao's failed CUDA loads stay out
 
 
+@pytest.mark.slow
 def test_rowwise_on_one_process(runs, tmp_path):
     out, err, records = train(tmp_path, *SMALL, "--training.local_batch_size", 8, "--model.converters", "float8",
                               "--float8.recipe_name", "rowwise")
@@ -94,6 +96,7 @@ def test_rowwise_on_one_process(runs, tmp_path):
     assert "float8 rowwise (torchao)" in out
 
 
+@pytest.mark.slow
 def test_selective_ac_and_compile_run_with_float8(runs, tmp_path):
     out, err, records = train(tmp_path, "--training.steps", 3, "--training.seq_len", 64, "--training.local_batch_size",
                               8, "--model.converters", "float8", "--activation_checkpoint.mode", "selective",
@@ -124,6 +127,7 @@ def test_selective_ac_saves_the_float8_matmul_outputs():
     assert {torch.ops.aten.mm.default, torch.ops.aten.max.default} <= set(seen) & T.AC_SAVE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_resume_with_float8_is_bitwise_exact(device, tmp_path):
     """1 process (FSDP of one), float8 all-gather with precomputed scales: stop at 4, resume to 8."""
@@ -138,6 +142,7 @@ def test_resume_with_float8_is_bitwise_exact(device, tmp_path):
         (r["step"], r["loss"], r["grad_norm"]) for r in whole[4:]]
 
 
+@pytest.mark.slow
 def test_resume_may_turn_float8_off_and_on(runs, tmp_path):
     """From the FSDP float8 run's step-5: float8 off for step 6, then on again for step 7, 1 process."""
     shutil.copytree(runs["fsdp"][3] / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-5")
@@ -150,6 +155,7 @@ def test_resume_may_turn_float8_off_and_on(runs, tmp_path):
     assert on[-1]["step"] == 7 and math.isfinite(on[-1]["loss"])
 
 
+@pytest.mark.slow
 def test_float8_checkpoint_exports_to_hugging_face(runs, tmp_path):
     """dcp2hf of the float8 run's step-10: plain fp32 weights under Meta's names, same logits in transformers."""
     import torch.distributed.checkpoint as dcp

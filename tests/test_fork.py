@@ -29,6 +29,7 @@ def qknorm_losses(dump, *args, nproc=1):
     return [r["loss"] for r in map(json.loads, open(os.path.join(dump, "metrics.jsonl"))) if "loss" in r]
 
 
+@pytest.mark.slow
 def test_qk_norm_subclass_trains_alike_on_one_process_fsdp_and_tp(tmp_path):
     one = qknorm_losses(tmp_path / "one")
     fsdp = qknorm_losses(tmp_path / "fsdp", "--training.local_batch_size", "4", nproc=2)
@@ -67,6 +68,7 @@ def fork_losses(dump, script, *args, env=None):
     return [r["loss"] for r in map(json.loads, open(os.path.join(dump, "metrics.jsonl"))) if "loss" in r]
 
 
+@pytest.mark.slow
 def test_a_new_objective_replaces_forward_backward(tmp_path):
     plain = fork_losses(tmp_path / "plain", "tests/zloss_train.py", env={"ZLOSS": "0"})
     zloss = fork_losses(tmp_path / "zloss", "tests/zloss_train.py", env={"ZLOSS": "1e-2"})
@@ -88,6 +90,7 @@ def test_docs_come_from_comments_in_any_layout_and_a_field_may_have_none():
                                   "tail": "after a '#' inside a string"}
 
 
+@pytest.mark.slow
 def test_a_new_field_needs_no_doc_and_is_a_resume_key(tmp_path):
     """Add `z_loss: float = 0.0` to [training] as a research edit would (no comment): --help and training work, and
     a resume with another value is refused naming it, with no edit to the resume keys."""

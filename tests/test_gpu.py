@@ -74,6 +74,7 @@ def runs(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_compile_selective_ac_trains_on_the_device(device, runs):
     dump, out = runs(device)["main"]
@@ -85,6 +86,7 @@ def test_bf16_compile_selective_ac_trains_on_the_device(device, runs):
     assert "(async)" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_and_full_ac_stay_close_to_fp32(device, runs):
     bf16 = [r["loss"] for r in records(runs(device)["main"][0])][:2]
@@ -93,6 +95,7 @@ def test_bf16_and_full_ac_stay_close_to_fp32(device, runs):
     assert bf16 == pytest.approx(fp32, rel=2e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_async_checkpoint_resume_is_bitwise_exact(device, runs):
     main_dump, _ = runs(device)["main"]
@@ -124,6 +127,7 @@ def test_fused_adamw_matches_the_reference_update(device):
     torch.testing.assert_close(w.detach().cpu(), ref.detach(), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_dcp2hf_logits_match_transformers_on_the_device(device, runs, tmp_path):
     from transformers import LlamaForCausalLM

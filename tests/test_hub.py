@@ -90,6 +90,7 @@ def within(seconds: float, fn, *args):
     return out.get("value")
 
 
+@pytest.mark.slow
 def test_shipped_hub_sources_stream_like_their_local_mirror_and_resume_exactly(hub, repos, tok, tmp_path):
     """The 8B config's six sources from the hub give the same tokens (so the same shares) as the same
     files in local folders, and a loader resumed from a state dict continues the stream exactly."""
@@ -137,6 +138,7 @@ def test_heldout_windows_from_c4s_validation_split(hub, tok):
     assert [r for r in hub.log if "c4-validation" in r["path"]] and not [r for r in hub.log if "c4-train" in r["path"]]
 
 
+@pytest.mark.slow
 def test_resume_seeks_by_range_into_a_parquet_file(hub, tok):
     """A resume deep inside a parquet file reads its footer and one row group, not the file."""
     src = DataSource(name="dclm", path="Zyphra/Zyda-2", config="dclm_crossdeduped")
@@ -177,6 +179,7 @@ def test_transient_answers_are_retried_with_backoff(hub, tok, monkeypatch):
     assert len(sleeps) >= 10 and max(sleeps) > min(sleeps)  # growing pauses
 
 
+@pytest.mark.slow
 def test_a_stalled_redirected_or_whole_file_answer_gives_the_same_batches(hub, tok):
     """A read that gets no byte for `timeout` seconds (before the answer, or mid-body) is retried (the file
     re-opened where the stream was); reads follow the Hub's redirect to its CDN with their Range; a server that
@@ -229,6 +232,7 @@ def test_hub_refusals_end_with_one_line_naming_the_repo_and_what_to_do(hub, tok,
     assert "failed 3 times (HfHubHTTPError" in msg and "503" in msg
 
 
+@pytest.mark.slow
 def test_a_stalled_listing_is_retried_and_ends_in_one_line_within_the_budget(hub, monkeypatch):
     """A listing page that never comes (the fixture keeps the connection open: huggingface_hub's client would wait
     forever) fails after the Hub timeout and is retried; one that keeps stalling ends the resolution with one line
@@ -251,6 +255,7 @@ def test_a_stalled_listing_is_retried_and_ends_in_one_line_within_the_budget(hub
     assert "Timeout" in msg and "comm.init_timeout_seconds = 3 s" in msg and "raise it" in msg
 
 
+@pytest.mark.slow
 def test_a_read_that_keeps_failing_gives_up_within_the_budget_with_one_line(hub, tok, monkeypatch):
     """While one rank retries a Hub read, the other ranks wait in a collective for up to comm.init_timeout_seconds:
     a read that keeps stalling gives up before that, with one line naming the source, the file and what to raise:
@@ -313,6 +318,7 @@ def test_hf_token_is_sent_as_a_header_and_never_printed(hub, tok, monkeypatch, c
     assert TOKEN[:-1] not in str(e.value) + out.out + out.err + caplog.text
 
 
+@pytest.mark.slow
 def test_data_cli_streams_the_8b_config_from_the_hub(hub, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
     env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf"), HF_TOKEN=TOKEN)
@@ -327,6 +333,7 @@ def test_data_cli_streams_the_8b_config_from_the_hub(hub, tmp_path):
     assert all(r["auth"] == f"Bearer {TOKEN}" for r in hub.log if r["path"].startswith("/datasets/"))
 
 
+@pytest.mark.slow
 def test_train_py_on_the_shipped_hub_sources_trains_resumes_and_eats_the_mirrors_tokens(hub, repos, tok, tmp_path):
     """The debug model trained by train.py on the 8B config's six hub sources and its C4 validation split: it
     trains, a resume from step 2 replays steps 3-4 exactly, the tokens it eats per source are those a loader

@@ -108,6 +108,7 @@ def hub_job(tmp_path_factory):
         mp.undo()
 
 
+@pytest.mark.slow
 def test_a_2x2_job_resolves_each_source_once_and_its_resume_lists_nothing(hub_job):
     # the whole first start (2 ranks, 4 loader workers, training and validation) asks the Hub for what one
     # resolution in one process asks, and nothing more: every other process read the files from the manifest
@@ -121,6 +122,7 @@ def test_a_2x2_job_resolves_each_source_once_and_its_resume_lists_nothing(hub_jo
     assert len(hub_job["manifest"]["data"]) == 6 and all(len(e["commit"]) == 40 for e in hub_job["manifest"]["data"])
 
 
+@pytest.mark.slow
 def test_a_commit_pushed_between_save_and_resume_is_not_read(hub_job):
     """The resume reads the pinned commit: steps 3-4 are the uninterrupted run's, bit for bit."""
     assert [s for s, _ in hub_job["first"]] == [1, 2, 3, 4]
@@ -132,6 +134,7 @@ def test_a_commit_pushed_between_save_and_resume_is_not_read(hub_job):
     assert "new file" not in hub_job["out"]  # hub repos are not listed again, so not counted
 
 
+@pytest.mark.slow
 def test_a_run_moves_from_the_hub_to_a_mirror_that_data_py_download_made_and_stays_exact(tmp_path, monkeypatch):
     """A 2-rank run on Hub sources, 6 steps with a save at 3; `data.py download` fetches what steps 1-6 read (killed
     once, then run again: finished files are not fetched again); the run resumes from step 3 with the Hub gone and
@@ -248,6 +251,7 @@ def offline_job(tmp_path_factory):
     return tmp, args, out, made.stdout
 
 
+@pytest.mark.slow
 def test_data_py_manifest_then_an_offline_run_trains_and_resumes_exactly_with_a_new_shard(offline_job):
     tmp, args, out, made = offline_job
     assert "wrote" in made and "sha256" in made and "c4:" in made
@@ -269,6 +273,7 @@ def test_data_py_manifest_then_an_offline_run_trains_and_resumes_exactly_with_a_
     os.remove(c4 / "c4-train.00000-of-00000.json.gz")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("same_size", [False, True])
 def test_a_shard_replaced_by_other_bytes_is_one_line_and_nothing_is_written(offline_job, same_size, tmp_path):
     tmp, args, _, _ = offline_job
@@ -396,6 +401,7 @@ def test_every_node_checks_every_local_file_of_its_own_copy(tmp_path, monkeypatc
     assert f"{local[0][1]}/{local[0][2]} changed (other bytes, same size)" in errors[0]
 
 
+@pytest.mark.slow
 def test_ranks_waiting_for_rank_0s_resolution_stop_at_their_own_deadline_with_one_line(tmp_path, monkeypatch):
     """Rank 0 resolves a Hub source that does not answer (a rate-limited Hub): rank 1 waits
     data.resolve_timeout_seconds, not the collectives' timeout, and says why in one line."""

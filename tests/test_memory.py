@@ -85,6 +85,7 @@ def run(configs, nproc):
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc,configs", [(1, ONE_PROCESS), (2, TWO_PROCESSES)], ids=["1proc", "2proc"])
 def test_estimate_is_within_15_percent_of_the_measured_peak(nproc, configs):
     results = run(configs, nproc)

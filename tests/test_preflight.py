@@ -58,6 +58,7 @@ def healthy(tmp_path_factory):
     return proc, dump
 
 
+@pytest.mark.slow
 def test_healthy_job_prints_the_table_and_every_check_ok(healthy):
     proc, dump = healthy
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -123,6 +124,7 @@ def faulty(tmp_path_factory):
     return [p.returncode for p in procs], outs, (a / "dump" / "data_manifest.json").read_text()
 
 
+@pytest.mark.slow
 def test_faults_are_named_and_exit_1(faulty):
     codes, (out, other), manifest = faulty
     assert codes == [1, 1], out[-3000:] + other[-3000:]

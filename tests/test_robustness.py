@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -25,6 +27,7 @@ def errors(proc):
     return [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:")]
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_without_saving_it(tmp_path):
     proc = run(tmp_path, "--training.steps", 6, "--optimizer.lr", 1e30, "--lr_scheduler.warmup_steps", 0,
                "--checkpoint.enable", "--checkpoint.interval", 1)
@@ -36,6 +39,7 @@ def test_non_finite_loss_stops_without_saving_it(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
     assert run(tmp_path, "--training.steps", 2, "--checkpoint.enable", "--checkpoint.interval", 2).returncode == 0
 
@@ -58,6 +62,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
     assert proc.returncode == 0 and "resumed from" in proc.stdout
 
 
+@pytest.mark.slow
 def test_second_job_on_the_same_dump_folder_is_refused(tmp_path):
     first = subprocess.Popen(cmd(tmp_path, "--training.steps", 200), cwd=ROOT, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
@@ -89,6 +94,7 @@ def test_dump_folder_that_cannot_be_created(tmp_path):
     assert "job.dump_folder" in line and "Not a directory" in line
 
 
+@pytest.mark.slow
 def test_tokens_never_reach_logs_configs_or_metrics(tmp_path):
     secret = "hf_notarealtoken1234567890"
     proc = run(tmp_path, "--training.steps", 1, env={**os.environ, "HF_TOKEN": secret})
@@ -117,6 +123,7 @@ def alive(pid):
         return False
 
 
+@pytest.mark.slow
 def test_a_frozen_rank_ends_a_2x2_job_within_the_timeout_on_every_group(tmp_path):
     """SIGSTOP one rank of an FSDP 2 x TP 2 job: its TP and FSDP partners wait in the mesh's subgroups (not the
     default group), which must give up after comm.init_timeout_seconds too, each with one line, no traceback."""
@@ -151,6 +158,7 @@ def test_a_frozen_rank_ends_a_2x2_job_within_the_timeout_on_every_group(tmp_path
     assert 'train.py", line' not in out and proc.returncode != 0  # no rank's traceback (torchrun prints its own)
 
 
+@pytest.mark.slow
 def test_a_failed_commit_and_the_step_to_resume_reach_every_rank(tmp_path):
     """Rank 0 alone puts a checkpoint in place, and lists the folder on resume: every rank must learn both. One
     launch of this file as a script, two runs: stale files at step-4 and step-6 (as NFS leaves them) make those
@@ -195,6 +203,7 @@ def two_runs(dump: str):
     train.main(train.load_config(args))
 
 
+@pytest.mark.slow
 def test_a_data_error_on_one_rank_ends_every_rank_with_the_same_line(tmp_path):
     """Stream 1's C4 file is cut off mid-way: only the rank reading it fails, several steps in, inside a
     gradient accumulation (the failing micro-batch is not the step's last); both ranks must end with that

@@ -332,6 +332,7 @@ def test_shellcheck_slurm_scripts():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_two_node_job_completes(jobs):
     job_id, info, dump, log = jobs["reference"]
     out = read(log)
@@ -348,6 +349,7 @@ def test_two_node_job_completes(jobs):
     assert os.path.isdir(os.path.join(dump, "checkpoint", f"step-{STEPS}"))
 
 
+@pytest.mark.slow
 def test_time_limit_checkpoints_requeues_and_resumes_exactly(jobs):
     """The --time=2 job of `jobs`: warned, checkpointed, requeued, resumed, and equal to the reference."""
     job_id, info, dump, log = jobs["timelimit"]
@@ -367,6 +369,7 @@ def test_time_limit_checkpoints_requeues_and_resumes_exactly(jobs):
     assert got == want, next(f"step {a[0]}: {a[1]!r} != {b[1]!r}" for a, b in zip(got, want) if a != b)
 
 
+@pytest.mark.slow
 def test_preflight_job_checks_both_nodes(jobs):
     """sbatch slurm/preflight.sbatch: multinode.sbatch's launch with preflight.py check on the two nodes."""
     job_id, info, dump, log = jobs["preflight"]

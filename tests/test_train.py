@@ -29,6 +29,7 @@ def baseline(tmp_path_factory):
     return train(tmp_path_factory.mktemp("base"), "--training.steps", 3)[1]
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_the_full_batch(baseline, tmp_path):
     _, records = train(tmp_path, "--training.steps", 3, "--training.local_batch_size", 4,
                        "--training.global_batch_size", 8)
@@ -37,6 +38,7 @@ def test_gradient_accumulation_matches_the_full_batch(baseline, tmp_path):
     assert records[-1]["tokens_seen"] == baseline[-1]["tokens_seen"] == 3 * 8 * 256
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, option", [("full", "op"), ("selective", "op"), ("selective", "2")])
 def test_activation_checkpointing_does_not_change_the_math(baseline, tmp_path, mode, option):
     _, records = train(tmp_path, "--training.steps", 3, "--activation_checkpoint.mode", mode,
@@ -81,6 +83,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.slow
 def test_selective_ac_recomputes_no_matmul_and_no_attention():
     """Selective AC (op) keeps every matmul's and attention's output, whichever SDPA kernel the device runs (the
     CPU's too): the same calls as without AC. Full AC runs each block's forward again."""
@@ -93,18 +96,21 @@ def test_selective_ac_recomputes_no_matmul_and_no_attention():
     assert counts["full"][attention[0]] == 12 and counts["full"]["mm"] > counts["none"]["mm"]
 
 
+@pytest.mark.slow
 def test_compile_per_block(baseline, tmp_path):
     _, records = train(tmp_path, "--training.steps", 3, "--compile.enable")
     for a, b in zip(losses(records), losses(baseline)):
         assert a == pytest.approx(b, rel=1e-4)  # fused kernels round differently, not much
 
 
+@pytest.mark.slow
 def test_bf16_mixed_precision_stays_close_to_fp32(baseline, tmp_path):
     _, records = train(tmp_path, "--training.steps", 3, "--training.mixed_precision_param", "bfloat16")
     for a, b in zip(losses(records), losses(baseline)):
         assert a == pytest.approx(b, rel=2e-2)
 
 
+@pytest.mark.slow
 def test_mfu_with_configured_peak_and_tensorboard(tmp_path):
     pytest.importorskip("tensorboard")
     out, records = train(tmp_path, "--training.steps", 2, "--metrics.peak_tflops", "0.5",
@@ -115,6 +121,7 @@ def test_mfu_with_configured_peak_and_tensorboard(tmp_path):
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tb))
 
 
+@pytest.mark.slow
 def test_mfu_is_na_on_cpu_without_a_peak(baseline):
     assert all(r["mfu"] is None for r in baseline)
     # FLOPs per token: 6 x non-embedding params + 12 x layers x heads x head_dim x seq_len
@@ -122,6 +129,7 @@ def test_mfu_is_na_on_cpu_without_a_peak(baseline):
     assert baseline[-1]["tflops"] == pytest.approx(flops_per_token * baseline[-1]["tps"] / 1e12)
 
 
+@pytest.mark.slow
 def test_the_config_goes_to_config_toml_and_one_summary_line(tmp_path):
     out, _ = train(tmp_path, "--training.steps", 1)
     assert "[training]" not in out and (tmp_path / "config.toml").read_text().count("[training]") == 1

@@ -34,6 +34,7 @@ def one_process(tmp_path_factory):
     return (*train(dump, "--metrics.enable_tensorboard", env=ONE_THREAD), dump)
 
 
+@pytest.mark.slow
 def test_validation_rounds_are_reported_and_leave_training_untouched(one_process, tmp_path):
     proc, steps, rounds, dump = one_process
     assert [r["step"] for r in rounds] == [2, 4, 5]  # every freq steps, and at the last step
@@ -55,6 +56,7 @@ def test_validation_rounds_are_reported_and_leave_training_untouched(one_process
     assert none == [] and [r["loss"] for r in without] == [r["loss"] for r in steps]  # bitwise
 
 
+@pytest.mark.slow
 def test_validation_loss_is_the_same_on_fsdp_hsdp_and_tp_and_on_resume(one_process, tmp_path):
     rounds = one_process[2]
     _, _, fsdp = train(tmp_path / "fsdp", "--training.local_batch_size", 4, "--validation.local_batch_size", 2,
@@ -73,6 +75,7 @@ def test_validation_loss_is_the_same_on_fsdp_hsdp_and_tp_and_on_resume(one_proce
     assert steps[-1]["step"] == 5 and steps[-1]["loss"] == steps[-4]["loss"]  # step 5: first run, then the replay
 
 
+@pytest.mark.slow
 def test_a_missing_validation_source_stops_before_training(tmp_path):
     toml = open(os.path.join(ROOT, "configs", "debug_model.toml")).read()
     (tmp_path / "c.toml").write_text(toml.replace("validation/fwe3/*.parquet", "validation/no-such-file/*.parquet"))
@@ -98,6 +101,7 @@ def wandb_records(path):
             buf = b""
 
 
+@pytest.mark.slow
 def test_wandb_offline_gets_the_same_scalars_and_a_resume_continues_the_run(tmp_path):
     pytest.importorskip("wandb")
     env = {"WANDB_MODE": "offline", "WANDB_PROJECT": "test-project", "WANDB_SILENT": "true"}
