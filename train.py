@@ -592,8 +592,8 @@ def init_distributed(cfg: Config, sizes: dict, fake_rank: int = -1):
     mesh["dp_replicate", "dp_shard"]._flatten("dp")  # all ranks that see different data (main's dp group)
     # The mesh's subgroups get the backend's default timeout (NCCL 10 min, gloo 30 min), not the one above: set it
     # on every group, so a rank that freezes ends the job after init_timeout_seconds whichever group waits for it.
-    for group in list(dist.distributed_c10d._world.pg_map) if backend != "fake" else []:
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
+    for group in list(dist.distributed_c10d._world.pg_map) if backend != "fake" else []:  # (set_timeout: torch 2.15)
+        (getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout)(timeout, group)
     return device, mesh
 
 
