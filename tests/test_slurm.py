@@ -8,7 +8,7 @@ slurm/preflight.sbatch (preflight.py check through multinode.sbatch) on the same
 The module starts its own munged, slurmctld and two slurmd (nodes n1 and n2 on this one machine), all on
 127.0.0.1 with state under a pytest tmp folder, and stops them by PID at the end. The slurmds run in a private
 mount namespace whose /etc/hosts maps n1 and n2 to 127.0.0.1, so the jobs can resolve their node names.
-Without root or the packages the cluster tests skip, saying why. About 2.5 minutes on 2 cores (the two jobs run side by side).
+Without root or the packages the cluster tests skip, saying why. About 1.7 minutes on 2 cores (the three jobs run side by side).
 """
 
 import json
@@ -32,9 +32,10 @@ DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sin
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
         "PREEMPTED"}
 
-# Small steps (the debug model at seq 64, 2 sequences per rank: 0.2-0.4 s a step on 2 cores), many of them:
-# the time-limit job must still be training when Slurm's warning comes (up to 45 s after the start, below).
-STEPS = 240
+# Small steps (the debug model at seq 64, 2 sequences per rank: 0.3-0.6 s a step on 2 cores beside the other jobs), just
+# enough of them: the time-limit job must still be training when Slurm's warning comes (up to 45 s after the start,
+# below; here it is at step 30-90 by then), and each step runs twice (the reference too): no more than that margin.
+STEPS = 200
 TRAIN_ARGS = ["--training.steps", str(STEPS), "--training.seq_len", "64", "--training.local_batch_size", "2",
               "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "100000"]
 
@@ -76,7 +77,7 @@ class Cluster:
         t = self.tmp
         for d in ("state", "spool/n1", "spool/n2"):
             os.makedirs(os.path.join(t, d), exist_ok=True)
-        cpus = os.cpu_count() or 1
+        cpus = max(os.cpu_count() or 1, 3)  # the three jobs at once (config_overrides: more than the machine has)
         nodes = "\n".join(f"NodeName={n} NodeAddr=127.0.0.1 Port={free_port()} CPUs={cpus} State=UNKNOWN"
                           for n in NODES)
         with open(self.conf, "w") as f:
@@ -88,8 +89,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# cred_expire also sets how long a requeued job is held (default 120 s)
-AuthInfo=socket={t}/munge.sock,cred_expire=10
+# cred_expire also sets how long a requeued job is held (default 120 s; 5 s here)
+AuthInfo=socket={t}/munge.sock,cred_expire=5
 # only 127.0.0.1, never every interface
 CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
 StateSaveLocation={t}/state
@@ -111,6 +112,7 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 ReturnToService=2
+SlurmdParameters=config_overrides
 SchedulerParameters=sched_interval=5,bf_interval=5
 # a job past its time limit is killed at once, SIGKILL 5 s after SIGTERM
 OverTimeLimit=0
@@ -297,7 +299,7 @@ def jobs(cluster, tmp_path_factory):
     last check before it is due, so 15-45 s after the start: after train.py has installed its handler, while
     it trains, and long before the kill at 120-150 s. It checkpoints, requeues itself and resumes. Side by
     side, the time-limit job's waits (for the warning, for the requeue) overlap the reference's training.
-    A third job, slurm/preflight.sbatch, runs beside them (about 20 s)."""
+    A third job, slurm/preflight.sbatch, runs beside them (about 15 s; each node declares 3 CPUs, so none waits)."""
     dumps = {name: str(tmp_path_factory.mktemp(name)) for name in ("reference", "timelimit", "preflight")}
     ids = {name: cluster.sbatch(name, job_env(cluster), ["--exclusive=user", *extra],
                                 ["--job.dump_folder", dumps[name], *TRAIN_ARGS])
