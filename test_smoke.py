@@ -47,6 +47,8 @@ def test_fsdp_two_processes_trains_and_logs(fsdp_reference):
     assert sum(record["source_tokens"].values()) == 8 * 257  # windows are seq_len + 1 tokens
     assert "flavor = \"debugmodel\"" in open(os.path.join(dump, "config.toml")).read()
     assert sorted(os.listdir(os.path.join(dump, "checkpoint"))) == ["step-10", "step-5"]
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert LOG_LINE.search(f.read()), "README.md's example step line is not what train.py prints"
 
 
 @pytest.mark.slow

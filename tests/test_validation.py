@@ -4,6 +4,7 @@ and the metrics sinks (W&B offline)."""
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -45,6 +46,10 @@ def test_validation_rounds_are_reported_and_leave_training_untouched(one_process
     assert rounds[1]["validation_loss"] < rounds[0]["validation_loss"]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("validate: step 4  loss ")]
     assert len(lines) == 1 and " ppl " in lines[0] and "(c4 " in lines[0] and ", finemath " in lines[0], proc.stdout
+    with open(os.path.join(ROOT, "README.md")) as f:  # its example: the same line, the same held-out tokens
+        readme = next(ln.strip() for ln in f if ln.startswith("validate: step "))
+    assert re.sub(r"\d[\d,.]*", "0", readme) == re.sub(r"\d[\d,.]*", "0", lines[0]), (readme, lines[0])
+    assert readme.split("  ")[-2] == lines[0].split("  ")[-2] == "8,192 tokens", (readme, lines[0])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     tb = EventAccumulator(str(dump / "tb"))
     tb.Reload()
