@@ -7,7 +7,7 @@
         --vary training.local_batch_size=4,8   # one trainer run per combination (--nproc 8: under torchrun)
     python bench.py titan --config configs/debug_model.toml --training.seq_len 512   # vs torchtitan 0.2.2
     python bench.py mask --config configs/debug_model.toml       # block_causal vs causal attention, tokens/s
-    python data.py --config configs/debug_model.toml               # the data loader alone, tokens/s
+    python bench.py loader --config configs/debug_model.toml     # the data loader alone: shares, tokens/s
 
 `python bench.py WHAT --help` lists each one's options; other `--section.key value` arguments go to
 train.py's config. Timings on a shared machine are noisy: `overhead`, `titan` and `mask` alternate their two
@@ -19,12 +19,13 @@ import itertools
 import json
 import os
 import re
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+import memory
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -35,112 +36,28 @@ def fail(msg: str):
     sys.exit(2)
 
 
-# --- the memory estimate: byte counts tied to model.py's ops and train.py's layout (re-check after editing either)
-
-def resident_bytes() -> int:
-    """The process's resident memory now (Linux), or its peak so far elsewhere (close to it at start-up)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # no /proc (macOS): ru_maxrss is in bytes there, KiB on Linux
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-
-
-def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
-    """Bytes per device at the peak of a training step, by part, for eager mode (compile keeps less).
-
-    Weights, gradients and AdamW's two moments are fp32, sharded over dp_shard x tp. At the peak FSDP
-    holds the root's weights (embedding, norm, output) and the last block gathered in the param dtype. Per
-    block and token, backward keeps (counted from model.py's ops; b: bytes of the param dtype, d: dim,
-    kv: kv heads x head_dim, f: FFN hidden; the fp32 copies in RMSNorm and rope are 4 bytes each):
-      AC none 5bd + 2b kv' + 12d + 4kv + 4bf + 4 n_heads, where kv' (the k and v attention keeps) is kv, or
-      d on CUDA in fp32 (model.causal_attention copies the kv heads there); selective op b(5d + 2kv + 2f)
-      (the matmul and attention outputs); full bd (the block input). With AC one block's full set comes back
-      during its backward.
-    The loss keeps fp32 log-probs (tokens x vocab) and its backward holds two more such tensors; under TP
-    (loss parallel) the sharded log-softmax keeps its input, the fp32 logits, too, and the output layer keeps
-    its all-gathered input whole.
-    CPU adds the process's resident memory before the model exists (Python, torch, tokenizer).
-    float8 with enable_fsdp_float8_all_gather gathers the blocks' Linear weights in 1 byte each; activations
-    stay as counted (torchao keeps each Float8Linear's input in high precision for backward).
-    """
-    a, t, p = model.args, cfg.training, cfg.parallelism
-    tp, shards = p.tensor_parallel_degree, sizes["dp_shard"] * p.tensor_parallel_degree
-    b = 2 if t.mixed_precision_param == "bfloat16" else 4
-    n_total, n_block = model.num_params(), sum(q.numel() for q in model.layers[0].parameters())
-    d, kv, f = a.dim, model.layers[0].attention.wk.out_features, model.layers[0].feed_forward.w1.out_features
-    tokens = t.local_batch_size * t.seq_len
-    # With sequence parallelism the norms see tokens / tp; attention and FFN see a tp-th of the heads and
-    # hidden units over all tokens; the inputs gathered for wq/wk/wv and w1/w3 and the partial sums out of
-    # wo and w2 are full size.
-    norm = 2 * (b * d + 4 * d) / tp
-    kv_kept = d if cuda and b == 4 else kv
-    full_block = (norm + (3 * b * d + 2 * b * kv_kept + 4 * d + 4 * kv + 4 * b * f + 4 * a.n_heads) / tp
-                  + (2 * b * d if tp > 1 else 0))
-    saved = {"none": full_block, "full": b * d / tp,  # op: wq, attention, wk, wv, w1, w3 | input | wo, w2
-             "op": b * (2 * d + 2 * kv + 2 * f) / tp + b * d / tp + 2 * b * d}
-    ac = cfg.activation_checkpoint
-    mode = "op" if ac.mode == "selective" and ac.selective_ac_option == "op" else ac.mode
-    if mode == "selective":  # full AC on every Nth block, none on the others
-        n_ac = len(range(0, a.n_layers, int(ac.selective_ac_option)))
-        all_blocks = n_ac * saved["full"] + (a.n_layers - n_ac) * full_block
-    else:
-        all_blocks = a.n_layers * saved[mode]
-    n_linear = sum(q.numel() for q in model.layers[0].parameters() if q.ndim == 2)  # wq wk wv wo w1 w2 w3
-    float8_gather = "float8" in cfg.model.converters and cfg.float8.enable_fsdp_float8_all_gather
-    parts = {"weights": 4 * n_total / shards, "optimizer": 8 * n_total / shards, "gradients": 4 * n_total / shards,
-             "gathered": (b * (n_total - (a.n_layers - 1) * n_block)  # the root and the last block
-                          - (b - 1) * n_linear * float8_gather) / tp,  # float8 all-gather: 1 byte per Linear weight
-             "activations": tokens * (all_blocks + 4 * d / tp + b * d),  # + the final norm, the output's input
-             "loss": tokens * (16 if tp > 1 else 12) * a.vocab_size / tp,  # vocab-sharded under TP (loss parallel)
-             "runtime": 0 if cuda else resident_bytes()}
-    # Two candidate peaks. (1) The loss's backward: every block's activations and the loss tensors (and
-    # the gradients under accumulation; otherwise zero_grad(set_to_none) freed them). (2) A block's
-    # backward: gradients of the blocks above, activations of the blocks below, and the block's own
-    # working set (what AC recomputes, plus about two FFN-sized gradients). It peaks at the top or the
-    # bottom block: linear in between.
-    at_loss = parts["activations"] + parts["loss"] + (parts["gradients"] if sizes["grad_accum"] > 1 else 0)
-    working = tokens * (full_block - (saved[mode] if mode in saved else all_blocks / a.n_layers) + 2 * b * f / tp)
-    grad_out, grad_block = 4 * (model.output.weight.numel() + d) / shards, 4 * n_block / shards
-    if sizes["grad_accum"] > 1:
-        in_blocks = parts["gradients"] + parts["activations"] + working
-    else:
-        in_blocks = working + grad_out + max(grad_block + parts["activations"],
-                                             a.n_layers * grad_block + parts["activations"] / a.n_layers)
-    parts["total"] = (parts["weights"] + parts["optimizer"] + parts["gathered"] + parts["runtime"]
-                      + max(at_loss, in_blocks, parts["gradients"]))
-    return parts
-
-
-def format_estimate(parts: dict) -> str:
-    items = "  ".join(f"{k} {v / 2**30:.2f}" for k, v in parts.items() if k != "total" and v)
-    return f"memory estimate per device: {parts['total'] / 2**30:.2f} GiB ({items} GiB)"
-
-
-def model_and_sizes(extra: list, world_size: int):
-    """The config, a meta-device model (shapes only: any flavor on any machine) and train.validate's sizes."""
+def planned(extra: list, world_size: int):
+    """The config, train.validate's sizes and a meta-device model (shapes only: any flavor on any machine) with the
+    vocabulary the run will have (train.model_args)."""
     import torch
     import train
     from model import Transformer
     cfg = train.load_config(extra)
     sizes = train.validate(cfg, world_size)
     with torch.device("meta"):
-        return cfg, Transformer(train.flavor_args(cfg)), sizes
+        return cfg, Transformer(train.model_args(cfg)), sizes
 
 
-GPUS = [("H100 80 GB", 81559 * 2**20), ("H200 141 GB", 143771 * 2**20)]  # what the devices report (nvidia-smi MiB)
-
-
-def memory(args, extra):
+def estimate(args, extra):  # bench.py memory
     import train
     if args.world_size is None and train.load_config(extra).model.flavor != "debugmodel":
         fail("--world_size is missing: the number of GPUs in the job (e.g. --world_size 8); it sets the sharding")
-    cfg, model, sizes = model_and_sizes(extra, args.world_size or 1)
-    parts = estimate_memory(model, cfg, sizes, cuda=args.device == "cuda")
-    print(format_estimate(parts))
-    for name, capacity in GPUS if args.device == "cuda" else []:  # "fits": 15% left for allocator fragmentation
-        verdict = "fits" if 1.15 * parts["total"] <= capacity else "tight" if parts["total"] <= capacity else "too big"
-        print(f"{name}: {verdict} ({100 * parts['total'] / capacity:.0f}% of its memory)")
+    cfg, model, sizes = planned(extra, args.world_size or 1)
+    parts = memory.estimate_memory(model, cfg, sizes, cuda=args.device == "cuda")
+    print(memory.format_estimate(parts))
+    for name, capacity in memory.GPUS if args.device == "cuda" else []:
+        share = parts["total"] / capacity
+        print(f"{name}: {memory.verdict(parts['total'], capacity)} ({100 * share:.0f}% of its memory)")
 
 
 # --- timings
@@ -200,7 +117,7 @@ def bare_tps(cfg, steps: int, warmup: int) -> float:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.training.seed)
-    model = Transformer(train.flavor_args(cfg)).to(device)
+    model = Transformer(train.model_args(cfg)).to(device)
     model.init_weights()
     if cfg.compile.enable:
         for block in model.layers:
@@ -258,6 +175,48 @@ def startup(args, extra):  # launch to the first metrics.jsonl line (step 1, a s
           f"{run - imp:.2f}s beyond importing torch (medians of {args.repeats}; load average {os.getloadavg()[0]:.2f})")
 
 
+def loader(args, extra):
+    """The data loader alone, one stream, as train.py configures it: the mixture's realised token shares and
+    tokens/s, or --show K packed samples decoded."""
+    import torch  # noqa: F401  (the first batch would import it, and be timed with it)
+    import train
+    from data import DataLoader, Tokenizer
+    from sources import pinned_manifest
+    cfg = train.load_config(extra)
+    train.validate(cfg, world_size=1)
+    d = cfg.data
+    timeout = d.hub_timeout_seconds
+    budget = cfg.comm.init_timeout_seconds  # as train.py's reads retry
+    manifest = pinned_manifest(d.manifest, "", d.sources, [], timeout, budget) if d.manifest else None
+    tok = Tokenizer(cfg.model.tokenizer_path)
+    data = DataLoader(d.sources, tok, cfg.training.seq_len, cfg.training.local_batch_size, 0, 1, 1, d.seed,
+                      d.num_workers, manifest, timeout, budget)
+    try:
+        for i in range(args.show):
+            x, _ = next(data)
+            print(f"--- sample {i} ({x.shape[1]} tokens) ---\n{tok.decode(x[0].tolist())}")
+        if args.show:
+            return
+        t0 = time.perf_counter()
+        next(data)  # the first batch pays for starting workers and opening files: timed on its own
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        n = 0
+        while n < args.tokens:
+            n += next(data)[0].numel()
+        dt = time.perf_counter() - t0
+    finally:
+        data.close()
+    counts = data.source_tokens()
+    weights = sum(s.weight for s in d.sources)
+    for s in d.sources:
+        share = counts[s.name] / sum(counts.values())
+        print(f"{s.name:>16}: {counts[s.name]:>10,} tokens  share {share:6.2%}  (weight {s.weight / weights:6.2%})")
+    workers = f"{d.num_workers} worker(s)" if d.num_workers else "no workers"
+    print(f"loader: {n:,} tokens in {dt:.2f}s = {n / dt:,.0f} tokens/s after a first batch in {first:.2f}s "
+          f"(one stream, {workers})")
+
+
 def matrix(args, extra):
     """One trainer run per combination of the --vary values: a markdown table of what its log says."""
     import torch
@@ -269,8 +228,9 @@ def matrix(args, extra):
     for combo in itertools.product(*choices):
         overrides = [x for name, value in zip(names, combo) for x in (f"--{name}", value)]
         try:  # what `bench.py memory` says for this run
-            cfg, model, sizes = model_and_sizes([*extra, *overrides], args.nproc)
-            estimate = f"{estimate_memory(model, cfg, sizes, cuda=torch.cuda.is_available())['total'] / 2**30:.2f}"
+            cfg, model, sizes = planned([*extra, *overrides], args.nproc)
+            parts = memory.estimate_memory(model, cfg, sizes, cuda=torch.cuda.is_available())
+            estimate = f"{parts['total'] / 2**30:.2f}"
         except train.ConfigError:  # train.py says why in the row
             estimate = "-"
         records, out = run_trainer([*extra, *overrides], args.steps, args.warmup, args.nproc)
@@ -376,7 +336,7 @@ def titan(args, extra):
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # both trainers take a GPU when they see one
-    cfg, model, sizes = model_and_sizes(extra, args.nproc)
+    cfg, model, sizes = planned(extra, args.nproc)
     tokens = sizes["global_batch_size"] * cfg.training.seq_len
     print(f"{cfg.model.flavor} {model.args.n_layers} layers, seq {cfg.training.seq_len}, {tokens:,} tokens per step, "
           f"{args.nproc} processes on {args.device}", flush=True)
@@ -399,7 +359,8 @@ def main(argv: list):
                       ("memory", "the memory estimate per device for any flavor and layout; does it fit a GPU"),
                       ("matrix", "one trainer run per combination of --vary values: a markdown table of its log"),
                       ("titan", "this trainer and torchtitan 0.2.2 in turn, same shapes: the ratio of tokens/s"),
-                      ("mask", "the trainer with block_causal and causal attention in turn: the ratio of tokens/s")]:
+                      ("mask", "the trainer with block_causal and causal attention in turn: the ratio of tokens/s"),
+                      ("loader", "the data loader alone, one stream: realised token shares and tokens/s")]:
         job = sub.add_parser(what, help=doc, description=doc, epilog="Other --section.key value arguments set "
                              "train.py's config (python train.py --help lists them).")
         job.add_argument("--config", action="append", help="train.py's TOML config (e.g. configs/debug_model.toml)")
@@ -418,6 +379,8 @@ def main(argv: list):
                                 help="estimate for this device (cpu adds the process's resident memory)")
     jobs["matrix"].add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=A,B",
                                 help="a config key and its values; several --vary give every combination")
+    jobs["loader"].add_argument("--tokens", type=int, default=1_000_000, help="tokens to read for the timing")
+    jobs["loader"].add_argument("--show", type=int, default=0, help="decode this many packed samples instead")
     jobs["titan"].add_argument("--device", choices=["cuda", "cpu"], help="where both run (default: cuda if visible)")
     a, rest = p.parse_known_args(argv)
     rest = [arg for path in a.config or [] for arg in ("--config", path)] + rest  # train.py refuses two
@@ -437,9 +400,10 @@ def main(argv: list):
         fail(f"{taken[0]} is set by bench.py (use --steps and --warmup); leave it out")
     import train
     try:
-        {"overhead": overhead, "startup": startup, "memory": memory, "matrix": matrix, "titan": titan,
-         "mask": mask}[a.what](a, rest)
-    except train.ConfigError as e:  # a bad key or value: one line
+        commands = {"overhead": overhead, "startup": startup, "memory": estimate, "matrix": matrix, "titan": titan,
+                    "loader": loader, "mask": mask}
+        commands[a.what](a, rest)
+    except (train.ConfigError, train.DataError) as e:  # a bad key, value or data source: one line
         fail(str(e))
 
 

@@ -1,11 +1,9 @@
 """Data: the Llama 3 tokenizer, per-source readers, a token-weighted mixture, packing, loader workers, exact resume.
 Where each source's files are (the Hub, the data manifest) is sources.py's job.
 
-    python data.py --config configs/debug_model.toml            # realised token shares, loader tokens/s
-    python data.py --config configs/debug_model.toml --show 2   # decode 2 packed samples
-    python data.py --config configs/llama3_8b.toml --manifest m.json   # resolve once, write a data manifest
-    python data.py download --config C --to DIR [--tokens N]   # the pinned files a run reads, for [data] mirror
-    python data.py --help                                       # every option
+    python bench.py loader --config configs/debug_model.toml           # realised token shares, loader tokens/s
+    python bench.py loader --config configs/debug_model.toml --show 2  # decode 2 packed samples
+    python download_data.py --config C --world_size N --to DIR         # the pinned files a run reads: a mirror
 
 The stream is cut into `num_streams` logical streams that do not depend on how many GPUs read them:
 stream s reads part s of every source, mixes the sources by tokens and packs them into windows of
@@ -14,7 +12,6 @@ global batch takes the same number of windows from every stream. So one process 
 the same global batch, and resuming with another DP degree that divides num_streams is exact.
 """
 
-import argparse
 import base64
 import binascii
 import functools
@@ -26,16 +23,14 @@ import os
 import queue
 import random
 import signal
-import sys
 import time
 from typing import Optional
 
 import fsspec
 import pyarrow.parquet as pq
 
-from sources import HUB_TIMEOUT, MIB, DataError, DataSource, HubFile, make_manifest, manifest_sha256
-from sources import fetch_file, open_file, pinned_manifest
-from sources import retry_or_raise, source_files, write_manifest
+from sources import HUB_TIMEOUT, MIB, DataError, DataSource, HubFile, make_manifest, open_file
+from sources import retry_or_raise, source_files
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -434,117 +429,3 @@ class DataLoader:
         assert self.workers is None, "load the state before the first batch"
         for s, st in zip(self.stream_ids, self.streams):
             st.load_state_dict(sd[s])
-
-
-def fetch(todo: list, to: str, workers: int, timeout: float, budget: float) -> int:
-    """fetch_file for each (hf:// URL, size), `workers` at once, with a progress bar (bytes, files, rate, ETA)."""
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-    from tqdm import tqdm
-    with tqdm(total=sum(n for _, n in todo), unit="B", unit_scale=True, unit_divisor=1024) as bar, \
-            ThreadPoolExecutor(workers) as pool:
-        jobs = {pool.submit(fetch_file, to, url, size, timeout, budget, bar.update): size for url, size in todo}
-        try:
-            for done, job in enumerate(as_completed(jobs), 1):
-                bar.total -= jobs[job] - job.result()  # a file there before, or its part fetched before: rate, ETA
-                bar.set_postfix_str(f"{done}/{len(jobs)} files")
-        finally:  # on an error, stop at once: the files not started are left for the next run
-            pool.shutdown(wait=False, cancel_futures=True)
-    return sum(job.result() for job in jobs)  # the bytes fetched
-
-
-def download(cfg, held_out: list, tokens: int, streams: int, to: str, workers: int):
-    """data.py download: the run's pinned Hub files into `to` (DIR/<repo id>/<path>): all held-out and eval files, and
-    those each stream reads first for its source's share of `tokens`, with a margin (tokens/byte: the first file)."""
-    timeout, budget = cfg.data.hub_timeout_seconds, cfg.comm.init_timeout_seconds
-    manifest = pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, held_out, timeout, budget)
-    plan = {f: 0 for s in held_out for f in source_files(manifest, s, "validation") if f[0].startswith("hf://")}
-    fetched, tok, total = 0, Tokenizer(cfg.model.tokenizer_path), sum(s.weight for s in cfg.data.sources)
-    for s in cfg.data.sources:
-        files = [tuple(f) for f in source_files(manifest, s) if f[0].startswith("hf://")]
-        if not files:  # a local folder
-            continue
-        orders = [SourceReader(s, files, k, streams, cfg.data.seed)._files()  # too few files: all, split by rows
-                  for k in range(1 if len(files) < streams else streams)]
-        (url, size), fetched = orders[0][0], fetched + fetch(orders[0][:1], to, workers, timeout, budget)
-        reader = SourceReader(s, [(f"{os.path.abspath(to)}::{url}", size)], 0, 1, 0, True)
-        per_byte = sum(len(tok.encode(t)) for t in reader.texts(one_pass=True)) / size
-        need = 1.25 * tokens * s.weight / total / len(orders)  # per stream, with a quarter more as the margin
-        for order in orders:  # each stream's files, as it reads them, until they cover its share
-            have = 0.0
-            for i, (url, size) in enumerate(order):
-                if have >= need:
-                    break
-                plan[(url, size)], have = min(plan.get((url, size), i), i), have + size * per_byte
-    fetched += fetch(sorted(plan, key=plan.get), to, workers, timeout, budget)  # the streams' first files first
-    print(f"{to}: {len(plan):,} files, {sum(n for _, n in plan):,} bytes ({fetched:,} fetched now) for {tokens:,} "
-          f"tokens; run from it with --data.mirror {to} ([data] mirror), HF_HUB_OFFLINE=1 where no Hub is")
-
-
-def main(argv=None):
-    """The data loader alone, with train.py's config (read through config.py, checked by train.validate)."""
-    import train  # here, not at the top: train.py imports this module
-    p = argparse.ArgumentParser(prog="data.py", description=__doc__.split("\n")[0], allow_abbrev=False, epilog=(
-        "Every other --section.key value sets train.py's config as for training; this reads --model.tokenizer_path, "
-        "--training.seq_len, --training.local_batch_size, --data.seed, --data.num_streams (one stream is read, all by "
-        "download), --data.num_workers, --data.manifest, --data.hub_timeout_seconds, --comm.init_timeout_seconds (the "
-        "retries' budget) and the [[data.sources]] (python train.py --help lists them)."))
-    p.add_argument("--config", action="append", help="train.py's TOML config, e.g. configs/debug_model.toml")
-    p.add_argument("--show", type=int, default=0, help="decode this many packed samples instead of timing")
-    p.add_argument("--tokens", type=int, help="tokens to read for the shares and tokens/s (default 1,000,000); "
-                   "download: to fetch the files for (default: training.steps x global batch x seq_len)")
-    p.add_argument("--manifest", metavar="PATH", help="resolve the training, validation and eval sources and write "
-                   "their data manifest here (for train.py's [data] manifest), without reading any data")
-    p.add_argument("--to", metavar="DIR", help="download: the mirror folder, DIR/<repo id>/<path> ([data] mirror)")
-    p.add_argument("--workers", type=int, default=8, help="download: files fetched at once")
-    p.add_argument("--world_size", type=int, default=1, help="download: the run's GPUs (its batch and streams)")
-    argv = sys.argv[1:] if argv is None else argv
-    args, rest = p.parse_known_args(argv[argv[:1] == ["download"]:])
-    cfg = train.load_config([x for path in args.config or [] for x in ("--config", path)] + rest)  # as train.py
-    sizes = train.validate(cfg, world_size=args.world_size)
-    sources, validation = cfg.data.sources, cfg.validation.sources + train.evals.sources(cfg.eval)  # [eval]'s tasks too
-    timeout, budget = cfg.data.hub_timeout_seconds, cfg.comm.init_timeout_seconds  # as train.py waits and retries
-    if argv[:1] == ["download"]:
-        if not args.to:
-            raise DataError("data.py download needs --to DIR, the folder to fetch the run's files into")
-        return download(cfg, validation, args.tokens or cfg.training.steps * sizes["global_batch_size"] *
-                        cfg.training.seq_len, cfg.data.num_streams or sizes["dp"], args.to, args.workers)
-    if args.manifest:
-        write_manifest(manifest := make_manifest(sources, validation, timeout, budget), args.manifest)
-        for e in manifest["data"] + manifest["validation"]:
-            print(f"{e['name']:>16}: {len(e['files']):>6,} files {sum(f[1] for f in e['files']):>18,} bytes  "
-                  + (f"{e['path']}@{e['commit']}" if e["commit"] else e["path"]))
-        return print(f"wrote {args.manifest} (sha256 {manifest_sha256(manifest)}); use it with [data] manifest")
-    manifest = pinned_manifest(cfg.data.manifest, "", sources, [], timeout, budget) if cfg.data.manifest else None
-    tok, workers = Tokenizer(cfg.model.tokenizer_path), cfg.data.num_workers
-    loader = DataLoader(sources, tok, cfg.training.seq_len, cfg.training.local_batch_size, 0, 1, 1,
-                        cfg.data.seed, workers, manifest, timeout, budget)
-    import torch  # noqa: F401  (imported by the first batch otherwise, and timed with it)
-    try:
-        for i in range(args.show):
-            x, _ = next(loader)
-            print(f"--- sample {i} ({x.shape[1]} tokens) ---\n{tok.decode(x[0].tolist())}")
-        if args.show:
-            return
-        t0 = time.perf_counter()
-        next(loader)  # the first batch pays for starting workers and opening files: timed on its own
-        first, t0, n = time.perf_counter() - t0, time.perf_counter(), 0
-        while n < (args.tokens or 1_000_000):
-            n += next(loader)[0].numel()
-        dt = time.perf_counter() - t0
-    finally:
-        loader.close()
-    counts = loader.source_tokens()
-    for s in sources:
-        print(f"{s.name:>16}: {counts[s.name]:>10,} tokens  share {counts[s.name] / sum(counts.values()):6.2%}  "
-              f"(weight {s.weight / sum(x.weight for x in sources):6.2%})")
-    print(f"loader: {n:,} tokens in {dt:.2f}s = {n / dt:,.0f} tokens/s after a first batch in {first:.2f}s "
-          f"(one stream, {f'{workers} worker(s)' if workers else 'no workers'})")
-
-
-if __name__ == "__main__":
-    from config import ConfigError
-    try:
-        main()
-    except (ConfigError, DataError) as e:  # the user's input, not a bug: one line
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)

@@ -36,16 +36,14 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-import bench
 import float8
+import memory
 import train
 from checkpoint import Checkpointer
 from config import ConfigError
-from data import Tokenizer
 from model import Transformer
 
 GIB = 2**30
-LLAMA3_BOS = 128000  # <|begin_of_text|> of Meta's tokenizer, when its file is not on this machine
 
 
 class LiveStorages(TorchDispatchMode):
@@ -113,21 +111,13 @@ class NoData:
         return {}
 
 
-def model_args(cfg):
-    """The trainer's ModelArgs: the tokenizer's vocabulary and BOS, or the flavor's (Llama 3's) without it."""
-    if os.path.exists(cfg.model.tokenizer_path):
-        tokenizer = Tokenizer(cfg.model.tokenizer_path)
-        return train.flavor_args(cfg, tokenizer.n_words, tokenizer.bos_id)
-    return train.flavor_args(cfg, bos_id=LLAMA3_BOS)
-
-
 def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
     """train.main's set-up and two steps as `rank`, under fake tensors (`counter` counts their memory). Two: AdamW
     makes its moments (2 x fp32 per parameter shard) inside the first optimizer.step, so only the second step's
     forward and backward hold them, as every later step's does: its peak is the steady state's."""
     device, mesh = train.init_distributed(cfg, sizes, fake_rank=rank)
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    args, t, tp = model_args(cfg), cfg.training, cfg.parallelism.tensor_parallel_degree
+    args, t, tp = train.model_args(cfg), cfg.training, cfg.parallelism.tensor_parallel_degree
     torch.manual_seed(t.seed)
     with torch.device("meta"):
         model = Transformer(args)
@@ -220,11 +210,6 @@ def dry_run(cfg, world_size: int, ranks=None) -> list:
     return results
 
 
-def verdict(total: float, capacity: float) -> str:
-    """bench.py memory's rule: "fits" leaves 15% for the allocator's fragmentation."""
-    return "fits" if 1.15 * total <= capacity else "tight" if total <= capacity else "too big"
-
-
 HELP = ("train.py's set-up and two steps (the second holds the optimizer's state) at the job's world size, as rank 0 "
         "and the last rank: steady-state memory per rank")
 EPILOG = ("One CPU process, no GPU; train.py's config rules for GPUs apply (H100-class: float8 matmuls). Other "
@@ -253,7 +238,7 @@ def run(world_size: int, rest: list) -> int:
         return failed["code"]
     par = cfg.parallelism
     with torch.device("meta"):
-        model = Transformer(model_args(cfg))
+        model = Transformer(train.model_args(cfg))
     print(f"dryrun: model {cfg.model.flavor} ({model.num_params():,} parameters), world {world_size} = "
           f"dp_replicate {par.data_parallel_replicate_degree} x dp_shard {sizes['dp_shard']} x tp "
           f"{par.tensor_parallel_degree}, grad accumulation {sizes['grad_accum']}, activation checkpoint "
@@ -266,12 +251,12 @@ def run(world_size: int, rest: list) -> int:
               f"{r['written'] / GIB:.2f} GiB from this rank")
     print("not counted: NCCL's buffers, the CUDA context, the caching allocator's fragmentation, compile's "
           "workspaces, a validation or eval round; \"fits\" keeps 15% of the GPU free for them")
-    estimate = bench.estimate_memory(model, cfg, sizes, cuda=True)
-    print(f"bench.py memory's {bench.format_estimate(estimate)}")
+    estimate = memory.estimate_memory(model, cfg, sizes, cuda=True)
+    print(f"bench.py memory's {memory.format_estimate(estimate)}")
     peak = max(r["peak"] for r in results)
-    for name, capacity in bench.GPUS:
-        print(f"{name}: {verdict(peak, capacity)} ({100 * peak / capacity:.0f}% of its memory at the dry run's "
-              f"peak; {verdict(estimate['total'], capacity)} by the estimate)")
+    for name, capacity in memory.GPUS:
+        print(f"{name}: {memory.verdict(peak, capacity)} ({100 * peak / capacity:.0f}% of its memory at the dry run's "
+              f"peak; {memory.verdict(estimate['total'], capacity)} by the estimate)")
     print(f"dryrun took {time.perf_counter() - t0:.1f} s")
     return 0
 

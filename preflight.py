@@ -29,12 +29,19 @@ import torch.distributed as dist
 import checkpoint
 import data
 import dryrun
+import memory
 import sources
 import train
-from bench import estimate_memory, fail, model_and_sizes
 from metrics import peak_tflops
+from model import Transformer
 
 SLOW_RANK = "PREFLIGHT_TEST_SLOW_RANK"  # FOR TESTS ONLY: that rank sleeps inside its matmul timing (20x slower)
+
+
+def fail(msg: str):
+    """A bad config or data source: one line and exit 2, as train.py ends."""
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
 
 
 def matmul_tflops(device, rank: int) -> float:
@@ -195,8 +202,11 @@ def read_share(cfg, manifest: dict, fresh: list, part: int, parts: int) -> dict:
 
 def check(args, extra):
     t0, world, rank = time.perf_counter(), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    cfg, model, sizes = model_and_sizes(extra, world)
-    parts = estimate_memory(model, cfg, sizes, cuda=True)  # a checkpoint: fp32 weights and AdamW's two moments
+    cfg = train.load_config(extra)
+    sizes = train.validate(cfg, world)
+    with torch.device("meta"):
+        model = Transformer(train.model_args(cfg))
+    parts = memory.estimate_memory(model, cfg, sizes, cuda=True)  # a checkpoint: fp32 weights and AdamW's moments
     ckpt = (parts["weights"] + parts["optimizer"]) * sizes["dp_shard"] * cfg.parallelism.tensor_parallel_degree
     device, _ = train.init_distributed(cfg, sizes)  # the trainer's device choice, process group and mesh
 

@@ -6,7 +6,7 @@ the data manifest, and read back byte for byte. data.py turns what is read here 
     pinned_manifest       the run's data_manifest.json: made once by rank 0 at the first start, read on resume
     verify_manifest       local files still the bytes the manifest recorded
     open_file             one file of the manifest: HubFile (ranged GETs at the pinned commit), its checked copy in
-                          [data] mirror (fetch_file's, for `data.py download`), or fsspec
+                          [data] mirror (fetch_file's, for `download_data.py`), or fsspec
 """
 
 import contextlib
@@ -242,7 +242,8 @@ def source_files(manifest: dict, src: DataSource, section: str = "data") -> list
     if e is None:
         raise DataError(f"the data manifest has no {section} source {src.name!r} as configured (path={src.path!r} "
                         f"config={src.config!r} data_files={src.data_files!r} split={src.split!r}): it was made for "
-                        "other sources; make a new one (python data.py --config C --manifest PATH) for a new run")
+                        "other sources; make a new one (python download_data.py --config C --manifest PATH) "
+                        "for a new run")
     at = f"hf://datasets/{e['path']}@{e['commit']}/" if e["commit"] else ""
     at = f"{os.path.abspath(manifest['mirror'])}::{at}" if at and manifest.get("mirror") else at  # read there first
     return [(at + name if at else os.path.join(e["path"], name), size) for name, size, *_ in e["files"]]
@@ -263,8 +264,8 @@ def pinned_manifest(given: str, dump_folder: str, sources, validation, timeout: 
             source_files(manifest, s, "data")
         new = [s for s in validation if manifest_entry(manifest, s, "validation") is None]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        fix = ("make it with python data.py --config C --manifest PATH" if given else "delete it (this run's data "
-               "then is resolved again: only if no checkpoint is in the dump folder) or use a new dump_folder")
+        fix = ("make it with python download_data.py --config C --manifest PATH" if given else "delete it (the "
+               "data is then resolved again: only with no checkpoint in the dump folder) or use a new dump_folder")
         raise DataError(f"data manifest {path} cannot be used: {str(e)[:300]}; {fix}".replace("\n", " "))
     if new:  # validation sources are pinned when first used: a resume may add one (or drop one)
         manifest["validation"] += [resolve_source(s, timeout, budget) for s in new]
@@ -297,8 +298,8 @@ def shared_manifest(store, rank: int, wait: float, make):
         store.wait([key], timedelta(seconds=wait))
     except RuntimeError as e:  # c10d's DistStoreError
         raise DataError(f"rank {rank} waited data.resolve_timeout_seconds = {wait} s for rank 0 to resolve the data: "
-                        "raise it, or make the manifest before the job (python data.py --config C --manifest PATH; "
-                        "[data] manifest = PATH)") from e
+                        "raise it, or make the manifest before the job (python download_data.py --config C "
+                        "--manifest PATH; [data] manifest = PATH)") from e
     return json.loads(zlib.decompress(store.get(key)))
 
 
@@ -377,7 +378,7 @@ def open_file(path: str, size: int, timeout: float = HUB_TIMEOUT):
             return open(local, "rb")
         if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):  # as huggingface_hub reads it
             raise DataError(f"{mirror_paths(mirror, url)[0]} is not in the data mirror (HF_HUB_OFFLINE=1): fetch it "
-                            f"with python data.py download --config C --to {mirror} --tokens N (all the run's tokens)")
+                            f"with python download_data.py --config C --world_size N --to {mirror}")
         path = url  # not mirrored: read from the Hub
     if path.startswith("hf://"):
         return HubFile(path, size, timeout)
@@ -391,7 +392,7 @@ HF_URL = r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)"
 
 
 def mirror_paths(mirror: str, url: str) -> tuple:
-    """A pinned Hub file's place in a mirror, and the record of data.py download's checks (outside the repos' tree)."""
+    """A pinned Hub file's place in a mirror, and the record of download_data.py's checks (outside the repos' tree)."""
     repo, _, name = re.fullmatch(HF_URL, url).groups()
     return os.path.join(mirror, repo, name), os.path.join(mirror, ".verified", repo, name + ".json")
 
@@ -409,7 +410,7 @@ def mirrored(mirror: str, url: str, size: int) -> str:
         return ""  # the mirror holds the file at another commit
     if (now := os.path.getsize(local)) != size or done["size"] != size or ends_sha256(local, size) != done["ends"]:
         what = f"is {now:,} bytes, not {size:,} (size check)" if now != size else "is damaged (sha256 check)"
-        raise DataError(f"data mirror file {local} {what}: delete it and run data.py download again")
+        raise DataError(f"data mirror file {local} {what}: delete it and run download_data.py again")
     return local
 
 

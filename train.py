@@ -158,8 +158,8 @@ class Data:
     seed: int = 1234  # seeds the file order of every source (a new order each epoch)
     num_streams: int = 0  # logical data streams (a multiple of the DP degree); 0: the DP degree
     num_workers: int = 0  # loader processes per rank that read and tokenize ahead; 0: in the training process
-    manifest: str = ""  # a manifest from `data.py --manifest PATH`; empty: dump_folder/data_manifest.json, made at the first start
-    mirror: str = ""  # a folder from `data.py download --to DIR`: the pinned Hub files it holds are read there, checked
+    manifest: str = ""  # a manifest from `download_data.py --manifest PATH`; empty: dump_folder/data_manifest.json, made at the first start
+    mirror: str = ""  # a folder from `download_data.py --to DIR`: the pinned Hub files it holds are read there, checked
     hub_timeout_seconds: float = 60.0  # a Hub read that gets no byte for this long is retried from where it was
     resolve_timeout_seconds: int = 1800  # the other ranks wait this long for rank 0 to resolve the sources (first start)
     sources: list[DataSource] = field(default_factory=list)  # [[data.sources]] tables: name, path, config, data_files, split, revision, text_column, weight
@@ -209,6 +209,20 @@ def flavor_args(cfg: Config, vocab_size: int = 0, bos_id=None):
     args = flavors[cfg.model.flavor]
     return dataclasses.replace(args, n_layers=cfg.model.n_layers or args.n_layers, bos_id=bos_id,
                                vocab_size=vocab_size or args.vocab_size, attn_mask_type=cfg.model.attn_mask_type)
+
+
+LLAMA3_BOS = 128000  # <|begin_of_text|> of Meta's tokenizer: model_args' BOS when the file is not on this machine
+
+
+def model_args(cfg: Config, tokenizer=None):
+    """The model this config trains: the flavor's shapes with the tokenizer's vocabulary and BOS (train.py's rule).
+    Programs that plan or measure a run (bench.py, the dry run, preflight) build theirs here too, so they count
+    the vocabulary the run will have; on a machine without the tokenizer file they get Llama 3's."""
+    if tokenizer is None and os.path.exists(cfg.model.tokenizer_path):
+        tokenizer = Tokenizer(cfg.model.tokenizer_path)
+    if tokenizer is None:
+        return flavor_args(cfg, bos_id=LLAMA3_BOS)
+    return flavor_args(cfg, tokenizer.n_words, tokenizer.bos_id)
 
 
 def validate(cfg: Config, world_size: int) -> dict:
@@ -628,15 +642,15 @@ def main(cfg: Config):
     torch.manual_seed(cfg.training.seed)
 
     # --- 3. model: on the meta device, so no rank ever holds the full unsharded weights ---------------------
-    model_args = flavor_args(cfg, tokenizer.n_words, tokenizer.bos_id)  # the vocabulary follows the tokenizer
     with torch.device("meta"):
-        model = Transformer(model_args)
+        model = Transformer(model_args(cfg, tokenizer))  # the vocabulary follows the tokenizer
+    args = model.args
     # FLOPs per token, forward + backward: 6 per non-embedding weight plus attention scores (causal
     # attention counted as full, as in the PaLM/torchtitan MFU convention).
     flops_per_token = (6 * model.num_params(exclude_embedding=True)
-                       + 12 * model_args.n_layers * model_args.dim * cfg.training.seq_len)
+                       + 12 * args.n_layers * args.dim * cfg.training.seq_len)
     logger.info(f"{cfg.job.description + ': ' if cfg.job.description else ''}model {cfg.model.flavor} "
-                f"({model.num_params():,} parameters, vocab {model_args.vocab_size:,}), world {world_size} = "
+                f"({model.num_params():,} parameters, vocab {args.vocab_size:,}), world {world_size} = "
                 f"dp_replicate {p.data_parallel_replicate_degree} x dp_shard {sizes['dp_shard']} x tp "
                 f"{p.tensor_parallel_degree}, grad accumulation {sizes['grad_accum']}; config in "
                 f"{os.path.join(cfg.job.dump_folder, 'config.toml')}")
@@ -657,7 +671,7 @@ def main(cfg: Config):
 
     # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path -----------
     checkpointer = Checkpointer(cfg.checkpoint, os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder),
-                                run_keys(cfg, model_args, sizes, manifest), cfg.training.steps, model, optimizer,
+                                run_keys(cfg, args, sizes, manifest), cfg.training.steps, model, optimizer,
                                 scheduler, loader, {"model.converters": cfg.model.converters},  # float8 on/off: logged
                                 timedelta(seconds=cfg.comm.init_timeout_seconds))
     step, tokens_seen = checkpointer.resume()
@@ -667,9 +681,9 @@ def main(cfg: Config):
     except DataError as e:
         error = str(e)
     agree(error, device)
-    windows, tasks = evals.read_once(cfg, tokenizer, model_args.max_seq_len, manifest, device)
+    windows, tasks = evals.read_once(cfg, tokenizer, args.max_seq_len, manifest, device)
     heldout = evals.heldout_share(windows, cfg.validation.local_batch_size, dp_rank, dp,
-                                  partial(ignore_boundaries, args=model_args))
+                                  partial(ignore_boundaries, args=args))
     if step >= cfg.training.steps:
         logger.info(f"the run is at step {step} of training.steps = {cfg.training.steps}: nothing left to do "
                     "(raise --training.steps to train further)")
@@ -698,7 +712,7 @@ def main(cfg: Config):
                 inputs = labels = torch.zeros(cfg.training.local_batch_size, cfg.training.seq_len, dtype=torch.long)
             data_time += time.perf_counter() - t0
             batches.append((inputs.to(device, non_blocking=True),
-                            ignore_boundaries(labels, model_args).to(device, non_blocking=True)))
+                            ignore_boundaries(labels, args).to(device, non_blocking=True)))
         counted = sum((y != -100).sum() for _, y in batches).float()
         dist.all_reduce(counted, group=dp_mesh.get_group())  # over the global batch (TP ranks hold the same)
         counted_sum += counted

@@ -161,7 +161,7 @@ def test_titan_runs_torchtitan_on_our_shapes_and_tokens_per_step(tmp_path):
     import bench as b
     import data
 
-    cfg, model, sizes = b.model_and_sizes(["--config", os.path.join(ROOT, "configs/debug_model.toml"),
+    cfg, model, sizes = b.planned(["--config", os.path.join(ROOT, "configs/debug_model.toml"),
                                            "--training.seq_len", "512", "--activation_checkpoint.mode", "selective"], 2)
     args = argparse.Namespace(nproc=2, steps=30, warmup=10, device="cpu")
     cmd = b.titan_command(cfg, model.args, sizes, args, str(tmp_path))

@@ -147,15 +147,15 @@ def test_local_json_and_parquet_folders_and_errors(tok, tmp_path):
 
 
 @pytest.mark.slow
-def test_data_cli_prints_shares_and_throughput():
+def test_bench_loader_prints_shares_and_throughput():
     # HF_HUB_OFFLINE=1 with local folders in the hub's layout: nothing may try the network.
-    out = subprocess.run([sys.executable, "data.py", "--config", "configs/debug_model.toml", "--tokens", "200000"],
+    out = subprocess.run([sys.executable, "bench.py", "loader", "--config", "configs/debug_model.toml", "--tokens", "200000"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr
     assert "share" in out.stdout and "tokens/s" in out.stdout and "finemath" in out.stdout
-    # `python data.py` reads train.py's config (config.py's parser) and takes --section.key overrides
-    show = subprocess.run([sys.executable, "data.py", "--config", "configs/debug_model.toml", "--show", "1",
+    # `python bench.py loader` reads train.py's config (config.py's parser) and takes --section.key overrides
+    show = subprocess.run([sys.executable, "bench.py", "loader", "--config", "configs/debug_model.toml", "--show", "1",
                            "--training.seq_len=64"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert show.stdout.startswith("--- sample 0 (64 tokens) ---\n<|begin_of_text|>"), show.stderr
 
@@ -234,9 +234,9 @@ def test_loader_workers_give_the_same_stream_and_resume_exactly(tok, sources, wo
 
 
 @pytest.mark.slow
-def test_data_cli_bad_input_is_one_line(tmp_path):
+def test_bench_loader_bad_input_is_one_line(tmp_path):
     def cli(*args):
-        return subprocess.run([sys.executable, "data.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return subprocess.run([sys.executable, "bench.py", "loader", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
     out = cli("--config", "configs/debug_model.toml", "--model.tokenizer_path", "missing.model")
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [

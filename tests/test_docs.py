@@ -17,7 +17,7 @@ sys.path.insert(0, ROOT)
 import train  # noqa: E402
 
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
-TOOLS = ("bench", "data", "checkpoint_convert", "preflight")
+TOOLS = ("bench", "download_data", "checkpoint_convert", "preflight")
 # Not in the repo, made by a documented command (python download_tokenizer.py ... --tokenizer_path original).
 MADE_BY_USER = {"assets/tokenizer/original/tokenizer.model"}
 # Wrong on purpose: docs/internals.md's example of an abbreviation argparse refuses.
@@ -44,7 +44,7 @@ def tool_parser(tool: str) -> argparse.ArgumentParser:
     argparse.ArgumentParser.parse_args = argparse.ArgumentParser.parse_known_args = grab
     try:
         module = __import__(tool)
-        {"bench": lambda: module.main([]), "preflight": lambda: module.main([]), "data": lambda: module.main([]),
+        {"bench": lambda: module.main([]), "preflight": lambda: module.main([]), "download_data": lambda: module.main([]),
          "checkpoint_convert": lambda: module.main([])}[tool]()
     except _Parsed as got:
         return got.parser
@@ -54,7 +54,7 @@ def tool_parser(tool: str) -> argparse.ArgumentParser:
 
 
 def subcommands(parser) -> dict:
-    """{name: subparser}; empty for a tool without subcommands (data.py)."""
+    """{name: subparser}; empty for a tool without subcommands (download_data.py)."""
     return {name: p for a in parser._actions if isinstance(a, argparse._SubParsersAction) for name, p in a.choices.items()}
 
 
@@ -145,12 +145,12 @@ def test_a_typo_is_caught(refs):
     assert {"overhead", "memory", "titan"} <= set(subcommands(parsers["bench"]))  # read from the parser
     assert {"torch2dcp", "dcp2hf"} <= set(subcommands(parsers["checkpoint_convert"]))
     good = ("`--training.steps 10`, `[checkpoint] enable = true`, `python bench.py memory --world_size 8`, "
-            "`python data.py --show 2`, `checkpoint_convert.py dcp2torch --dtype bfloat16`, `configs/debug_model.toml`, "
+            "`python bench.py loader --show 2`, `checkpoint_convert.py dcp2torch --dtype bfloat16`, `configs/debug_model.toml`, "
             "`configs/llama3_{1b,8b}.toml`, `slurm/env/<name>.sh`, `bench.py`, [x](docs/slurm.md#resizing)")
     assert problems("README.md", good, keys, parsers) == []
     for typo in ["`--training.stpes 10`", "--trainng.steps", "`[checkpoint] enabled = true`",
-                 "`python bench.py memroy`", "`python bench.py memory --world-size 8`", "`python data.py --shows 2`",
-                 "`python data.py --data.sead 1`", "`checkpoint_convert.py dcp2torh`", "`checkpoint_convert.py dcp2hf --dtype x`",
+                 "`python bench.py memroy`", "`python bench.py memory --world-size 8`", "`python bench.py loader --shows 2`",
+                 "`python download_data.py --data.sead 1`", "`checkpoint_convert.py dcp2torh`", "`checkpoint_convert.py dcp2hf --dtype x`",
                  "`configs/llama3_8.toml`", "`configs/llama3_{1b,9b}.toml`", "see tests/test_nothing.py", "`trian.py`",
                  "[x](docs/slurn.md)", "[x](docs/slurm.md#resising)", "[x](#no-such-heading)"]:
         assert problems("README.md", typo, keys, parsers), typo

@@ -259,11 +259,12 @@ def test_config_lists_and_the_conversion_keep_meta_names():
 
 def test_memory_estimate_counts_the_float8_all_gather():
     import bench
+    import memory
     base = ["--config", "configs/llama3_8b.toml", "--training.mixed_precision_param", "bfloat16"]
-    cfg, model, sizes = bench.model_and_sizes(base, 8)
-    plain = bench.estimate_memory(model, cfg, sizes, cuda=True)
-    cfg, model, sizes = bench.model_and_sizes(base + FSDP_F8, 8)
-    f8 = bench.estimate_memory(model, cfg, sizes, cuda=True)
+    cfg, model, sizes = bench.planned(base, 8)
+    plain = memory.estimate_memory(model, cfg, sizes, cuda=True)
+    cfg, model, sizes = bench.planned(base + FSDP_F8, 8)
+    f8 = memory.estimate_memory(model, cfg, sizes, cuda=True)
     linear = sum(q.numel() for q in model.layers[0].parameters() if q.ndim == 2)  # one block's Linear weights
     assert plain["gathered"] - f8["gathered"] == linear  # 2 bytes -> 1 for the gathered block
     assert plain["activations"] == f8["activations"]

@@ -319,10 +319,10 @@ def test_hf_token_is_sent_as_a_header_and_never_printed(hub, tok, monkeypatch, c
 
 
 @pytest.mark.slow
-def test_data_cli_streams_the_8b_config_from_the_hub(hub, tmp_path):
+def test_bench_loader_streams_the_8b_config_from_the_hub(hub, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
     env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf"), HF_TOKEN=TOKEN)
-    out = subprocess.run([sys.executable, "data.py", "--config", "configs/llama3_8b.toml", "--tokens", "40000",
+    out = subprocess.run([sys.executable, "bench.py", "loader", "--config", "configs/llama3_8b.toml", "--tokens", "40000",
                           "--model.tokenizer_path", "assets/tokenizer/tokenizer.model"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr

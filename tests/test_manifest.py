@@ -23,6 +23,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import data  # noqa: E402
+import download_data  # noqa: E402
 import sources  # noqa: E402
 from sources import DataError, DataSource  # noqa: E402
 from hub_fixture import Hub, _jsonl_gz, _parquet, make_repos, point_libraries_at, push  # noqa: E402
@@ -135,8 +136,8 @@ def test_a_commit_pushed_between_save_and_resume_is_not_read(hub_job):
 
 
 @pytest.mark.slow
-def test_a_run_moves_from_the_hub_to_a_mirror_that_data_py_download_made_and_stays_exact(tmp_path, monkeypatch):
-    """A 2-rank run on Hub sources, 6 steps with a save at 3; `data.py download` fetches what steps 1-6 read (killed
+def test_a_run_moves_from_the_hub_to_a_mirror_that_download_data_py_made_and_stays_exact(tmp_path, monkeypatch):
+    """A 2-rank run on Hub sources, 6 steps with a save at 3; `download_data.py` fetches what steps 1-6 read (killed
     once, then run again: finished files are not fetched again); the run resumes from step 3 with the Hub gone and
     HF_HUB_OFFLINE=1, reading the mirror: steps 4-6 are the Hub run's, bit for bit. Then a damaged mirror file."""
     repos = make_repos()
@@ -149,7 +150,7 @@ def test_a_run_moves_from_the_hub_to_a_mirror_that_data_py_download_made_and_sta
     env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0"}
     args = ("--training.steps", 6, "--checkpoint.interval", 3, "--validation.freq", 6, "--validation.sequences", 4,
             "--validation.local_batch_size", 4)
-    download = [sys.executable, "data.py", "download", "--config", str(config), "--to", str(mirror), "--workers", 2,
+    download = [sys.executable, "download_data.py", "--config", str(config), "--to", str(mirror), "--workers", 2,
                 "--world_size", 2, "--job.dump_folder", str(dump), *TRAIN, *args, "--model.tokenizer_path",
                 meta_tokenizer()]
     try:
@@ -189,7 +190,7 @@ def test_a_run_moves_from_the_hub_to_a_mirror_that_data_py_download_made_and_sta
     original = local.read_bytes()
     local.write_bytes(original[:-1])
     with pytest.raises(DataError, match=rf"data mirror file {re.escape(str(local))} is {size - 1:,} bytes, not "
-                                        rf"{size:,} \(size check\): delete it and run data.py download again"):
+                                        rf"{size:,} \(size check\): delete it and run download_data.py again"):
         sources.open_file(url, size)
     local.write_bytes(original[:100] + bytes([original[100] ^ 1]) + original[101:])
     with pytest.raises(DataError, match=r"is damaged \(sha256 check\)"):
@@ -197,11 +198,11 @@ def test_a_run_moves_from_the_hub_to_a_mirror_that_data_py_download_made_and_sta
     os.remove(mirror / ".verified" / "allenai" / "c4" / (name + ".json"))  # not in the mirror: offline, one line
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(DataError, match=rf"{re.escape(str(local))} is not in the data mirror \(HF_HUB_OFFLINE=1\): "
-                                        r"fetch it with python data.py download --config C --to"):
+                                        r"fetch it with python download_data.py --config C --world_size N --to"):
         sources.open_file(url, size)
 
 
-def test_data_py_download_fetches_the_files_the_stream_reads_first_and_more_for_more_tokens(tmp_path, monkeypatch):
+def test_download_data_fetches_the_files_the_stream_reads_first_and_more_for_more_tokens(tmp_path, monkeypatch):
     """In-process, one stream: a few tokens fetch the stream's first file; more tokens add the next ones in the order
     the stream reads them (the seed's shuffle), without fetching the first again."""
     hub = Hub(make_repos())
@@ -209,13 +210,13 @@ def test_data_py_download_fetches_the_files_the_stream_reads_first_and_more_for_
     debug = open(os.path.join(ROOT, "configs", "debug_model.toml")).read()
     (tmp_path / "c4.toml").write_text(debug[:debug.index("[[data.sources]]")] + '[[data.sources]]\nname = "c4"\n'
                                       'path = "allenai/c4"\ndata_files = "en/c4-train.*.json.gz"\n')
-    args = ["download", "--config", str(tmp_path / "c4.toml"), "--to", str(tmp_path / "mirror"), "--workers", "1",
+    args = ["--config", str(tmp_path / "c4.toml"), "--to", str(tmp_path / "mirror"), "--workers", "1", "--world_size", "1",
             "--job.dump_folder", str(tmp_path / "dump"), "--data.num_streams", "1", "--validation.enable", "false",
             "--model.tokenizer_path", os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model")]
 
     def fetched(tokens):
         hub.log.clear()
-        data.main(args + ["--tokens", str(tokens)])
+        download_data.main(args + ["--tokens", str(tokens)])
         return [r["path"].rsplit("/", 1)[1] for r in hub.log if "/resolve/" in r["path"] and r["bytes"]
                 and r["path"].endswith(".json.gz")]  # not the dataset card, read by the resolution
 
@@ -231,19 +232,19 @@ def test_data_py_download_fetches_the_files_the_stream_reads_first_and_more_for_
 
 
 # ---------------------------------------------------------------------------------------------------
-# Local folders, a manifest made by data.py on a "login node", HF_HUB_OFFLINE=1
+# Local folders, a manifest made by download_data.py on a "login node", HF_HUB_OFFLINE=1
 # ---------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def offline_job(tmp_path_factory):
-    """`data.py --manifest` over copies of the bundled folders, then a 1-process run that uses it with
+    """`download_data.py --manifest` over copies of the bundled folders, then a 1-process run that uses it with
     HF_HUB_OFFLINE=1: 4 steps, checkpoints at 2 and 4."""
     tmp = tmp_path_factory.mktemp("offline_job")
     shutil.copytree(os.path.join(ROOT, "assets", "data"), tmp / "data")
     text = open(os.path.join(ROOT, "configs", "debug_model.toml")).read().replace('"assets/data/', f'"{tmp}/data/')
     (tmp / "local.toml").write_text(text)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing to reach
-    made = subprocess.run([sys.executable, "data.py", "--config", str(tmp / "local.toml"), "--manifest",
+    made = subprocess.run([sys.executable, "download_data.py", "--config", str(tmp / "local.toml"), "--manifest",
                            str(tmp / "pinned.json")], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert made.returncode == 0, made.stderr
     args = ("--data.manifest", tmp / "pinned.json", "--training.steps", 4, "--validation.freq", 4)
@@ -252,7 +253,7 @@ def offline_job(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_data_py_manifest_then_an_offline_run_trains_and_resumes_exactly_with_a_new_shard(offline_job):
+def test_download_data_manifest_then_an_offline_run_trains_and_resumes_exactly_with_a_new_shard(offline_job):
     tmp, args, out, made = offline_job
     assert "wrote" in made and "sha256" in made and "c4:" in made
     assert not os.path.exists(tmp / "dump" / "data_manifest.json")  # the given manifest is the run's
@@ -325,7 +326,7 @@ def test_manifest_of_local_folders_is_deterministic_and_readers_use_only_its_fil
 
 def test_manifest_errors_are_one_line(tmp_path):
     src = DataSource(name="c4", path=os.path.join(ROOT, "assets", "data", "c4"), data_files="en/c4-train.*.json.gz")
-    with pytest.raises(DataError, match=r"data manifest .*missing.json cannot be used: .*data.py --config C --manifest"):
+    with pytest.raises(DataError, match=r"data manifest .*missing.json cannot be used: .*download_data.py --config C --manifest"):
         sources.pinned_manifest(str(tmp_path / "missing.json"), str(tmp_path), [src], [])
     sources.write_manifest(sources.make_manifest([src]), str(tmp_path / sources.MANIFEST))
     other = DataSource(name="c4", path=src.path, data_files="en/c4-validation.*.json.gz")

@@ -1,4 +1,4 @@
-"""The memory estimate (bench.estimate_memory, what `bench.py memory` prints) against a training step's measured peak.
+"""The memory estimate (memory.estimate_memory, what `bench.py memory` prints) against a training step's measured peak.
 
 The measurement is torch's FSDPMemTracker: it counts every tensor storage alive (weights, gradients,
 optimizer states, activations, temporaries) through a real step of the trainer's parallelize() on CPU,
@@ -32,7 +32,7 @@ def measure(configs):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    import bench
+    import memory
     import train
     from model import Transformer
 
@@ -43,7 +43,7 @@ def measure(configs):
         sizes = train.validate(cfg, dist.get_world_size())
         with torch.device("meta"):
             model = Transformer(train.flavor_args(cfg))
-        parts = bench.estimate_memory(model, cfg, sizes, cuda=False)
+        parts = memory.estimate_memory(model, cfg, sizes, cuda=False)
         estimate = parts["total"] - parts["runtime"]  # without the process itself
         mesh = init_device_mesh("cpu", (1, sizes["dp_shard"], cfg.parallelism.tensor_parallel_degree),
                                 mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
@@ -101,7 +101,7 @@ def test_estimate_scales_with_the_layout():
     range published for them (8B, seq 8192, bf16, selective AC on 8 GPUs: tens of GiB, not hundreds)."""
     import torch
 
-    import bench
+    import memory
     import train
     from model import Transformer, flavors
 
@@ -110,7 +110,7 @@ def test_estimate_scales_with_the_layout():
                                  *extra])
         with torch.device("meta"):
             model = Transformer(flavors[flavor])
-        return bench.estimate_memory(model, cfg, train.validate(cfg, world), cuda=True)[part] / 2**30
+        return memory.estimate_memory(model, cfg, train.validate(cfg, world), cuda=True)[part] / 2**30
 
     assert total("8B", 8, part="optimizer") == pytest.approx(total("8B", 16, part="optimizer") * 2)
     assert total("8B", 8, "--activation_checkpoint.mode", "full") < total("8B", 8) < total(
@@ -126,9 +126,10 @@ def test_shipped_configs_fit_an_80_gib_gpu(name, world):
     """Each GPU config, on the smallest job its header names, fits an H100 80 GB with 15% to spare
     for the allocator's fragmentation (what `bench.py memory` calls "fits")."""
     import bench
+    import memory
 
-    cfg, model, sizes = bench.model_and_sizes(["--config", os.path.join(ROOT, f"configs/{name}.toml")], world)
-    total = bench.estimate_memory(model, cfg, sizes, cuda=True)["total"]
+    cfg, model, sizes = bench.planned(["--config", os.path.join(ROOT, f"configs/{name}.toml")], world)
+    total = memory.estimate_memory(model, cfg, sizes, cuda=True)["total"]
     assert 1.15 * total < 80 * 2**30, f"{name} on {world} GPUs: {total / 2**30:.1f} GiB estimated"
 
 
@@ -136,7 +137,7 @@ def test_resident_memory_without_proc(monkeypatch):
     """macOS has no /proc: the CPU estimate falls back to the peak RSS so far instead of failing."""
     import builtins
 
-    import bench
+    import memory
 
     real_open = builtins.open
 
@@ -145,9 +146,9 @@ def test_resident_memory_without_proc(monkeypatch):
             raise FileNotFoundError(path)
         return real_open(path, *args, **kwargs)
 
-    on_linux = bench.resident_bytes()
+    on_linux = memory.resident_bytes()
     monkeypatch.setattr(builtins, "open", no_proc)
-    assert bench.resident_bytes() >= 0.9 * on_linux  # the peak so far is never below the current figure
+    assert memory.resident_bytes() >= 0.9 * on_linux  # the peak so far is never below the current figure
 
 
 if __name__ == "__main__":
