@@ -427,12 +427,15 @@ def open_file(path: str, size: int, timeout: float = HUB_TIMEOUT, budget: float 
     return fs.open(fs_path, "rb", cache_type="none")
 
 
-# --- A local mirror of pinned Hub files: DIR/<repo id>/<path>, as the repos are, read instead of the Hub ---------
+# --- A local mirror of pinned Hub files: DIR/<repo id>@<commit>/<path>, read instead of the Hub ------------------
 
 def mirror_paths(mirror: str, url: str) -> tuple:
-    """A pinned Hub file's place in a mirror, and the record of data.py download's checks (outside the repos' tree)."""
-    repo, _, name = re.fullmatch(HF_URL, url).groups()
-    return os.path.join(mirror, repo, name), os.path.join(mirror, ".verified", repo, name + ".json")
+    """A pinned Hub file's place in a mirror, and the record of data.py download's checks (outside the repos' tree).
+    Both name the commit, and so does the download's <place>.part: a download killed at one commit never resumes
+    into another's bytes, and two commits of a file (two runs' manifests) sit side by side."""
+    repo, commit, name = re.fullmatch(HF_URL, url).groups()
+    at = f"{repo}@{commit}"  # as in the hf:// URL
+    return os.path.join(mirror, at, name), os.path.join(mirror, ".verified", at, name + ".json")
 
 
 def mirrored(mirror: str, url: str, size: int) -> str:
@@ -445,7 +448,7 @@ def mirrored(mirror: str, url: str, size: int) -> str:
     with open(record) as f:
         done = json.load(f)  # written whole or not at all (write_manifest)
     if done["commit"] != re.fullmatch(HF_URL, url)[2]:
-        return ""  # the mirror holds the file at another commit
+        return ""  # a record of another commit (moved by hand): never read another commit's bytes
     if (now := os.path.getsize(local)) != size or done["size"] != size or ends_sha256(local, size) != done["ends"]:
         what = f"is {now:,} bytes, not {size:,} (size check)" if now != size else "is damaged (sha256 check)"
         raise DataError(f"data mirror file {local} {what}: delete it and run data.py download again")
@@ -454,13 +457,17 @@ def mirrored(mirror: str, url: str, size: int) -> str:
 
 def fetch_file(mirror: str, url: str, size: int, timeout: float, budget: float = math.inf,
                progress=lambda n: None) -> int:
-    """One pinned Hub file into the mirror, unless there: into <path>.part (a killed download goes on) by training's
-    ranged reads and retries, checked (size; an LFS file's sha256), renamed and recorded. Returns the bytes fetched."""
+    """One pinned Hub file into the mirror, unless there: into <place>.part (a killed download goes on, at the same
+    commit: mirror_paths) by training's ranged reads and retries, checked (size; an LFS file's sha256), renamed and
+    recorded. Returns the bytes fetched. (hf_hub_download(local_dir=...) resumes and records a file's commit too, but
+    keeps one commit of a path, and its retries wait as long as a 429 says, past the budget.)"""
     bound_hub_requests(timeout)  # the listing below
     with contextlib.suppress(DataError):  # a damaged copy is fetched again
         if mirrored(mirror, url, size):
             return 0
-    (local, record), fetched, started = mirror_paths(mirror, url), 0, time.monotonic()
+    local, record = mirror_paths(mirror, url)
+    fetched = 0  # bytes this call downloads (a resumed .part counts only its new bytes)
+    started = time.monotonic()  # the retry budget runs from here
     os.makedirs(os.path.dirname(local), exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         os.remove(record)  # the file is about to change: no record vouches for it (write_manifest makes its folder)
@@ -468,7 +475,7 @@ def fetch_file(mirror: str, url: str, size: int, timeout: float, budget: float =
         have = min(os.path.getsize(local + ".part") if os.path.exists(local + ".part") else 0, size)
         try:
             sha256 = getattr(fsspec.filesystem("hf").info(url).get("lfs"), "sha256", None)  # None: not in LFS
-            with HubFile(url, size, timeout) as f, open(local + ".part", "r+b" if have else "wb") as out:
+            with HubFile(url, size, timeout, budget, url) as f, open(local + ".part", "r+b" if have else "wb") as out:
                 f.seek(out.seek(have))
                 while chunk := f.read(8 * MIB):
                     fetched += out.write(chunk)
