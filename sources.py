@@ -77,8 +77,8 @@ def transient(e: BaseException) -> bool:
 
 
 def asked_pause(e: BaseException) -> float:
-    """Seconds the server asked for before the next try, anywhere in the chain of causes: a `Retry-After` in seconds
-    (an HTTP date is not read, as huggingface_hub does not), or the Hub's `RateLimit` reset when none are left; 0: none.
+    """Seconds the server asked for before the next try, anywhere in the chain of causes: a `Retry-After` in
+    seconds (not an HTTP date, as in huggingface_hub), or the Hub's `RateLimit` reset when none are left; 0: none.
     huggingface_hub's http_backoff reads these too, but then sleeps as long as they say, whatever our budget."""
     while e is not None:
         headers = getattr(getattr(e, "response", None), "headers", None)
@@ -360,7 +360,7 @@ class HubFile(io.RawIOBase):
         self.url = hf_hub_url(self.repo, path, repo_type="dataset", revision=commit)
         self.hf_url, self.size, self.pos = url, size, 0
         self.timeout = timeout  # seconds a request may go without a byte
-        self.budget = budget  # seconds a failing range is retried for, from its first try: comm.init_timeout_seconds
+        self.budget = budget  # seconds a failing range is retried for: comm.init_timeout_seconds
         self.name = name or url  # the data source, for the one line that ends the retries
 
     def readable(self):  # (and seekable: io's defaults say no)
@@ -459,7 +459,7 @@ def fetch_file(mirror: str, url: str, size: int, timeout: float, budget: float =
                progress=lambda n: None) -> int:
     """One pinned Hub file into the mirror, unless there: into <place>.part (a killed download goes on, at the same
     commit: mirror_paths) by training's ranged reads and retries, checked (size; an LFS file's sha256), renamed and
-    recorded. Returns the bytes fetched. (hf_hub_download(local_dir=...) resumes and records a file's commit too, but
+    recorded. Returns the bytes fetched. (hf_hub_download(local_dir=...) resumes, and records a file's commit, but
     keeps one commit of a path, and its retries wait as long as a 429 says, past the budget.)"""
     bound_hub_requests(timeout)  # the listing below
     with contextlib.suppress(DataError):  # a damaged copy is fetched again
@@ -475,7 +475,8 @@ def fetch_file(mirror: str, url: str, size: int, timeout: float, budget: float =
         have = min(os.path.getsize(local + ".part") if os.path.exists(local + ".part") else 0, size)
         try:
             sha256 = getattr(fsspec.filesystem("hf").info(url).get("lfs"), "sha256", None)  # None: not in LFS
-            with HubFile(url, size, timeout, budget, url) as f, open(local + ".part", "r+b" if have else "wb") as out:
+            remote = HubFile(url, size, timeout, budget, url)
+            with remote as f, open(local + ".part", "r+b" if have else "wb") as out:
                 f.seek(out.seek(have))
                 while chunk := f.read(8 * MIB):
                     fetched += out.write(chunk)
