@@ -120,7 +120,7 @@ class SourceReader:
         """(row, text) of one file from row `start` on: parquet seeks by row group, json skips lines."""
         col, self.at = self.src.text_column, start
         if path.endswith(".parquet"):  # exact range reads, no read-ahead: the footer, then the row groups needed
-            with open_file(path, size, self.timeout) as f:
+            with open_file(path, size, self.timeout, self.budget, self.src.name) as f:
                 pf, first = pq.ParquetFile(f), 0
                 if col not in pf.schema_arrow.names:
                     raise DataError(f"data source {self.src.name!r}: no column {col!r} in {path} (columns: "
@@ -135,7 +135,7 @@ class SourceReader:
             return
         # json lines, plain or compressed (the extension says which); a hub file in 8 MiB ranges
         compression = fsspec.utils.infer_compression(path)
-        with open_file(path, size, self.timeout) as raw:
+        with open_file(path, size, self.timeout, self.budget, self.src.name) as raw:
             f = io.BufferedReader(raw, 8 * MIB) if isinstance(raw, HubFile) else raw
             f = fsspec.compression.compr[compression](f, mode="rb") if compression else f
             for row, line in enumerate(f):
@@ -149,9 +149,10 @@ class SourceReader:
 
     def texts(self, one_pass: bool = False):
         """Yield texts from the current position on, keeping (epoch, file, row) up to date; `one_pass`
-        stops at the end of the epoch. A transient error re-opens the file at the row after the last
-        document handed out, after a growing pause, so the stream is the same, while that can end within
-        the budget from the start of the read; anything else stops with one line naming the file and the row."""
+        stops at the end of the epoch. A Hub file retries a transient error itself, at the range where it
+        broke (HubFile). Any other transient error re-opens the file at the row after the last document
+        handed out, after a growing pause, so the stream is the same, while that can end within the budget
+        from the start of the read. Anything else stops with one line naming the file and the row."""
         failures, started = 0, time.monotonic()  # started: when the read of the next document began
         while True:
             files, whole_epoch, found = self._files(), self.file == 0 and self.row == 0, False

@@ -130,7 +130,7 @@ def plan_files(cfg, manifest: dict, held_out: list, tokens: int, streams: int, t
 
 
 def download(cfg, held_out: list, tokens: int, streams: int, to: str, workers: int):
-    """The run's pinned Hub files into `to` (DIR/<repo id>/<path>): the held-out and eval files, and those each stream
+    """The run's pinned Hub files into `to` (DIR/<repo id>@<commit>/<path>): the held-out and eval files, and those each stream
     reads first for its source's share of `tokens`, with a margin. Files already there are not fetched again."""
     timeout = cfg.data.hub_timeout_seconds
     budget = cfg.comm.init_timeout_seconds
@@ -158,7 +158,7 @@ def main(argv: list):
                                 epilog="Every other --section.key value sets train.py's config as for the run "
                                 "(python train.py --help lists them).")
     p.add_argument("--config", action="append", help="train.py's TOML config, e.g. configs/llama3_8b.toml")
-    p.add_argument("--to", metavar="DIR", help="the mirror folder: DIR/<repo id>/<path>, for [data] mirror")
+    p.add_argument("--to", metavar="DIR", help="the mirror folder: DIR/<repo id>@<commit>/<path>, for [data] mirror")
     p.add_argument("--tokens", type=int, help="training tokens to fetch the files for "
                    "(default: training.steps x global batch x seq_len, the whole run)")
     p.add_argument("--world_size", type=int, help="the run's GPUs: its batch and streams (needed when the "

@@ -117,7 +117,7 @@ def read_examples(src: DataSource, manifest: dict, limit: int, timeout: float, b
         started = time.monotonic()
         for failures in range(len(RETRY_DELAYS) + 1):
             try:
-                with open_file(path, size, timeout) as f:
+                with open_file(path, size, timeout, budget, src.name) as f:
                     if path.endswith(".parquet"):
                         part = pq.ParquetFile(f).read().to_pylist()
                     else:  # json lines, plain or compressed

@@ -37,6 +37,7 @@ TRANSIENT = ("ConnectionError", "TimeoutError", "TransportError", "Timeout", "Ti
 METADATA_FILES = ("README.md", ".huggingface.yaml", "config.json", "dataset_info.json", "dataset_infos.json",
                   "dataset_dict.json", "dummy_data.zip")
 HUB_TIMEOUT = 60.0  # seconds a Hub read may go without a byte: [data] hub_timeout_seconds
+HF_URL = r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)"  # a pinned Hub file: repo id, commit, path in the repo
 logger = logging.getLogger("data")
 
 
@@ -75,26 +76,48 @@ def transient(e: BaseException) -> bool:
     return False
 
 
+def asked_pause(e: BaseException) -> float:
+    """Seconds the server asked for before the next try, anywhere in the chain of causes: a `Retry-After` in
+    seconds (not an HTTP date, as in huggingface_hub), or the Hub's `RateLimit` reset when none are left; 0: none.
+    huggingface_hub's http_backoff reads these too, but then sleeps as long as they say, whatever our budget."""
+    while e is not None:
+        headers = getattr(getattr(e, "response", None), "headers", None)
+        if headers is not None:
+            from huggingface_hub.utils import parse_ratelimit_headers
+            limit = parse_ratelimit_headers(headers)
+            if limit is not None and limit.remaining == 0:
+                return float(limit.reset_in_seconds)
+            value = headers.get("Retry-After", "").strip()
+            return float(value) if value.isdigit() else 0.0
+        e = e.__cause__ or e.__context__
+    return 0.0
+
+
 def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int, started: float = 0.0,
                    budget: float = math.inf, next_try: float = 0.0):
     """Pause before retrying a transient error; anything else, or one failure too many, is one DataError line. So is
     a retry (its pause, then `next_try`: the longest the next try may take) that could end more than `budget` s
-    (comm.init_timeout_seconds: the other ranks' wait in a collective) after `started`, when the first try failed."""
+    (comm.init_timeout_seconds: the other ranks' wait in a collective) after `started`, when the first try failed.
+    The pause is at least what a 429 or 503 asks for (plus 1 s, as huggingface_hub waits), within that budget."""
     if isinstance(e, DataError):
         raise e
     spent = time.monotonic() - started
-    if transient(e) and failures < len(RETRY_DELAYS) and spent + RETRY_DELAYS[failures] + next_try <= budget:
-        logger.warning(f"data source {name!r}: {type(e).__name__} {what}; retrying in {RETRY_DELAYS[failures]} s")
-        return time.sleep(RETRY_DELAYS[failures])
+    retries_left = transient(e) and failures < len(RETRY_DELAYS)
+    asked = asked_pause(e) if retries_left else 0.0  # never sooner than a rate-limiting Hub says
+    pause = max(RETRY_DELAYS[failures], asked + 1 if asked else 0) if retries_left else 0
+    if retries_left and spent + pause + next_try <= budget:
+        logger.warning(f"data source {name!r}: {type(e).__name__} {what}; retrying in {pause:g} s")
+        return time.sleep(pause)
     reason, status = f"{type(e).__name__}: {str(e)[:300]}", getattr(getattr(e, "response", None), "status_code", None)
     if status in (401, 403, 404) or type(e).__name__ in ("DatasetNotFoundError", "RepositoryNotFoundError"):
         why = (f"the Hub refused {path!r}{f' (HTTP {status})' if status else ''} while {what}: check the dataset id "
                "and revision; for a gated or private set log in (`hf auth login` or `huggingface-cli login`, or set "
                "HF_TOKEN) and accept its terms on the dataset's Hub page")
-    elif transient(e) and failures < len(RETRY_DELAYS):  # the retries left would not fit in the budget
+    elif retries_left:  # but the next would not fit in the budget
+        asked_for = f" (the Hub asked for a pause of {asked:g} s)" if asked else ""
         why = (f"{what} failed {'once' if not failures else f'{failures + 1} times'} in {spent:.0f} s and stopped "
-               f"retrying: another try could end past comm.init_timeout_seconds = {budget:g} s, how long the other "
-               "ranks wait for this one in a collective; raise it to give the Hub longer")
+               f"retrying: another try{asked_for} could end past comm.init_timeout_seconds = {budget:g} s, how long "
+               "the other ranks wait for this one in a collective; raise it to give the Hub longer")
     else:
         why = f"{what} failed " + (f"{failures + 1} times" if failures
                                    else "at once: the file is damaged or unreadable")
@@ -185,7 +208,7 @@ def resolve_source(src: DataSource, timeout: float = HUB_TIMEOUT, budget: float 
     and its sorted files as [name in the repo or folder, size] (+ the ends' sha256 for a local file)."""
     urls, entry = resolve_files(src.path, src.config, src.data_files, src.split, src.revision, src.name, timeout,
                                 budget), {k: getattr(src, k) for k in KEY}
-    hub = [re.fullmatch(r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)", u) for u in urls]
+    hub = [re.fullmatch(HF_URL, u) for u in urls]
     if all(hub):  # the listing `datasets` just made filled HfFileSystem's cache: the sizes cost no request
         fs, started = fsspec.filesystem("hf"), time.monotonic()
         for failures in range(len(RETRY_DELAYS) + 1):  # (unless the cache was cleared: then it is a request)
@@ -327,13 +350,19 @@ def verify_manifest(manifest: dict, part: int = 0, parts: int = 1, sources=None)
 
 
 class HubFile(io.RawIOBase):
-    """A hub file at its pinned commit, read by ranged GETs of its resolve URL (HfFileSystem would list its folder)."""
+    """A hub file at its pinned commit, read by ranged GETs of its resolve URL (HfFileSystem would list its folder).
+    A transient error is retried here, for the range where it broke, so the reader above (a gzip decompressor, a
+    parquet page) keeps its place: one more range request, not a re-read from byte 0. (HfFileSystemFile's ranges are
+    retried by http_backoff, which sleeps as long as a 429 says, past the budget the other ranks wait for.)"""
 
-    def __init__(self, url: str, size: int, timeout: float):
+    def __init__(self, url: str, size: int, timeout: float, budget: float = math.inf, name: str = ""):
         from huggingface_hub import hf_hub_url
-        repo, commit, name = re.fullmatch(r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)", url).groups()
-        self.url, self.size, self.pos = hf_hub_url(repo, name, repo_type="dataset", revision=commit), size, 0
-        self.timeout = timeout
+        self.repo, commit, path = re.fullmatch(HF_URL, url).groups()
+        self.url = hf_hub_url(self.repo, path, repo_type="dataset", revision=commit)
+        self.hf_url, self.size, self.pos = url, size, 0
+        self.timeout = timeout  # seconds a request may go without a byte
+        self.budget = budget  # seconds a failing range is retried for: comm.init_timeout_seconds
+        self.name = name or url  # the data source, for the one line that ends the retries
 
     def readable(self):  # (and seekable: io's defaults say no)
         return True
@@ -345,33 +374,46 @@ class HubFile(io.RawIOBase):
         return self.pos
 
     def readinto(self, buf) -> int:
-        from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
         n = min(len(buf), self.size - self.pos)
         if n <= 0:
             return 0
-        first, last = self.pos, self.pos + n - 1
+        started = time.monotonic()  # the retry budget runs from this range's first try
+        for failures in range(len(RETRY_DELAYS) + 1):
+            try:
+                body = self.get(self.pos, self.pos + n - 1)
+                break
+            except Exception as e:
+                if not transient(e):  # a refusal, or bytes other than those asked: the caller's line names the row
+                    raise
+                retry_or_raise(self.name, self.repo, f"reading {self.hf_url}", e, failures, started, self.budget,
+                               self.timeout)
+        buf[:len(body)] = body
+        self.pos += len(body)
+        return len(body)
+
+    def get(self, first: int, last: int) -> bytes:
+        """One try for bytes first..last (or fewer, from `first` on)."""
+        from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
         # huggingface_hub's client waits forever by default: a connection that stops sending would hang the rank.
-        # A timeout makes it a TimeoutException. One try: huggingface_hub's own retries (pauses of up to 8 s, or as
-        # long as a 429 says) would be out of sight of the reader's retry budget; the reader retries, re-opening
-        # the file where the stream was. Redirects (to the CDN) keep the Range header.
+        # A timeout makes it a TimeoutException. One try: readinto retries, with pauses the budget can see.
+        # Redirects (to the CDN) keep the Range header.
         r = http_backoff("GET", self.url, headers={**build_hf_headers(), "Range": f"bytes={first}-{last}"},
                          timeout=self.timeout, max_retries=0)
         hf_raise_for_status(r)
         body = r.content
         if r.status_code == 200 and len(body) == self.size:  # Range ignored: the whole file, which has our bytes
-            body = body[first:last + 1]
-        elif r.status_code != 206 or not r.headers.get("Content-Range", "").startswith(f"bytes {first}-") \
-                or not 0 < len(body) <= n:
+            return body[first:last + 1]
+        if r.status_code != 206 or not r.headers.get("Content-Range", "").startswith(f"bytes {first}-") \
+                or not 0 < len(body) <= last + 1 - first:
             raise OSError(f"asked {self.url} for bytes {first}-{last} and got HTTP {r.status_code} with "
                           f"{len(body):,} bytes (Content-Range {r.headers.get('Content-Range')!r}), not those bytes")
-        buf[:len(body)] = body
-        self.pos += len(body)
-        return len(body)
+        return body
 
 
-def open_file(path: str, size: int, timeout: float = HUB_TIMEOUT):
+def open_file(path: str, size: int, timeout: float = HUB_TIMEOUT, budget: float = math.inf, name: str = ""):
     """A file of the manifest, for reading: a hub one at its commit (`timeout`: seconds without a byte before a
-    read is retried), from the mirror when it holds it ("MIRROR::hf://..."), anything else through fsspec."""
+    read is retried; `budget`: for how long; `name`: the source, for its line), from the mirror when it holds it
+    ("MIRROR::hf://..."), anything else through fsspec."""
     mirror, _, url = path.rpartition("::")
     if mirror and url.startswith("hf://"):
         if local := mirrored(mirror, url, size):
@@ -381,20 +423,20 @@ def open_file(path: str, size: int, timeout: float = HUB_TIMEOUT):
                             f"with python download_data.py --config C --world_size N --to {mirror}")
         path = url  # not mirrored: read from the Hub
     if path.startswith("hf://"):
-        return HubFile(path, size, timeout)
+        return HubFile(path, size, timeout, budget, name)
     fs, fs_path = fsspec.core.url_to_fs(path)
     return fs.open(fs_path, "rb", cache_type="none")
 
 
-# --- A local mirror of pinned Hub files: DIR/<repo id>/<path>, as the repos are, read instead of the Hub ---------
-
-HF_URL = r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)"
-
+# --- A local mirror of pinned Hub files: DIR/<repo id>@<commit>/<path>, read instead of the Hub ------------------
 
 def mirror_paths(mirror: str, url: str) -> tuple:
-    """A pinned Hub file's place in a mirror, and the record of download_data.py's checks (outside the repos' tree)."""
-    repo, _, name = re.fullmatch(HF_URL, url).groups()
-    return os.path.join(mirror, repo, name), os.path.join(mirror, ".verified", repo, name + ".json")
+    """A pinned Hub file's place in a mirror, and the record of download_data.py's checks (outside the repos' tree).
+    Both name the commit, and so does the download's <place>.part: a download killed at one commit never resumes
+    into another's bytes, and two commits of a file (two runs' manifests) sit side by side."""
+    repo, commit, name = re.fullmatch(HF_URL, url).groups()
+    at = f"{repo}@{commit}"  # as in the hf:// URL
+    return os.path.join(mirror, at, name), os.path.join(mirror, ".verified", at, name + ".json")
 
 
 def mirrored(mirror: str, url: str, size: int) -> str:
@@ -407,7 +449,7 @@ def mirrored(mirror: str, url: str, size: int) -> str:
     with open(record) as f:
         done = json.load(f)  # written whole or not at all (write_manifest)
     if done["commit"] != re.fullmatch(HF_URL, url)[2]:
-        return ""  # the mirror holds the file at another commit
+        return ""  # a record of another commit (moved by hand): never read another commit's bytes
     if (now := os.path.getsize(local)) != size or done["size"] != size or ends_sha256(local, size) != done["ends"]:
         what = f"is {now:,} bytes, not {size:,} (size check)" if now != size else "is damaged (sha256 check)"
         raise DataError(f"data mirror file {local} {what}: delete it and run download_data.py again")
@@ -416,13 +458,17 @@ def mirrored(mirror: str, url: str, size: int) -> str:
 
 def fetch_file(mirror: str, url: str, size: int, timeout: float, budget: float = math.inf,
                progress=lambda n: None) -> int:
-    """One pinned Hub file into the mirror, unless there: into <path>.part (a killed download goes on) by training's
-    ranged reads and retries, checked (size; an LFS file's sha256), renamed and recorded. Returns the bytes fetched."""
+    """One pinned Hub file into the mirror, unless there: into <place>.part (a killed download goes on, at the same
+    commit: mirror_paths) by training's ranged reads and retries, checked (size; an LFS file's sha256), renamed and
+    recorded. Returns the bytes fetched. (hf_hub_download(local_dir=...) resumes, and records a file's commit, but
+    keeps one commit of a path, and its retries wait as long as a 429 says, past the budget.)"""
     bound_hub_requests(timeout)  # the listing below
     with contextlib.suppress(DataError):  # a damaged copy is fetched again
         if mirrored(mirror, url, size):
             return 0
-    (local, record), fetched, started = mirror_paths(mirror, url), 0, time.monotonic()
+    local, record = mirror_paths(mirror, url)
+    fetched = 0  # bytes this call downloads (a resumed .part counts only its new bytes)
+    started = time.monotonic()  # the retry budget runs from here
     os.makedirs(os.path.dirname(local), exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         os.remove(record)  # the file is about to change: no record vouches for it (write_manifest makes its folder)
@@ -430,7 +476,8 @@ def fetch_file(mirror: str, url: str, size: int, timeout: float, budget: float =
         have = min(os.path.getsize(local + ".part") if os.path.exists(local + ".part") else 0, size)
         try:
             sha256 = getattr(fsspec.filesystem("hf").info(url).get("lfs"), "sha256", None)  # None: not in LFS
-            with HubFile(url, size, timeout) as f, open(local + ".part", "r+b" if have else "wb") as out:
+            remote = HubFile(url, size, timeout, budget, url)
+            with remote as f, open(local + ".part", "r+b" if have else "wb") as out:
                 f.seek(out.seek(have))
                 while chunk := f.read(8 * MIB):
                     fetched += out.write(chunk)

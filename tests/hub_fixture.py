@@ -194,7 +194,8 @@ def write_mirror(repos: dict, folder: str, repo: str, revision: str = "main") ->
 
 class Hub(http.server.ThreadingHTTPServer):
     """The server: `log` holds one dict per request; `faults[path] = [503, 429, "stall", "cut", "whole"]`
-    answers the next requests whose URL path contains `path` with those statuses, or: "stall" sends nothing
+    answers the next requests whose URL path contains `path` with those statuses (a 429 with `retry_after`;
+    None answers as usual), or: "stall" sends nothing
     for `stall_seconds` and hangs up, "cut" sends the headers and half the body, then stalls, "whole" ignores
     Range (200, the whole file). `redirect`: /resolve/ answers 302 to /cdn/..., which serves the file.
     `tokens[repo]` = the token a repo needs."""
@@ -204,6 +205,7 @@ class Hub(http.server.ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), Handler)
         self.repos, self.log, self.faults, self.tokens = repos, [], {}, {}
         self.stall_seconds, self.redirect = 30.0, False
+        self.retry_after = "0"  # a 429's Retry-After header: seconds to wait
         self.lock = threading.Lock()
         self.endpoint = f"http://127.0.0.1:{self.server_address[1]}"
         threading.Thread(target=self.serve_forever, daemon=True).start()
@@ -275,7 +277,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.fault = status if status in ("cut", "whole") else None
         if status and self.fault is None:
             return self._error(status, "", "injected fault", None) if status != 429 else \
-                self._send(429, b"rate limited", {"Retry-After": "0"})
+                self._send(429, b"rate limited", {"Retry-After": hub.retry_after})
         if url.path.startswith("/cdn/"):  # where a redirect points: the same file, no second redirect
             url = url._replace(path=url.path.removeprefix("/cdn"))
         elif hub.redirect and "/resolve/" in url.path:

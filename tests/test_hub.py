@@ -204,6 +204,42 @@ def test_a_stalled_redirected_or_whole_file_answer_gives_the_same_batches(hub, t
         sources.HubFile(f"hf://datasets/allenai/c4@{c4['commit']}/{name}", size - 1, 1.0).read(100)
 
 
+def test_a_transient_error_mid_file_refetches_its_range_only_after_the_pause_the_hub_asks_for(hub, repos, monkeypatch):
+    """A 429 (Retry-After: 7), a 503 and a body cut off half-way, in the middle of a .json.gz read in 32 KiB ranges:
+    each range is asked for again after its pause (a 429's at least its Retry-After), so the texts are those of a
+    clean read and the Hub serves each byte of the file once (the decompressor kept its place: no re-read from
+    byte 0). A Retry-After that the retry budget cannot hold ends the read at once, with one line."""
+    sleeps = []
+    clock = type("clock", (), {"monotonic": staticmethod(time.monotonic), "sleep": staticmethod(sleeps.append)})
+    monkeypatch.setattr(sources, "time", clock)  # sources.py's pauses recorded, not slept (the fixture's are real)
+    monkeypatch.setattr(data, "MIB", 4096)  # the reader's 8 "MiB" ranges are 32 KiB: 4 to a file
+    src = DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz")
+    name, commit = "c4-train.00000-of-00004.json.gz", repos["allenai/c4"]["refs"]["main"]
+    url = f"hf://datasets/allenai/c4@{commit}/en/{name}"  # as the manifest pins it (resolving costs 1 s)
+    size = len(repos["allenai/c4"]["commits"][commit][f"en/{name}"])
+
+    def read(**kw):
+        start = len(hub.log)
+        texts = list(data.SourceReader(src, [(url, size)], 0, 1, 0, True, **kw).texts(one_pass=True))
+        return texts, [r for r in hub.log[start:] if name in r["path"]]
+
+    clean, _ = read()
+    hub.retry_after, hub.stall_seconds = "7", 2
+    hub.faults = {name: [None, 429, None, 503, "cut"]}
+    got, reads = read(timeout=0.3)
+    assert got == clean and not hub.faults[name]
+    ranges = [r["range"] for r in reads]
+    assert ranges[1] == ranges[2] and ranges[3] == ranges[4] == ranges[5]  # the broken range, asked again
+    assert sum(r["bytes"] for r in reads if r["status"] == 206) == size  # (a cut answer's half body: not counted)
+    assert sleeps == [8, 1, 2]  # Retry-After + 1 s, as huggingface_hub waits; then the growing pauses of a new range
+    hub.retry_after, hub.faults = "600", {name: [429]}
+    with pytest.raises(DataError, match=r"^data source 'c4': reading hf://datasets/allenai/c4@\w+/en/c4-train.* "
+                                        r"failed once .* another try \(the Hub asked for a pause of 600 s\) could end "
+                                        r"past comm.init_timeout_seconds = 60 s"):
+        read(budget=60)
+    assert sleeps == [8, 1, 2]
+
+
 def test_hub_refusals_end_with_one_line_naming_the_repo_and_what_to_do(hub, tok, monkeypatch):
     sleeps = []
     monkeypatch.setattr(time, "sleep", sleeps.append)

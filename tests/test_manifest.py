@@ -185,8 +185,9 @@ def test_a_run_moves_from_the_hub_to_a_mirror_that_download_data_py_made_and_sta
     # a truncated or damaged mirror file is one line naming it and the check
     manifest = json.load(open(dump / "data_manifest.json"))
     name, size = manifest["data"][0]["files"][0][:2]
-    url = f"{mirror}::hf://datasets/allenai/c4@{manifest['data'][0]['commit']}/{name}"
-    local = mirror / "allenai" / "c4" / name
+    at = f"allenai/c4@{manifest['data'][0]['commit']}"  # the mirror's folder for the repo at the pinned commit
+    url = f"{mirror}::hf://datasets/{at}/{name}"
+    local = mirror / at / name
     original = local.read_bytes()
     local.write_bytes(original[:-1])
     with pytest.raises(DataError, match=rf"data mirror file {re.escape(str(local))} is {size - 1:,} bytes, not "
@@ -195,11 +196,44 @@ def test_a_run_moves_from_the_hub_to_a_mirror_that_download_data_py_made_and_sta
     local.write_bytes(original[:100] + bytes([original[100] ^ 1]) + original[101:])
     with pytest.raises(DataError, match=r"is damaged \(sha256 check\)"):
         sources.open_file(url, size)
-    os.remove(mirror / ".verified" / "allenai" / "c4" / (name + ".json"))  # not in the mirror: offline, one line
+    os.remove(mirror / ".verified" / at / (name + ".json"))  # not in the mirror: offline, one line
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(DataError, match=rf"{re.escape(str(local))} is not in the data mirror \(HF_HUB_OFFLINE=1\): "
                                         r"fetch it with python download_data.py --config C --world_size N --to"):
         sources.open_file(url, size)
+
+
+def test_a_mirror_keeps_commits_apart_and_resumes_a_part_file_only_at_its_own_commit(tmp_path, monkeypatch):
+    """A download killed at commit A (its part-file holds A's first bytes), run again after the file moved to commit
+    B, gives B's bytes: never A's prefix with B's suffix, which a file outside LFS (no sha256 listed) would not
+    show. Then A's copy is fetched too, resuming A's part-file, and each commit reads its own bytes offline."""
+    def text(commit):  # the same size at both commits: the size check cannot tell them apart
+        return "".join(json.dumps({"text": f"{commit} document {i} " * 20}) + "\n" for i in range(40)).encode()
+
+    def url(commit):
+        return f"hf://datasets/org/notes@{commit}/notes.jsonl"  # .jsonl: not in LFS at the fixture's Hub
+
+    def killed(n):  # Ctrl-C once the first chunk is written
+        raise KeyboardInterrupt
+
+    repos = {"org/notes": {"commits": {"0" * 40: {}}, "refs": {"main": "0" * 40}}}  # an empty repo
+    mirror, size = str(tmp_path / "mirror"), len(text("commit A"))
+    a = push(repos, "org/notes", {"notes.jsonl": text("commit A")})
+    hub = Hub(repos)
+    point_libraries_at(hub.endpoint, monkeypatch, str(tmp_path / "cache"))
+    monkeypatch.setattr(sources, "MIB", 1024)  # fetch_file writes 8 "MiB" = 8 KiB at a time
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sources.fetch_file(mirror, url(a), size, 5.0, progress=killed)
+        b = push(repos, "org/notes", {"notes.jsonl": text("commit B")})
+        assert sources.fetch_file(mirror, url(b), size, 5.0) == size  # all of B's bytes, none of A's part
+        assert sources.fetch_file(mirror, url(a), size, 5.0) == size - 8192  # A's part, resumed
+    finally:
+        hub.close()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # (and no Hub answers): read from the mirror or one line
+    for commit, name in ((a, "commit A"), (b, "commit B")):
+        with sources.open_file(f"{mirror}::{url(commit)}", size) as f:
+            assert f.read() == text(name)
 
 
 def test_download_data_fetches_the_files_the_stream_reads_first_and_more_for_more_tokens(tmp_path, monkeypatch):
