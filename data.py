@@ -29,7 +29,8 @@ from typing import Optional
 import fsspec
 import pyarrow.parquet as pq
 
-from sources import HUB_TIMEOUT, MIB, DataError, DataSource, HubFile, make_manifest, open_file
+from mirror import open_file
+from sources import HUB_TIMEOUT, MIB, DataError, DataSource, HubFile, make_manifest
 from sources import retry_or_raise, source_files
 
 

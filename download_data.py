@@ -24,7 +24,8 @@ import evals
 import train
 from config import ConfigError
 from data import SourceReader, Tokenizer
-from sources import DataError, fetch_file, make_manifest, manifest_sha256, mirror_paths
+from mirror import fetch_file, mirror_paths
+from sources import DataError, make_manifest, manifest_sha256
 from sources import pinned_manifest, source_files, write_manifest
 
 SAMPLE_TOKENS = 2_000_000  # tokens read from a source's first file to estimate its tokens per byte
@@ -130,8 +131,8 @@ def plan_files(cfg, manifest: dict, held_out: list, tokens: int, streams: int, t
 
 
 def download(cfg, held_out: list, tokens: int, streams: int, to: str, workers: int):
-    """The run's pinned Hub files into `to` (DIR/<repo id>@<commit>/<path>): the held-out and eval files, and those each stream
-    reads first for its source's share of `tokens`, with a margin. Files already there are not fetched again."""
+    """The run's pinned Hub files into `to` (DIR/<repo id>@<commit>/<path>): the held-out and eval files, and those
+    each stream reads first for its source's share of `tokens`, with a margin. Files already there stay."""
     timeout = cfg.data.hub_timeout_seconds
     budget = cfg.comm.init_timeout_seconds
     manifest = pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, held_out, timeout, budget)

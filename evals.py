@@ -32,7 +32,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from config import ConfigError, unknown
 from data import heldout_windows
-from sources import RETRY_DELAYS, DataError, DataSource, HubFile, open_file, retry_or_raise, source_files
+from mirror import open_file
+from sources import RETRY_DELAYS, DataError, DataSource, HubFile, retry_or_raise, source_files
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import data  # noqa: E402
 import download_data  # noqa: E402
+import mirror as mirrors  # noqa: E402  (tests name their mirror folders `mirror`)
 import sources  # noqa: E402
 from sources import DataError, DataSource  # noqa: E402
 from hub_fixture import Hub, _jsonl_gz, _parquet, make_repos, point_libraries_at, push  # noqa: E402
@@ -192,15 +193,15 @@ def test_a_run_moves_from_the_hub_to_a_mirror_that_download_data_py_made_and_sta
     local.write_bytes(original[:-1])
     with pytest.raises(DataError, match=rf"data mirror file {re.escape(str(local))} is {size - 1:,} bytes, not "
                                         rf"{size:,} \(size check\): delete it and run download_data.py again"):
-        sources.open_file(url, size)
+        mirrors.open_file(url, size)
     local.write_bytes(original[:100] + bytes([original[100] ^ 1]) + original[101:])
     with pytest.raises(DataError, match=r"is damaged \(sha256 check\)"):
-        sources.open_file(url, size)
+        mirrors.open_file(url, size)
     os.remove(mirror / ".verified" / at / (name + ".json"))  # not in the mirror: offline, one line
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(DataError, match=rf"{re.escape(str(local))} is not in the data mirror \(HF_HUB_OFFLINE=1\): "
                                         r"fetch it with python download_data.py --config C --world_size N --to"):
-        sources.open_file(url, size)
+        mirrors.open_file(url, size)
 
 
 def test_a_mirror_keeps_commits_apart_and_resumes_a_part_file_only_at_its_own_commit(tmp_path, monkeypatch):
@@ -221,18 +222,18 @@ def test_a_mirror_keeps_commits_apart_and_resumes_a_part_file_only_at_its_own_co
     a = push(repos, "org/notes", {"notes.jsonl": text("commit A")})
     hub = Hub(repos)
     point_libraries_at(hub.endpoint, monkeypatch, str(tmp_path / "cache"))
-    monkeypatch.setattr(sources, "MIB", 1024)  # fetch_file writes 8 "MiB" = 8 KiB at a time
+    monkeypatch.setattr(mirrors, "MIB", 1024)  # fetch_file writes 8 "MiB" = 8 KiB at a time
     try:
         with pytest.raises(KeyboardInterrupt):
-            sources.fetch_file(mirror, url(a), size, 5.0, progress=killed)
+            mirrors.fetch_file(mirror, url(a), size, 5.0, progress=killed)
         b = push(repos, "org/notes", {"notes.jsonl": text("commit B")})
-        assert sources.fetch_file(mirror, url(b), size, 5.0) == size  # all of B's bytes, none of A's part
-        assert sources.fetch_file(mirror, url(a), size, 5.0) == size - 8192  # A's part, resumed
+        assert mirrors.fetch_file(mirror, url(b), size, 5.0) == size  # all of B's bytes, none of A's part
+        assert mirrors.fetch_file(mirror, url(a), size, 5.0) == size - 8192  # A's part, resumed
     finally:
         hub.close()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # (and no Hub answers): read from the mirror or one line
     for commit, name in ((a, "commit A"), (b, "commit B")):
-        with sources.open_file(f"{mirror}::{url(commit)}", size) as f:
+        with mirrors.open_file(f"{mirror}::{url(commit)}", size) as f:
             assert f.read() == text(name)
 
 
