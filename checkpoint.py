@@ -235,7 +235,7 @@ class Checkpointer:
             dcp.save(state, checkpoint_id=tmp, process_group=self.group)
             self.commit(step)
             logger.info(f"saved checkpoint {self.folder}/step-{step}: training blocked {time.perf_counter() - t0:.2f}s")
-        except (CheckpointException, OSError, dist.DistError) as e:  # disk full, quota, past save_timeout_seconds
+        except (CheckpointException, OSError, RuntimeError) as e:  # disk full, quota, past save_timeout_seconds (gloo)
             self.group = None  # a timed-out group may be broken: the next save makes a new one
             self.failed(step, why(e), final)
 
@@ -252,7 +252,7 @@ class Checkpointer:
             if "writing" not in states:
                 break
             time.sleep(0.1)
-        error = next((s for s in states if s), "")
+        error = "late" if "late" in states else next((s for s in states if s), "")  # the cause, not its effects
         if error == "late":
             error = (f"rank {states.index('late')} was still writing after checkpoint.save_timeout_seconds = "
                      f"{self.cfg.save_timeout_seconds} s")
