@@ -126,6 +126,31 @@ def test_loading_never_unpickles_and_never_runs_remote_code():
                 assert "weights_only" in kw and kw["weights_only"].value is True, f"{name}:{node.lineno}"
 
 
+def test_an_error_exit_puts_the_async_save_in_flight_in_place(tmp_path):
+    """Checkpointer.close(), as an error exit calls it (no collective: another rank may be gone): it waits for the
+    save in flight (here 0.5 s more), and rank 0 renames it into place; past save_timeout_seconds it does not."""
+    import concurrent.futures
+    import types
+
+    import torch.distributed as dist
+
+    import checkpoint
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = types.SimpleNamespace(args=types.SimpleNamespace(params=lambda: {"dim": 8}))
+        for step, timeout in ((3, 60), (4, 0.2)):
+            ckpt = checkpoint.Checkpointer(types.SimpleNamespace(save_timeout_seconds=timeout), str(tmp_path), {}, 9,
+                                           model, None, None, None, {})
+            (tmp_path / f".step-{step}.tmp").mkdir()
+            writing = concurrent.futures.ThreadPoolExecutor(1).submit(time.sleep, 0.5)
+            ckpt.pending = (writing, step, time.monotonic())
+            ckpt.close()
+        assert sorted(os.listdir(tmp_path)) == [".step-4.tmp", "step-3"]
+        assert json.loads((tmp_path / "step-3" / "params.json").read_text()) == {"dim": 8}
+    finally:
+        dist.destroy_process_group()
+
+
 def alive(pid):
     """Running, not exited (a zombie waiting for torchrun to reap it has exited)."""
     try:
@@ -220,7 +245,7 @@ def two_runs(dump: str):
 def test_a_data_error_on_one_rank_ends_every_rank_with_the_same_line(tmp_path):
     """Stream 1's C4 file is cut off mid-way: only the rank reading it fails, several steps in, inside a
     gradient accumulation (the failing micro-batch is not the step's last); both ranks must end with that
-    one line and exit 2, not one line and a gloo traceback, and keep the last async save and the logs."""
+    one line and exit 2, not one line and a gloo traceback."""
     import gzip
     import shutil
     src = tmp_path / "c4"
@@ -235,8 +260,7 @@ def test_a_data_error_on_one_rank_ends_every_rank_with_the_same_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "train.py", "--config", str(tmp_path / "c.toml"), "--job.dump_folder", str(tmp_path / "d"),
                            "--metrics.log_freq", "1", "--validation.enable", "false", "--training.steps", "40", "--training.local_batch_size", "1",
-                           "--training.global_batch_size", "8", "--checkpoint.enable", "--checkpoint.interval", "1",
-                           "--checkpoint.async_mode", "async", "--metrics.enable_tensorboard"],
+                           "--training.global_batch_size", "8"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     # Both ranks print the same line (to one stderr, so the two may share a line of the terminal).
     lines = re.findall(r"error: (data source 'c4': reading \S+ at row \d+ failed[^\n]*?reached\))", proc.stderr)
@@ -245,12 +269,7 @@ def test_a_data_error_on_one_rank_ends_every_rank_with_the_same_line(tmp_path):
     assert "step: 2" in proc.stdout  # found inside the loop, not at start-up
     assert "exitcode  : 2" in proc.stderr  # torchrun's report (it may stop the second rank before it exits)
     assert 'train.py", line' not in proc.stderr and "Connection closed" not in proc.stderr  # no rank's traceback
-    # The error exit kept the async save of the last step, in flight when the error came, and the logged events.
-    last = json.loads((tmp_path / "d" / "metrics.jsonl").read_text().splitlines()[-1])["step"]
-    saved = [int(d[5:]) for d in os.listdir(tmp_path / "d" / "checkpoint") if d.startswith("step-")]
-    assert max(saved) == last, proc.stdout[-2000:]
-    assert tensorboard_steps(tmp_path / "d")[-1] == last
-    assert time.time() - start < 150  # not comm.init_timeout_seconds (300 s) past the error
+    assert time.time() - start < 120
 
 
 @pytest.mark.slow
