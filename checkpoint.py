@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,12 @@ def json_tensor(obj) -> torch.Tensor:
 
 def json_from(t: torch.Tensor):
     return json.loads(t.numpy().tobytes())
+
+
+def why(e: BaseException) -> str:
+    """A failed save's reason in one line: DCP gathers (error, traceback) per rank; the first."""
+    e = next(iter(e.failures.values()), (e,))[0] if isinstance(e, CheckpointException) else e
+    return f"{type(e).__name__}: {str(e)[:300]}".replace("\n", " ")
 
 
 def incomplete(path: str):
@@ -72,15 +79,15 @@ class Checkpointer:
     must not change (a resume with others is refused); `steps` is training.steps; `notes` are values a resume
     may change, saved so that the log can say when one did (model.converters: float8 on or off)."""
 
-    def __init__(self, cfg, folder: str, run_keys: dict, steps: int, model, optimizer, scheduler, loader, notes: dict,
-                 timeout=None):
+    def __init__(self, cfg, folder: str, run_keys: dict, steps: int, model, optimizer, scheduler, loader, notes: dict):
         self.cfg, self.folder, self.run_keys, self.steps, self.rank = cfg, folder, run_keys, steps, dist.get_rank()
         self.model, self.optimizer, self.scheduler, self.loader, self.notes = model, optimizer, scheduler, loader, notes
         self.sd_options = StateDictOptions(flatten_optimizer_state_dict=True)
-        # Async saves write from a background thread on a gloo group of their own, bounded by [comm]'s timeout too.
-        async_saves = cfg.enable and cfg.async_mode == "async"
-        self.group = dist.new_group(backend="gloo", timeout=timeout) if async_saves else None
-        self.pending = None  # (future, step) of an async save not yet renamed into place
+        # Saves run DCP's collectives on a gloo group of their own (async ones from a background thread), made at the
+        # first save: bounded by save_timeout_seconds, as long as a save may take (one rank can write minutes behind
+        # the others on a busy filesystem), not by [comm]'s timeout for ranks that are all working.
+        self.group = None
+        self.pending = None  # (future, step, start time) of an async save not yet renamed into place
 
     def state(self, step: int, tokens_seen: int, model_only: bool = False) -> dict:
         """Everything a resume needs, as tensors only: DCP then never unpickles anything on load."""
@@ -116,7 +123,7 @@ class Checkpointer:
         if done:
             step = cfg.load_step if cfg.load_step >= 0 else done[-1]
             path = os.path.join(self.folder, f"step-{step}")
-            if "train.tokens_seen" in self.metadata(path):
+            if "train.tokens_seen" in self.agreed_metadata(path):
                 return self.load(path, model_only=False)
             if step < self.steps:
                 raise CheckpointError(f"{path} holds only model weights (a last_save_model_only export); start "
@@ -143,8 +150,26 @@ class Checkpointer:
                                   + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""))
         return meta
 
+    def agreed_metadata(self, path: str) -> dict:
+        """metadata(path) as rank 0 finds it, on every rank: a node's view of a shared filesystem can be stale, so
+        rank 0 alone checks it, and every rank stops with rank 0's line, or with that of a rank that cannot read it."""
+        error, meta = "", None
+        try:
+            reader = dcp.FileSystemReader(path)
+            meta = self.metadata(path) if self.rank == 0 else reader.read_metadata().state_dict_metadata
+        except CheckpointError as e:
+            error = str(e)
+        except Exception as e:  # what DCP's reader raises: any error of the file system or the format
+            error = (f"rank {self.rank} cannot read {os.path.join(path, '.metadata')}, which rank 0 found complete "
+                     f"({type(e).__name__}: {str(e)[:200]})".replace("\n", " "))
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        if error := next((e for e in errors if e), ""):
+            raise CheckpointError(error)
+        return meta
+
     def load(self, path: str, model_only: bool):
-        meta, rank_key = self.metadata(path), f"rank{self.rank}"
+        meta, rank_key = self.agreed_metadata(path), f"rank{self.rank}"
         model = {k: plain(v) for k, v in get_model_state_dict(self.model).items()}
         state = {"model": model} if model_only else self.state(0, 0)
         for key in meta if not model_only else ():  # JSON blobs: allocate what was saved
@@ -191,6 +216,8 @@ class Checkpointer:
         """Write step-N: in the background (async_mode) unless the run stops after it."""
         if self.pending is not None:  # at most one save in flight
             self.finish()
+        if self.group is None:  # every rank saves at the same step: a collective
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.save_timeout_seconds))
         t0, tmp = time.perf_counter(), os.path.join(self.folder, f".step-{step}.tmp")
         if self.rank == 0:  # clear leftovers of crashed saves
             os.makedirs(self.folder, exist_ok=True)
@@ -200,25 +227,59 @@ class Checkpointer:
         # Only the last step's save is the export: a save on a signal (final too) must let the requeued job resume.
         state = self.state(step, tokens_seen, model_only=step == self.steps and self.cfg.last_save_model_only)
         try:
-            if self.group is not None and not final:
-                self.pending = (dcp.async_save(state, checkpoint_id=tmp, process_group=self.group), step)
+            if self.cfg.async_mode == "async" and not final:
+                future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
+                self.pending = (future, step, time.monotonic())
                 logger.info(f"checkpoint step-{step}: training blocked {time.perf_counter() - t0:.2f}s (async)")
                 return
-            dcp.save(state, checkpoint_id=tmp)
+            dcp.save(state, checkpoint_id=tmp, process_group=self.group)
             self.commit(step)
             logger.info(f"saved checkpoint {self.folder}/step-{step}: training blocked {time.perf_counter() - t0:.2f}s")
-        except (CheckpointException, OSError) as e:  # disk full, quota, permissions: DCP raises on every rank
-            self.failed(step, e, final)
+        except (CheckpointException, OSError, RuntimeError) as e:  # disk full, quota, past save_timeout_seconds (gloo)
+            self.group = None  # a timed-out group may be broken: the next save makes a new one
+            self.failed(step, why(e), final)
 
     def finish(self):
-        """Wait for the async save in flight and rename it into place."""
-        (future, step), self.pending = self.pending, None
+        """Wait until every rank's async save has ended (at most save_timeout_seconds from its start), then rename it
+        into place if it went well on every rank; else it failed, on every rank alike."""
+        (future, step, started), self.pending = self.pending, None
+        while True:  # every rank polls in step on the default group (its ranks are all here) until none is writing
+            late = time.monotonic() > started + self.cfg.save_timeout_seconds
+            state = "late" if late else "writing"
+            state = (why(future.exception()) if future.exception() else "") if future.done() else state
+            states = [None] * dist.get_world_size()
+            dist.all_gather_object(states, state)  # a gather that timed out fails on some ranks only: all learn it
+            if "writing" not in states:
+                break
+            time.sleep(0.1)
+        error = "late" if "late" in states else next((s for s in states if s), "")  # the cause, not its effects
+        if error == "late":
+            error = (f"rank {states.index('late')} was still writing after checkpoint.save_timeout_seconds = "
+                     f"{self.cfg.save_timeout_seconds} s")
+        if error:
+            self.group = None  # a write still running, or a timed-out group: the next save makes a new one
+            return self.failed(step, error, final=False)
         try:
-            future.result()
             self.commit(step)
             logger.info(f"saved checkpoint {self.folder}/step-{step} (async)")
-        except (CheckpointException, OSError) as e:
-            self.failed(step, e, final=False)
+        except OSError as e:
+            self.failed(step, why(e), final=False)
+
+    def close(self):
+        """On an error exit, with no collective (a rank may be gone): wait for this rank's async save, at most
+        save_timeout_seconds from its start; rank 0 puts it in place if it went well there, which means that every
+        rank wrote its files (DCP writes .metadata on rank 0 after gathering every rank's result)."""
+        if self.pending is None:
+            return
+        (future, step, started), self.pending = self.pending, None
+        try:
+            future.result(timeout=max(0.0, started + self.cfg.save_timeout_seconds - time.monotonic()))
+            if self.rank == 0:
+                self.put_in_place(step)
+                logger.info(f"saved checkpoint {self.folder}/step-{step} (async, before the error exit)")
+        except Exception as e:  # its write, its collectives, the time it may take, the rename
+            logger.error(f"checkpoint step-{step} failed ({why(e)}); the newest complete checkpoint is still "
+                         f"{self.newest()}")
 
     def commit(self, step: int):
         """Once every rank has written (dcp fsyncs each file): one rename makes step-N appear whole. Rank 0 alone
@@ -226,15 +287,8 @@ class Checkpointer:
         dist.barrier()
         outcome = [""]
         if self.rank == 0:
-            tmp, final = os.path.join(self.folder, f".step-{step}.tmp"), os.path.join(self.folder, f"step-{step}")
             try:
-                with open(os.path.join(tmp, "params.json"), "w") as f:  # what checkpoint_convert.py needs
-                    json.dump(self.model.args.params(), f, indent=2)
-                shutil.rmtree(final, ignore_errors=True)
-                os.rename(tmp, final)
-                dir_fd = os.open(self.folder, os.O_RDONLY)
-                os.fsync(dir_fd)  # make the rename itself survive a power loss
-                os.close(dir_fd)
+                self.put_in_place(step)
             except OSError as e:
                 outcome[0] = f"{type(e).__name__}: {e}"
         dist.broadcast_object_list(outcome, src=0)  # a string: rank 0's outcome
@@ -244,14 +298,23 @@ class Checkpointer:
         for old in (checkpoints(self.folder)[:-keep] if keep > 0 and self.rank == 0 else []):
             shutil.rmtree(os.path.join(self.folder, f"step-{old}"), ignore_errors=True)
 
-    def failed(self, step: int, e: BaseException, final: bool):
+    def put_in_place(self, step: int):
+        """Rank 0's part of a commit: params.json, then the one rename."""
+        tmp, final = os.path.join(self.folder, f".step-{step}.tmp"), os.path.join(self.folder, f"step-{step}")
+        with open(os.path.join(tmp, "params.json"), "w") as f:  # what checkpoint_convert.py needs
+            json.dump(self.model.args.params(), f, indent=2)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        dir_fd = os.open(self.folder, os.O_RDONLY)
+        os.fsync(dir_fd)  # make the rename itself survive a power loss
+        os.close(dir_fd)
+
+    def failed(self, step: int, reason: str, final: bool):
         """The previous checkpoint is untouched; training goes on and the next interval tries again,
         unless this was the save a stop depends on."""
         if self.rank == 0:
             shutil.rmtree(os.path.join(self.folder, f".step-{step}.tmp"), ignore_errors=True)
-        e = next(iter(e.failures.values()), (e,))[0] if isinstance(e, CheckpointException) else e
-        msg = (f"checkpoint step-{step} failed ({type(e).__name__}: {str(e)[:300]}); the newest complete "
-               f"checkpoint is still {self.newest()}")
+        msg = f"checkpoint step-{step} failed ({reason}); the newest complete checkpoint is still {self.newest()}"
         if final:
             raise SaveError(msg)
         logger.error(msg)

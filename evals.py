@@ -17,9 +17,11 @@ import contextlib
 import io
 import json
 import math
+import os
 import re
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Callable, Optional
 
 import fsspec
@@ -215,17 +217,23 @@ def read_once(cfg, tokenizer, max_seq_len: int, manifest: dict, device) -> tuple
     them over in three broadcasts, so 2,048 ranks read the Hub once, not 2,048 times. A source or task that cannot
     be read is rank 0's one line, raised on every rank."""
     v, seq_len, windows, head = cfg.validation, cfg.training.seq_len, [], {}
-    # The other ranks wait in the broadcast below: rank 0's retries stop within the collectives' timeout.
-    limits = cfg.data.hub_timeout_seconds, cfg.comm.init_timeout_seconds
+    store = dist.distributed_c10d._get_default_store()
+    key = f"read_once_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"  # a restarted job's store keeps old keys
+    limits = cfg.data.hub_timeout_seconds, cfg.comm.init_timeout_seconds  # a request's wait, a file's retries
     if dist.get_rank() == 0:
         try:
-            windows = [torch.tensor(heldout_windows(src, tokenizer, seq_len, None if v.sequences == -1 else v.sequences,
-                                                    manifest, *limits), dtype=torch.int32)
-                       for src in (v.sources if v.enable else [])]  # each (sequences, seq_len + 1)
+            for src in v.sources if v.enable else []:
+                store.set(f"{key}/doing", f"reading the held-out windows of {src.name!r}")
+                sequences = None if v.sequences == -1 else v.sequences
+                windows.append(torch.tensor(heldout_windows(src, tokenizer, seq_len, sequences, manifest, *limits),
+                                            dtype=torch.int32))  # (sequences, seq_len + 1)
+            store.set(f"{key}/doing", f"reading the eval tasks {[t.name for t in sources(cfg.eval)]}")
             tasks = load(cfg.eval, tokenizer, max_seq_len, manifest, *limits)
             head = {"counts": [len(w) for w in windows], "tasks": tasks}
         except DataError as e:
             head = {"error": str(e)}
+    # The others wait in the store while rank 0 reads (its retries may outlast a collective), not in the broadcasts
+    wait_for_rank0(store, key, dist.get_rank(), cfg.data.resolve_timeout_seconds, "the held-out windows and eval tasks")
     # JSON, not pickle: what a rank receives is data, never code
     head = json.loads(from_rank0(torch.frombuffer(bytearray(json.dumps(head).encode()), dtype=torch.uint8),
                                  device).numpy().tobytes())
@@ -235,6 +243,20 @@ def read_once(cfg, tokenizer, max_seq_len: int, manifest: dict, device) -> tuple
                       device)
     names = [src.name for src in v.sources] if v.enable else []
     return dict(zip(names, flat.view(-1, seq_len + 1).split(head["counts"]))), head["tasks"]
+
+
+def wait_for_rank0(store, key: str, rank: int, wait: float, what: str):
+    """Where rank 0 reads alone (`what`), the others wait for it in the job's c10d store, up to `wait` s (what that
+    reading may take), not in a collective (comm.init_timeout_seconds, for ranks that are all working). Rank 0 calls
+    it when done; what it last put under `key`/doing is the waiting ranks' line if they give up."""
+    if rank == 0:
+        return store.set(key, "done")
+    try:
+        store.wait([key], timedelta(seconds=wait))
+    except RuntimeError as e:  # c10d's DistStoreError
+        doing = store.get(f"{key}/doing").decode() if store.check([f"{key}/doing"]) else "starting"
+        raise DataError(f"rank {rank} waited data.resolve_timeout_seconds = {wait:g} s for rank 0 to read {what} "
+                        f"alone, and it was still {doing}: a slow or rate-limited Hub? Raise it") from e
 
 
 def from_rank0(t: torch.Tensor, device) -> torch.Tensor:

@@ -52,6 +52,7 @@ from model import Transformer, flavors, keyed_normal_
 from sources import DataError, DataSource, manifest_sha256, pinned_manifest, shared_manifest, verify_manifest
 
 logger = logging.getLogger("train")
+LEFT_OPEN = []  # main()'s checkpointer and metrics logger: an error exit (below main) closes them first
 HERE = os.path.dirname(os.path.abspath(__file__))  # frames of this trainer's files, in lost_rank's line
 
 
@@ -125,6 +126,7 @@ class Checkpoint:
     load_step: int = -1  # resume from step-N instead of the newest; -1: newest
     initial_load_path: str = ""  # with nothing to resume: start from this DCP folder (checkpoint_convert.py output or a step-N)
     initial_load_model_only: bool = True  # from initial_load_path take only the weights (fresh optimizer, step 0)
+    save_timeout_seconds: int = 1800  # a save may take this long (every rank's write and DCP's collectives); then it fails
 
 
 @dataclass
@@ -238,7 +240,8 @@ def validate(cfg: Config, world_size: int) -> dict:
 
     rules = {  # key: (check, what it must be); NaN fails every comparison, so it is caught too
         "training.steps": pos, "training.local_batch_size": pos, "training.seq_len": pos, "metrics.log_freq": pos,
-        "checkpoint.interval": pos, "parallelism.tensor_parallel_degree": pos, "comm.init_timeout_seconds": pos,
+        "checkpoint.interval": pos, "checkpoint.save_timeout_seconds": pos,
+        "parallelism.tensor_parallel_degree": pos, "comm.init_timeout_seconds": pos,
         "parallelism.data_parallel_replicate_degree": pos, "parallelism.data_parallel_shard_degree": minus1_or,
         "training.global_batch_size": minus1_or, "optimizer.lr": positive, "optimizer.eps": positive,
         "optimizer.beta1": prob, "optimizer.beta2": prob, "optimizer.weight_decay": nonneg, "training.max_norm": nonneg,
@@ -543,6 +546,32 @@ def agree(error: str, device) -> None:
         raise ConfigError(next(e for e in errors if e))
 
 
+def agree_on_reads(error: str, rank: int, wait: float) -> None:
+    """agree() after every rank read on its own (a read's retries may outlast a collective's timeout): in the job's
+    store, rank 0 waits up to `wait` s (data.resolve_timeout_seconds) for every rank's outcome, and every rank raises
+    rank 0's verdict, the first rank's error, or that a rank never answered."""
+    store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+    key = f"checked_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"  # a restarted job's store keeps old keys
+    store.set(f"{key}/{rank}", error)
+    if rank == 0:
+        keys = [f"{key}/{r}" for r in range(world)]
+        try:
+            store.wait(keys, timedelta(seconds=wait))
+            verdict = next((e for e in store.multi_get(keys) if e), b"").decode()
+        except RuntimeError:  # c10d's DistStoreError
+            late = [r for r in range(world) if not store.check([keys[r]])]
+            verdict = (f"rank 0 waited data.resolve_timeout_seconds = {wait:g} s for rank {late[0]} (of {len(late)} "
+                       "late) to read the next document of its sources: a slow or rate-limited Hub? Raise it")
+        store.set(f"{key}/verdict", verdict)
+    try:  # rank 0's own reading, then its wait for the others
+        store.wait([f"{key}/verdict"], timedelta(seconds=2 * wait))
+    except RuntimeError as e:
+        raise DataError(f"rank {rank} waited 2 x data.resolve_timeout_seconds = {2 * wait:g} s for rank 0 to read "
+                        "the next document of its sources and hear from every rank: raise it") from e
+    if verdict := store.get(f"{key}/verdict").decode():
+        raise DataError(verdict)
+
+
 def open_dump_folder(cfg: Config, rank: int, device):
     """Every rank checks that the dump folder is usable. Rank 0 returns an flock on it, held for the whole run (the OS
     releases it however the process ends): a second job pointed here stops before it touches config or checkpoints."""
@@ -672,15 +701,14 @@ def main(cfg: Config):
     # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path -----------
     checkpointer = Checkpointer(cfg.checkpoint, os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder),
                                 run_keys(cfg, args, sizes, manifest), cfg.training.steps, model, optimizer,
-                                scheduler, loader, {"model.converters": cfg.model.converters},  # float8 on/off: logged
-                                timedelta(seconds=cfg.comm.init_timeout_seconds))
+                                scheduler, loader, {"model.converters": cfg.model.converters})  # float8 on/off: logged
     step, tokens_seen = checkpointer.resume()
     error = ""
     try:  # every rank opens every source where it resumes: a bad one stops all ranks alike before step 1
         loader.check()
     except DataError as e:
         error = str(e)
-    agree(error, device)
+    agree_on_reads(error, rank, cfg.data.resolve_timeout_seconds)
     windows, tasks = evals.read_once(cfg, tokenizer, args.max_seq_len, manifest, device)
     heldout = evals.heldout_share(windows, cfg.validation.local_batch_size, dp_rank, dp,
                                   partial(ignore_boundaries, args=args))
@@ -690,6 +718,7 @@ def main(cfg: Config):
 
     # --- 7. training loop ---------------------------------------------------------------------------------
     metrics = MetricsLogger(cfg, rank)
+    LEFT_OPEN[:] = [checkpointer, metrics]  # an error exit finishes a pending save and flushes the logs first
     peak, grad_accum, tp = peak_tflops(device, cfg.metrics.peak_tflops), sizes["grad_accum"], p.tensor_parallel_degree
     tokens_per_step = sizes["global_batch_size"] * cfg.training.seq_len
     params = [q for q in model.parameters() if q.requires_grad]
@@ -732,6 +761,8 @@ def main(cfg: Config):
         if data_failed:
             agree(data_error, device)
         if diverged:
+            if checkpointer.pending is not None:  # an earlier step's save is good: in place before the exit
+                checkpointer.finish()
             raise RunError(f"step {step}: the loss or the gradient norm is not finite (grad_norm "
                            f"{grad_norm.item():.4g}); nothing was saved from this step. "
                            f"Last good checkpoint: {checkpointer.newest()}")
@@ -803,9 +834,12 @@ if __name__ == "__main__":
         if not line:
             raise  # a bug: its traceback
         print(f"error: {line}", file=sys.stderr, flush=True)
+        for held in LEFT_OPEN:  # an async save of an earlier step (it waits, bounded), TensorBoard's buffered events
+            with contextlib.suppress(Exception):
+                held.close()
         sys.stdout.flush()
-        # Leave at once: a rank lingering in teardown gets torchrun's SIGTERM, a process group freed at interpreter
-        # shutdown can abort in gloo's threads. Saved state is on disk; loader workers exit when their rank is gone.
+        # Then leave at once: a rank lingering in teardown gets torchrun's SIGTERM, a process group freed at interpreter
+        # shutdown can abort in gloo's threads. Loader workers exit when their rank is gone.
         os._exit(2 if isinstance(e, (ConfigError, DataError, CheckpointError)) else 3)
     # main() closed the loader, the logs and the process group: skip tearing down torch's modules (0.7 s of every run)
     logging.shutdown()

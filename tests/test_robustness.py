@@ -27,16 +27,27 @@ def errors(proc):
     return [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:")]
 
 
+def tensorboard_steps(dump, tag="loss"):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tb = EventAccumulator(str(dump / "tb"))
+    tb.Reload()
+    return [e.step for e in tb.Scalars(tag)] if tag in tb.Tags()["scalars"] else []
+
+
 @pytest.mark.slow
 def test_non_finite_loss_stops_without_saving_it(tmp_path):
+    """The async save of step 1, still in flight when step 2 diverges, is put in place before the exit, and the
+    TensorBoard events of step 1 are on disk."""
     proc = run(tmp_path, "--training.steps", 6, "--optimizer.lr", 1e30, "--lr_scheduler.warmup_steps", 0,
-               "--checkpoint.enable", "--checkpoint.interval", 1)
+               "--checkpoint.enable", "--checkpoint.interval", 1, "--checkpoint.async_mode", "async",
+               "--metrics.enable_tensorboard")
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
     (line,) = errors(proc)
     assert line.startswith("error: step 2: the loss or the gradient norm is not finite")
     assert line.endswith(f"Last good checkpoint: {tmp_path}/checkpoint/step-1")
     assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-1"]  # the bad step never reached disk
     assert "Traceback" not in proc.stderr
+    assert tensorboard_steps(tmp_path) == [1]
 
 
 @pytest.mark.slow
@@ -115,6 +126,31 @@ def test_loading_never_unpickles_and_never_runs_remote_code():
                 assert "weights_only" in kw and kw["weights_only"].value is True, f"{name}:{node.lineno}"
 
 
+def test_an_error_exit_puts_the_async_save_in_flight_in_place(tmp_path):
+    """Checkpointer.close(), as an error exit calls it (no collective: another rank may be gone): it waits for the
+    save in flight (here 0.5 s more), and rank 0 renames it into place; past save_timeout_seconds it does not."""
+    import concurrent.futures
+    import types
+
+    import torch.distributed as dist
+
+    import checkpoint
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = types.SimpleNamespace(args=types.SimpleNamespace(params=lambda: {"dim": 8}))
+        for step, timeout in ((3, 60), (4, 0.2)):
+            ckpt = checkpoint.Checkpointer(types.SimpleNamespace(save_timeout_seconds=timeout), str(tmp_path), {}, 9,
+                                           model, None, None, None, {})
+            (tmp_path / f".step-{step}.tmp").mkdir()
+            writing = concurrent.futures.ThreadPoolExecutor(1).submit(time.sleep, 0.5)
+            ckpt.pending = (writing, step, time.monotonic())
+            ckpt.close()
+        assert sorted(os.listdir(tmp_path)) == [".step-4.tmp", "step-3"]
+        assert json.loads((tmp_path / "step-3" / "params.json").read_text()) == {"dim": 8}
+    finally:
+        dist.destroy_process_group()
+
+
 def alive(pid):
     """Running, not exited (a zombie waiting for torchrun to reap it has exited)."""
     try:
@@ -163,12 +199,13 @@ def test_a_failed_commit_and_the_step_to_resume_reach_every_rank(tmp_path):
     """Rank 0 alone puts a checkpoint in place, and lists the folder on resume: every rank must learn both. One
     launch of this file as a script, two runs: stale files at step-4 and step-6 (as NFS leaves them) make those
     commits fail: step 4's is logged and training goes on, step 6's (the last) ends both ranks with the same line.
-    Then rank 1's listing shows no checkpoint (a stale NFS cache): both resume from rank 0's step-2, exactly."""
+    Then rank 1's listing shows no checkpoint and step-2 incomplete (a stale NFS cache): both resume from rank 0's
+    step-2, exactly."""
     (tmp_path / "checkpoint").mkdir()
     for stale in ("step-4", "step-6"):
         (tmp_path / "checkpoint" / stale).write_text("stale")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           __file__, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           __file__, "two_runs", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert out.count("checkpoint step-4 failed (OSError: putting it in place: NotADirectoryError") == 2, out[-3000:]
@@ -198,6 +235,7 @@ def two_runs(dump: str):
             os.remove(os.path.join(dump, "checkpoint", stale))
     else:
         checkpoint.checkpoints = lambda folder, warn=False: []  # rank 1's listing: nothing there
+        checkpoint.incomplete = lambda path: "stale attributes"  # and its view of step-2: cut short
     # torchrun's store keeps the first run's keys: a store of its own for the second run
     os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False", MASTER_PORT=str(int(os.environ["MASTER_PORT"]) + 1))
     train.main(train.load_config(args))
@@ -234,6 +272,67 @@ def test_a_data_error_on_one_rank_ends_every_rank_with_the_same_line(tmp_path):
     assert time.time() - start < 120
 
 
+@pytest.mark.slow
+def test_slow_reads_and_slow_writers_are_waited_for_as_long_as_they_may_take(tmp_path):
+    """Waits bounded by what they wait on, not by comm.init_timeout_seconds (6 s here). One launch, three runs (see
+    slow_runs): A, a rank reads or writes 8 s behind the other (its first documents, rank 0's held-out and eval reading
+    alone, an async save, the last save): the run finishes with both checkpoints. C, a write 20 s long, past
+    checkpoint.save_timeout_seconds: that save fails on both ranks with one line, training goes on and the next
+    save works. B, rank 0's reading past data.resolve_timeout_seconds: rank 1's line says what rank 0 was doing."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           __file__, "slow_runs", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert re.findall(r"run A rank (\d): finished", out) in (["0", "1"], ["1", "0"]), out[-3000:]
+    assert f"saved checkpoint {tmp_path}/A/checkpoint/step-2 (async)" in out
+    assert sorted(os.listdir(tmp_path / "A" / "checkpoint")) == ["step-2", "step-4"]
+    failed = "checkpoint step-2 failed (rank 1 was still writing after checkpoint.save_timeout_seconds = 3 s)"
+    assert out.count(failed) == 2 and "run C rank 1: finished" in out, out[-3000:]
+    assert sorted(os.listdir(tmp_path / "C" / "checkpoint")) == ["step-4"]
+    assert ("run B rank 1: rank 1 waited data.resolve_timeout_seconds = 3 s for rank 0 to read the held-out windows "
+            "and eval tasks alone, and it was still reading the held-out windows of 'c4'") in out, out[-3000:]
+
+
+def slow(owner, name: str, seconds):
+    """owner.name made seconds(its arguments) slower."""
+    original = getattr(owner, name)
+
+    def slower(*args, **kwargs):
+        time.sleep(seconds(*args))
+        return original(*args, **kwargs)
+
+    setattr(owner, name, slower)
+
+
+def slow_runs(dump: str):
+    """The script side of the test above, on each rank of a 2-process torchrun: runs A, C, then B (which fails)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    import data
+    import evals
+    import train
+    rank, port, now = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"]), {"run": "A", "saves": {}}
+    slow(data.DataLoader, "check", lambda *args: 8 * (rank == 1 and now["run"] == "A"))  # its first documents
+    slow(evals, "load", lambda *args: 8 * (rank == 0 and now["run"] == "A"))  # eval tasks: rank 0 reads alone
+    slow(evals, "heldout_windows", lambda src, *args: 8 * (rank == 0 and now["run"] == "B" and src.name == "c4"))
+    slow(FileSystemWriter, "write_data", lambda writer, *args: now["saves"].get(writer.path.name, 0) * (rank == 1))
+    args = ["--training.steps", 4, "--checkpoint.enable", "--checkpoint.interval", 2, "--checkpoint.async_mode", "async",
+            "--training.local_batch_size", 4, "--comm.init_timeout_seconds", 6]
+    for run, saves, extra in (("A", {".step-2.tmp": 8, ".step-4.tmp": 8}, []),
+                              ("C", {".step-2.tmp": 20}, ["--checkpoint.save_timeout_seconds", 3]),
+                              ("B", {}, ["--data.resolve_timeout_seconds", 3, "--validation.enable", "true"])):
+        now.update(run=run, saves=saves)
+        if run != "A":  # torchrun's store keeps the first run's keys: a store of its own
+            os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False", MASTER_PORT=str(port + "ACB".index(run)))
+        try:
+            train.main(train.load_config(cmd(os.path.join(dump, run), *args, *extra)[2:]))
+            print(f"run {run} rank {rank}: finished", flush=True)
+        except Exception as e:
+            print(f"run {run} rank {rank}: {e}", flush=True)
+            dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
-    two_runs(sys.argv[1])
+    {"two_runs": two_runs, "slow_runs": slow_runs}[sys.argv[1]](sys.argv[2])
