@@ -1,9 +1,8 @@
-"""train.py's config plumbing: TOML files and `--section.key value` options for a tree of config dataclasses.
+"""train.py's config plumbing: TOML files and `--section.key value` options for its dataclasses.
 
-train.py holds the dataclasses (what a run can set, each field with its one-line doc) and the checks of their
-values; this file only reads them. Precedence: the command line > the TOML file > the dataclass defaults.
-Unknown sections and keys, and values of the wrong type, are a ConfigError naming them and the close matches.
-"""
+train.py holds the dataclasses (what a run can set, each field with its one-line doc) and the checks
+of their values; this file only reads them. Precedence: command line > TOML file > defaults.
+Unknown sections and keys, and values of the wrong type: a ConfigError naming the close matches."""
 
 import argparse
 import ast
@@ -18,21 +17,21 @@ import tomllib
 import typing
 
 
-
 class ConfigError(ValueError):
     """A user mistake in the config, the command line or an input file: one line, exit code 2."""
 
 
 def _docs(cls) -> dict:
-    """Each field's one-line doc: the `# comment` on its line (or on the lines of a default that spans several),
-    else a comment line just above it. A field without one gets "" (--help then shows just its default)."""
+    """Each field's one-line doc: the `# comment` on its line (or a multi-line default's lines),
+    else a comment line just above it. A field without one gets "" (--help shows its default)."""
     try:
         src = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):  # no source file (a class made in a notebook cell, say): no docs, no crash
+    except (OSError, TypeError):  # no source file (a notebook cell's class, say): no docs, no crash
         return {}
     lines = src.splitlines()
-    comments = {t.start[0]: t.string.lstrip("#").strip()
-                for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type == tokenize.COMMENT}
+    tokens = tokenize.generate_tokens(io.StringIO(src).readline)
+    comments = {t.start[0]: t.string.lstrip("#").strip()  # line number -> comment text
+                for t in tokens if t.type == tokenize.COMMENT}
     docs = {}
     for node in ast.parse(src).body[0].body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
@@ -44,17 +43,15 @@ def _docs(cls) -> dict:
 
 def _convert(value, typ, where: str):
     """Check/convert a TOML value or a CLI string to the field's type."""
-    if typ is list and isinstance(value, str):  # --model.converters float8 (commas between items; [] for none)
+    if typ is list and isinstance(value, str):  # --model.converters a,b ([] for none)
         value = [s.strip(" '\"") for s in value.strip("[]").split(",") if s.strip(" '\"")]
     elif isinstance(value, str) and typ is not str:  # from the command line
         try:
             value = {"true": True, "false": False}[value.lower()] if typ is bool else typ(value)
         except (KeyError, ValueError):
             raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}")
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if typ is str and isinstance(value, int) and not isinstance(value, bool):  # selective_ac_option = 2
-        value = str(value)
+    if typ in (float, str) and isinstance(value, int) and not isinstance(value, bool):
+        value = typ(value)  # lr = 1 reads as 1.0; selective_ac_option = 2 as "2"
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)) or (
             typ is list and not all(isinstance(s, str) for s in value)):
         raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}")
@@ -76,7 +73,7 @@ def _set(cfg, section: str, key: str, value, where: str):
         raise unknown("config section", section, sections)
     obj = getattr(cfg, section)
     keys = {f.name: f for f in dataclasses.fields(obj)}
-    if key in getattr(obj, "RENAMED", {}):  # a key a section no longer has: what replaced it, not a close match
+    if key in getattr(obj, "RENAMED", {}):  # a renamed key: name its successor, not a close match
         raise ConfigError(f"[{section}] {key} was replaced by {obj.RENAMED[key]}")
     if key not in keys:
         raise unknown(f"key in [{section}]", key, keys)
@@ -89,21 +86,24 @@ def _set(cfg, section: str, key: str, value, where: str):
 
 
 def _table_type(typ):
-    """The dataclass of a field annotated list[SomeDataclass] (an array of TOML tables), else None."""
+    """The dataclass of a field annotated list[SomeDataclass] (TOML tables), else None."""
     args = typing.get_args(typ)
-    return args[0] if typing.get_origin(typ) is list and args and dataclasses.is_dataclass(args[0]) else None
+    tables = typing.get_origin(typ) is list and args and dataclasses.is_dataclass(args[0])
+    return args[0] if tables else None
 
 
 def _tables(value, cls, where: str, name: str) -> list:
-    """[[section.key]] tables -> instances of cls, each key checked against cls's fields and their types."""
+    """[[section.key]] tables -> instances of cls, each key checked against cls's fields' types."""
     if not isinstance(value, list) or not value or not all(isinstance(t, dict) for t in value):
         raise ConfigError(f"{where}: {name} must be one or more [[{name}]] tables")
-    hints, out = typing.get_type_hints(cls), []
+    hints = typing.get_type_hints(cls)
+    out = []
     for n, table in enumerate(value):
         for k, v in table.items():
             if k not in hints:
                 raise ConfigError(f"{where}: unknown key {k!r} in [[{name}]] {n}{_hint(k, hints)}")
-            typ = next((t for t in typing.get_args(hints[k]) if t is not type(None)), hints[k])  # Optional[str]: str
+            # Optional[str]: str
+            typ = next((t for t in typing.get_args(hints[k]) if t is not type(None)), hints[k])
             table = {**table, k: _convert(v, typ, f"{where} {name}[{n}].{k}")}
         try:
             out.append(cls(**table))
@@ -113,47 +113,53 @@ def _tables(value, cls, where: str, name: str) -> list:
 
 
 def build_parser(config_cls, description: str, with_docs: bool = True) -> argparse.ArgumentParser:
-    """--section.key for every config field (generated from the dataclasses), plus --config; `with_docs`: field docs
-    in its help (read from the source: 0.2 s, so only for --help)."""
+    """--section.key for every config field (generated from the dataclasses), plus --config;
+    `with_docs`: field docs in its help (read from the source: 0.2 s, so only for --help)."""
     def wide(prog):
         return argparse.RawDescriptionHelpFormatter(prog, max_help_position=60, width=200)
 
-    parser = argparse.ArgumentParser(usage="%(prog)s [--config TOML] [--section.key VALUE ...]",
-                                     description=description, allow_abbrev=False, exit_on_error=False,
-                                     formatter_class=wide)
-    parser.add_argument("--config", "--job.config_file", action="append", metavar="TOML", help="the TOML config file")
+    usage = "%(prog)s [--config TOML] [--section.key VALUE ...]"
+    parser = argparse.ArgumentParser(usage=usage, description=description, allow_abbrev=False,
+                                     exit_on_error=False, formatter_class=wide)
+    parser.add_argument("--config", "--job.config_file", action="append", metavar="TOML",
+                        help="the TOML config file")
     for sec in dataclasses.fields(config_cls):
         cls = type(getattr(config_cls(), sec.name))
-        docs, hints = _docs(cls) if with_docs else {}, typing.get_type_hints(cls)
-        tables = [f"[[{sec.name}.{k}]] (TOML only): {docs.get(k, '')}" for k in hints if _table_type(hints[k])]
+        docs = _docs(cls) if with_docs else {}
+        hints = typing.get_type_hints(cls)
+        tables = [f"[[{sec.name}.{k}]] (TOML only): {docs.get(k, '')}"
+                  for k in hints if _table_type(hints[k])]
         group = parser.add_argument_group(f"[{sec.name}]", "\n".join(tables) or None)
         for f in dataclasses.fields(cls):
             typ = hints[f.name]
             if _table_type(typ):
                 continue  # tables: TOML only
-            group.add_argument(f"--{sec.name}.{f.name}", default=argparse.SUPPRESS, metavar=typ.__name__.upper(),
-                               **({"nargs": "?", "const": "true"} if typ is bool else {}),  # bare --checkpoint.enable
-                               help=f"{docs.get(f.name, '')} (default: {getattr(cls(), f.name)!r})".lstrip())
+            bare = {"nargs": "?", "const": "true"} if typ is bool else {}  # --checkpoint.enable
+            doc = f"{docs.get(f.name, '')} (default: {getattr(cls(), f.name)!r})".lstrip()
+            group.add_argument(f"--{sec.name}.{f.name}", default=argparse.SUPPRESS,
+                               metavar=typ.__name__.upper(), help=doc, **bare)
     return parser
 
 
 def load(config_cls, argv, description: str = ""):
     """Defaults, then the TOML file (--config), then --section.key value overrides."""
     try:
-        args, unknown = build_parser(config_cls, description, {"-h", "--help"} & set(argv)).parse_known_args(argv)
+        with_docs = {"-h", "--help"} & set(argv)
+        args, unknown = build_parser(config_cls, description, with_docs).parse_known_args(argv)
     except argparse.ArgumentError as e:
         raise ConfigError(str(e))
-    for arg in unknown:  # argparse would say "unrecognized arguments": name the close matches instead
+    for arg in unknown:  # argparse would say "unrecognized arguments": name close matches instead
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}; options look like --section.key value")
         section, dot, key = arg[2:].partition("=")[0].partition(".")
         if not dot:
             raise ConfigError(f"option {arg}: expected --section.key (e.g. --training.steps)")
-        _set(config_cls(), section, key, None, "command line")  # raises: unknown section or key, or a TOML table
-    cfg, files = config_cls(), args.config or []
+        _set(config_cls(), section, key, None, "command line")  # raises: unknown, or a TOML table
+    cfg = config_cls()
+    files = args.config or []
     if len(files) > 1:
-        raise ConfigError(f"--config given {len(files)} times ({', '.join(files)}); give one file and "
-                          "override single keys with --section.key value")
+        raise ConfigError(f"--config given {len(files)} times ({', '.join(files)}); "
+                          "give one file and override single keys with --section.key value")
     for path in files:
         try:
             with open(path, "rb") as f:
@@ -183,10 +189,12 @@ def to_toml(cfg) -> str:
         out.append(f"[{f.name}]")
         hints = typing.get_type_hints(type(sec))
         tables = {k for k in hints if _table_type(hints[k])}
-        out += [f"{k} = {fmt(v)}" for k, v in dataclasses.asdict(sec).items() if k not in tables and v is not None]
+        values = dataclasses.asdict(sec)
+        out += [f"{k} = {fmt(v)}" for k, v in values.items() if k not in tables and v is not None]
         for k in tables:
             for item in getattr(sec, k):
                 out.append(f"\n[[{f.name}.{k}]]")
-                out += [f"{name} = {fmt(v)}" for name, v in dataclasses.asdict(item).items() if v is not None]
+                fields = dataclasses.asdict(item)
+                out += [f"{name} = {fmt(v)}" for name, v in fields.items() if v is not None]
         out.append("")
     return "\n".join(out)

@@ -1,5 +1,5 @@
-"""Reference training runs shared by test_smoke.py and tests/: each costs ~20 s of CPU, run once; and the two tiers'
-times at the end of every run.
+"""Reference training runs shared by test_smoke.py and tests/: each costs ~20 s of CPU, run once;
+and the two tiers' times at the end of every run.
 
 Training tests pass --validation.enable false: the held-out rounds (about 2 s a run) are tested in
 tests/test_validation.py, and they would add minutes to the suite."""
@@ -22,16 +22,19 @@ def _cuda() -> bool:
         return False
 
 
-# One test body for every device: `@pytest.mark.parametrize("device", DEVICES)` runs it on the CPU here and,
-# unchanged, on a GPU under `python -m pytest -m gpu` (the cuda case is marked `gpu` and skipped without CUDA).
+# One test body for every device: `@pytest.mark.parametrize("device", DEVICES)` runs it on the CPU
+# here and, unchanged, on a GPU under `python -m pytest -m gpu` (the cuda case is marked `gpu` and
+# skipped without CUDA).
 GPU_SKIP = "needs a CUDA GPU; on a GPU node run: python -m pytest -m gpu"
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _cuda(), reason=GPU_SKIP)])]
+_CUDA_MARKS = [pytest.mark.gpu, pytest.mark.skipif(not _cuda(), reason=GPU_SKIP)]
+DEVICES = ["cpu", pytest.param("cuda", marks=_CUDA_MARKS)]
 
 
 def _train_2proc(dump, *args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-           "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump), "--metrics.log_freq", "1",
-           "--validation.enable", "false", "--training.steps", "10", *map(str, args)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "train.py", "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump),
+           "--metrics.log_freq", "1", "--validation.enable", "false", "--training.steps", "10",
+           *map(str, args)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return dump, proc.stdout + proc.stderr
@@ -39,21 +42,26 @@ def _train_2proc(dump, *args):
 
 @pytest.fixture(scope="session")
 def fsdp_reference(tmp_path_factory):
-    """(dump folder, stdout + stderr) of 10 steps on 2 ranks, FSDP, global batch 8, checkpoints at 5 and 10."""
+    """(dump folder, stdout + stderr) of 10 steps on 2 ranks, FSDP, global batch 8, checkpoints at 5
+    and 10."""
     return _train_2proc(tmp_path_factory.mktemp("ref_fsdp"), "--training.local_batch_size", 4,
                         "--checkpoint.enable", "--checkpoint.interval", 5)
 
 
 @pytest.fixture(scope="session")
 def tp_reference(tmp_path_factory):
-    """(dump folder, stdout + stderr) of 10 steps on 2 ranks, tensor parallel 2, selective AC, global batch 8."""
-    return _train_2proc(tmp_path_factory.mktemp("ref_tp"), "--parallelism.tensor_parallel_degree", 2,
+    """(dump folder, stdout + stderr) of 10 steps on 2 ranks, tensor parallel 2, selective AC,
+    global batch 8."""
+    dump = tmp_path_factory.mktemp("ref_tp")
+    return _train_2proc(dump, "--parallelism.tensor_parallel_degree", 2,
                         "--activation_checkpoint.mode", "selective")
 
 
-# --- Two tiers: `python -m pytest -q -m "not slow"` after an edit, the whole suite in CI. A feature that adds tests
-# pays for them: its quick cases within QUICK_BUDGET, the rest marked slow, the whole within WHOLE_BUDGET (2 cores).
-QUICK_BUDGET, WHOLE_BUDGET = 180, 1200
+# --- Two tiers: `python -m pytest -q -m "not slow"` after an edit, the whole suite in CI. A feature
+# that adds tests pays for them: its quick cases within QUICK_BUDGET, the rest marked slow, the
+# whole within WHOLE_BUDGET (2 cores).
+QUICK_BUDGET = 180    # seconds, summed over the quick tests' setup, call and teardown
+WHOLE_BUDGET = 1200   # seconds of wall time for the whole suite
 _seconds = {"quick": 0.0, "slow": 0.0, "start": time.perf_counter()}
 
 
@@ -63,9 +71,16 @@ def pytest_runtest_logreport(report):  # setup, call and teardown of every test,
 
 @pytest.hookimpl(trylast=True)  # after the slowest tests' list
 def pytest_terminal_summary(terminalreporter):
-    quick, slow, whole = _seconds["quick"], _seconds["slow"], time.perf_counter() - _seconds["start"]
-    over = [f"quick tier over {QUICK_BUDGET} s"] * (quick > QUICK_BUDGET) + \
-        [f"whole suite over {WHOLE_BUDGET} s"] * (whole > WHOLE_BUDGET and slow > 0)
-    terminalreporter.write_line(f"tiers: the quick tests (-m \"not slow\") {quick:,.0f} s (budget {QUICK_BUDGET}), "
-                                f"the slow ones {slow:,.0f} s; this session {whole:,.0f} s wall (whole suite budget "
-                                f"{WHOLE_BUDGET}){'; OVER: ' + ', '.join(over) if over else ''}")
+    quick = _seconds["quick"]
+    slow = _seconds["slow"]
+    whole = time.perf_counter() - _seconds["start"]
+    over = []
+    if quick > QUICK_BUDGET:
+        over.append(f"quick tier over {QUICK_BUDGET} s")
+    if whole > WHOLE_BUDGET and slow > 0:  # a session without slow tests is not the whole suite
+        over.append(f"whole suite over {WHOLE_BUDGET} s")
+    verdict = "; OVER: " + ", ".join(over) if over else ""
+    line = (f"tiers: the quick tests (-m \"not slow\") {quick:,.0f} s (budget {QUICK_BUDGET}), "
+            f"the slow ones {slow:,.0f} s; this session {whole:,.0f} s wall "
+            f"(whole suite budget {WHOLE_BUDGET}){verdict}")
+    terminalreporter.write_line(line)

@@ -103,12 +103,17 @@ class SourceReader:
 
     def __init__(self, src: DataSource, files: list, stream: int, num_streams: int, seed: int, ordered: bool = False,
                  timeout: float = HUB_TIMEOUT, budget: float = math.inf):
-        self.src, self.stream, self.num_streams, self.seed, self.ordered = src, stream, num_streams, seed, ordered
+        self.src = src
+        self.stream = stream  # this reader's stream, of num_streams
+        self.num_streams = num_streams
+        self.seed = seed  # with the source and the epoch: the order of the files
+        self.ordered = ordered  # sorted, never shuffled: validation
         self.timeout = timeout  # seconds a hub read may go without a byte before it is retried
         self.budget = budget  # seconds a failing read is retried for, from its start: [comm] init_timeout_seconds
         self.files = [tuple(f) for f in files]
         self.epoch, self.file, self.row = 0, 0, 0  # the next document to read
-        self.at, self._it = 0, None  # the row being read (for error messages), the document iterator
+        self.at = 0  # the row being read, for error messages
+        self._it = None  # the document iterator
         self.error = None  # the DataError this reader stopped with: raised again by every later read
 
     def _files(self) -> list:
@@ -119,10 +124,12 @@ class SourceReader:
 
     def _rows(self, path: str, size: int, start: int):
         """(row, text) of one file from row `start` on: parquet seeks by row group, json skips lines."""
-        col, self.at = self.src.text_column, start
+        col = self.src.text_column
+        self.at = start
         if path.endswith(".parquet"):  # exact range reads, no read-ahead: the footer, then the row groups needed
             with open_file(path, size, self.timeout, self.budget, self.src.name) as f:
-                pf, first = pq.ParquetFile(f), 0
+                pf = pq.ParquetFile(f)
+                first = 0  # the first row of row group g
                 if col not in pf.schema_arrow.names:
                     raise DataError(f"data source {self.src.name!r}: no column {col!r} in {path} (columns: "
                                     f"{pf.schema_arrow.names}); set text_column")
@@ -154,15 +161,20 @@ class SourceReader:
         broke (HubFile). Any other transient error re-opens the file at the row after the last document
         handed out, after a growing pause, so the stream is the same, while that can end within the budget
         from the start of the read. Anything else stops with one line naming the file and the row."""
-        failures, started = 0, time.monotonic()  # started: when the read of the next document began
+        failures = 0  # in a row, since the last document handed out
+        started = time.monotonic()  # when the read of the next document began
         while True:
-            files, whole_epoch, found = self._files(), self.file == 0 and self.row == 0, False
+            files = self._files()
+            whole_epoch = self.file == 0 and self.row == 0  # this pass starts at the epoch's start
+            found = False  # a row of this stream in this pass
             by_rows = len(files) < self.num_streams  # too few files: split rows instead
             while self.file < len(files):
                 try:
                     for row, text in self._rows(*files[self.file], self.row):
                         if not by_rows or row % self.num_streams == self.stream:
-                            self.row, found, failures = row + 1, True, 0
+                            self.row = row + 1
+                            found = True
+                            failures = 0
                             yield text or ""
                             started = time.monotonic()  # the next document is asked for
                 except Exception as e:  # a next try the Hub does not answer fails within one request's `timeout`
@@ -192,7 +204,9 @@ class SourceReader:
         return {"epoch": self.epoch, "file": self.file, "row": self.row}
 
     def load_state_dict(self, sd):
-        self.epoch, self.file, self.row, self._it, self.error = sd["epoch"], sd["file"], sd["row"], None, None
+        self.epoch, self.file, self.row = sd["epoch"], sd["file"], sd["row"]
+        self._it = None
+        self.error = None
 
 
 def heldout_windows(src: DataSource, tokenizer: Tokenizer, seq_len: int, limit: Optional[int] = None,
@@ -200,7 +214,8 @@ def heldout_windows(src: DataSource, tokenizer: Tokenizer, seq_len: int, limit: 
     """The first `limit` (None: all) windows of seq_len + 1 tokens of one source, for validation: its files
     (from the manifest's validation sources; None: resolved now) in sorted order, read once from the start
     (no shuffle, no epochs), documents packed as in training. The same arguments give the same windows."""
-    out, buf = [], []
+    out = []  # the windows
+    buf = []  # tokens not yet in a window
     files = source_files(manifest or make_manifest([], [src], timeout, budget), src, "validation")
     for text in SourceReader(src, files, 0, 1, 0, True, timeout, budget).texts(one_pass=True):
         buf += tokenizer.encode(text)
@@ -232,10 +247,14 @@ class PackedStream:
         self.shares = [s.weight / total for s in sources]
         self.readers = [SourceReader(s, f, stream, num_streams, seed, False, timeout, budget)
                         for s, f in zip(sources, files)]
-        self.tok, self.seq_len = tokenizer, seq_len
+        self.tok = tokenizer
+        self.seq_len = seq_len
         self.counts = [0] * len(sources)  # tokens emitted per source
         self.positions = [r.state_dict() for r in self.readers]  # per source: where its next document is
-        self.cur, self.cur_state, self.offset, self.doc = None, None, 0, []
+        self.cur = None  # the source of the document being packed
+        self.cur_state = None  # its reader's position before that document
+        self.offset = 0  # tokens of the document already packed
+        self.doc = []  # the document's tokens
 
     def read_doc(self, i: int):
         """(tokens, position before, position after) of source i's next document, read in this process."""
@@ -246,7 +265,8 @@ class PackedStream:
     def next_window(self, read=None) -> list:
         """The next seq_len + 1 tokens. `read(i)` gives source i's next document as `read_doc` does (the
         default); the loader passes its workers' queues instead."""
-        read, out = read or self.read_doc, []
+        read = read or self.read_doc
+        out = []
         while len(out) < self.seq_len + 1:
             if self.offset >= len(self.doc):
                 total = sum(self.counts) + 1
@@ -268,8 +288,11 @@ class PackedStream:
         for r, rsd in zip(self.readers, sd["readers"]):
             r.load_state_dict(rsd)
         self.positions = [dict(p) for p in sd["readers"]]
-        self.counts, self.cur, self.offset = list(sd["counts"]), sd["cur"], sd["offset"]
-        self.cur_state, self.doc = sd["cur_state"], []
+        self.counts = list(sd["counts"])
+        self.cur = sd["cur"]
+        self.offset = sd["offset"]
+        self.cur_state = sd["cur_state"]
+        self.doc = []
         if self.cur is not None:  # re-read the document we were inside of
             reader = self.readers[self.cur]
             reader.load_state_dict(self.cur_state)
@@ -285,7 +308,8 @@ def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int):
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked from the fork to here: none got through
-    tok, readers = Tokenizer(tokenizer_path), {}
+    tok = Tokenizer(tokenizer_path)
+    readers = {}
     for key, src, files, stream, num_streams, seed, timeout, budget, position in jobs:  # files: from the trainer
         readers[key] = SourceReader(src, files, stream, num_streams, seed, False, timeout, budget)
         readers[key].load_state_dict(position)
@@ -321,7 +345,9 @@ class Workers:
         ctx = mp.get_context("spawn")  # not fork: the trainer process has threads (gloo, OMP, arrow)
         pairs = [(s, i) for s in range(len(streams)) for i in range(len(streams[s].readers))]
         self.queues = {key: ctx.Queue(maxsize=prefetch) for key in pairs}
-        self.stop, self.procs, self.failed = ctx.Event(), [], {}  # failed: (stream, source) -> its error
+        self.stop = ctx.Event()
+        self.procs = []
+        self.failed = {}  # (stream, source) -> its error
         # A child inherits the signal mask: these stay blocked until the worker ignores them, so a signal sent
         # to every process of the job while a worker starts up cannot kill it. The trainer's own come after.
         old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
@@ -368,7 +394,9 @@ class Workers:
         for q in self.queues.values():
             q.cancel_join_thread()  # the read-ahead is thrown away, not flushed
             q.close()
-        self.queues, self.procs = {}, []  # lets their semaphores go now, not at interpreter exit
+        # Lets their semaphores go now, not at interpreter exit.
+        self.queues = {}
+        self.procs = []
 
 
 class DataLoader:
@@ -390,7 +418,8 @@ class DataLoader:
         self.streams = [PackedStream(sources, files, tokenizer, seq_len, s, num_streams, seed, timeout, budget)
                         for s in self.stream_ids]
         self.per_stream = local_batch_size // per_rank
-        self.num_workers, self.workers = num_workers, None
+        self.num_workers = num_workers
+        self.workers = None
 
     def check(self):
         """Read the next document of every (stream, source), in this process and in a copy (the stream

@@ -1,6 +1,7 @@
-"""The memory a training step needs per device, estimated from the model's shapes and the run's layout: what
-`bench.py memory`, the dry run, `preflight.py check` and `bench.py matrix` print. A property of model.py's ops and
-train.py's layout, so re-check the byte counts after editing either (tests/test_memory.py measures them).
+"""The memory a training step needs per device, estimated from the model's shapes and the run's
+layout: what `bench.py memory`, the dry run, `preflight.py check` and `bench.py matrix` print. A
+property of model.py's ops and train.py's layout, so re-check the byte counts after editing either
+(tests/test_memory.py measures them).
 """
 
 import os
@@ -10,50 +11,65 @@ import sys
 GIB = 2**30
 # What the devices report (nvidia-smi's MiB): "fits" is judged against these.
 GPUS = [("H100 80 GB", 81559 * 2**20), ("H200 141 GB", 143771 * 2**20)]
-FRAGMENTATION = 1.15  # "fits" keeps 15% free: the caching allocator's fragmentation, NCCL, the CUDA context
+# "fits" keeps 15% free: the caching allocator's fragmentation, NCCL, the CUDA context.
+FRAGMENTATION = 1.15
 
 
 def resident_bytes() -> int:
-    """The process's resident memory now (Linux), or its peak so far elsewhere (close to it at start-up)."""
+    """The process's resident memory now (Linux), or its peak so far elsewhere (close to it at
+    start-up)."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:  # no /proc (macOS): ru_maxrss is in bytes there, KiB on Linux
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        unit = 1 if sys.platform == "darwin" else 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
 
 
 def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
-    """Bytes per device at the peak of a training step, by part, for eager mode (compile keeps less).
+    """Bytes per device at a training step's peak, by part, for eager mode (compile keeps less).
 
-    Weights, gradients and AdamW's two moments are fp32, sharded over dp_shard x tp. At the peak FSDP
-    holds the root's weights (embedding, norm, output) and the last block gathered in the param dtype. Per
-    block and token, backward keeps (counted from model.py's ops; b: bytes of the param dtype, d: dim,
-    kv: kv heads x head_dim, f: FFN hidden; the fp32 copies in RMSNorm and rope are 4 bytes each):
-      AC none 5bd + 2b kv' + 12d + 4kv + 4bf + 4 n_heads, where kv' (the k and v attention keeps) is kv, or
-      d on CUDA in fp32 (model.causal_attention copies the kv heads there); selective op b(5d + 2kv + 2f)
-      (the matmul and attention outputs); full bd (the block input). With AC one block's full set comes back
-      during its backward.
-    The loss keeps fp32 log-probs (tokens x vocab) and its backward holds two more such tensors; under TP
-    (loss parallel) the sharded log-softmax keeps its input, the fp32 logits, too, and the output layer keeps
-    its all-gathered input whole.
+    Weights, gradients and AdamW's two moments are fp32, sharded over dp_shard x tp. At the peak
+    FSDP holds the root's weights (embedding, norm, output) and the last block gathered in the param
+    dtype. Per block and token, backward keeps (counted from model.py's ops; b: bytes of the param
+    dtype, d: dim, kv: kv heads x head_dim, f: FFN hidden; the fp32 copies in RMSNorm and rope are 4
+    bytes each):
+      AC none 5bd + 2b kv' + 12d + 4kv + 4bf + 4 n_heads, where kv' (the k and v attention keeps)
+      is kv, or d on CUDA in fp32 (model.causal_attention copies the kv heads there); selective op
+      b(5d + 2kv + 2f) (the matmul and attention outputs); full bd (the block input). With AC one
+      block's full set comes back during its backward.
+    The loss keeps fp32 log-probs (tokens x vocab) and its backward holds two more such tensors;
+    under TP (loss parallel) the sharded log-softmax keeps its input, the fp32 logits, too, and the
+    output layer keeps its all-gathered input whole.
     CPU adds the process's resident memory before the model exists (Python, torch, tokenizer).
-    float8 with enable_fsdp_float8_all_gather gathers the blocks' Linear weights in 1 byte each; activations
-    stay as counted (torchao keeps each Float8Linear's input in high precision for backward).
+    float8 with enable_fsdp_float8_all_gather gathers the blocks' Linear weights in 1 byte each;
+    activations stay as counted (torchao keeps each Float8Linear's input in high precision for
+    backward).
     """
-    a, t, p = model.args, cfg.training, cfg.parallelism
-    tp, shards = p.tensor_parallel_degree, sizes["dp_shard"] * p.tensor_parallel_degree
+    a = model.args
+    t = cfg.training
+    tp = cfg.parallelism.tensor_parallel_degree
+    shards = sizes["dp_shard"] * tp
     b = 2 if t.mixed_precision_param == "bfloat16" else 4
-    n_total, n_block = model.num_params(), sum(q.numel() for q in model.layers[0].parameters())
-    d, kv, f = a.dim, model.layers[0].attention.wk.out_features, model.layers[0].feed_forward.w1.out_features
+    block = model.layers[0]
+    n_total = model.num_params()
+    n_block = sum(q.numel() for q in block.parameters())
+    d = a.dim
+    kv = block.attention.wk.out_features
+    f = block.feed_forward.w1.out_features
     tokens = t.local_batch_size * t.seq_len
-    # With sequence parallelism the norms see tokens / tp; attention and FFN see a tp-th of the heads and
-    # hidden units over all tokens; the inputs gathered for wq/wk/wv and w1/w3 and the partial sums out of
-    # wo and w2 are full size.
+    # With sequence parallelism the norms see tokens / tp; attention and FFN see a tp-th of the
+    # heads and hidden units over all tokens; the inputs gathered for wq/wk/wv and w1/w3 and the
+    # partial sums out of wo and w2 are full size.
     norm = 2 * (b * d + 4 * d) / tp
     kv_kept = d if cuda and b == 4 else kv
-    full_block = (norm + (3 * b * d + 2 * b * kv_kept + 4 * d + 4 * kv + 4 * b * f + 4 * a.n_heads) / tp
-                  + (2 * b * d if tp > 1 else 0))
-    saved = {"none": full_block, "full": b * d / tp,  # op: wq, attention, wk, wv, w1, w3 | input | wo, w2
+    split = 3 * b * d + 2 * b * kv_kept + 4 * d + 4 * kv + 4 * b * f + 4 * a.n_heads  # over tp
+    full_size = 2 * b * d if tp > 1 else 0
+    full_block = norm + split / tp + full_size
+    # Bytes per token one block keeps for backward, by AC mode.
+    saved = {"none": full_block,
+             "full": b * d / tp,  # the block input
+             # wq, attention, wk, wv, w1, w3 | the input | wo, w2
              "op": b * (2 * d + 2 * kv + 2 * f) / tp + b * d / tp + 2 * b * d}
     ac = cfg.activation_checkpoint
     mode = "op" if ac.mode == "selective" and ac.selective_ac_option == "op" else ac.mode
@@ -62,27 +78,36 @@ def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
         all_blocks = n_ac * saved["full"] + (a.n_layers - n_ac) * full_block
     else:
         all_blocks = a.n_layers * saved[mode]
-    n_linear = sum(q.numel() for q in model.layers[0].parameters() if q.ndim == 2)  # wq wk wv wo w1 w2 w3
+    n_linear = sum(q.numel() for q in block.parameters() if q.ndim == 2)  # wq wk wv wo w1 w2 w3
     float8_gather = "float8" in cfg.model.converters and cfg.float8.enable_fsdp_float8_all_gather
-    parts = {"weights": 4 * n_total / shards, "optimizer": 8 * n_total / shards, "gradients": 4 * n_total / shards,
-             "gathered": (b * (n_total - (a.n_layers - 1) * n_block)  # the root and the last block
-                          - (b - 1) * n_linear * float8_gather) / tp,  # float8 all-gather: 1 byte per Linear weight
-             "activations": tokens * (all_blocks + 4 * d / tp + b * d),  # + the final norm, the output's input
-             "loss": tokens * (16 if tp > 1 else 12) * a.vocab_size / tp,  # vocab-sharded under TP (loss parallel)
+    root_and_last = n_total - (a.n_layers - 1) * n_block  # the root and the last block
+    float8_saves = (b - 1) * n_linear * float8_gather  # float8 gathers 1 byte per Linear weight
+    loss_bytes = 16 if tp > 1 else 12  # per logit: TP's log-softmax keeps the fp32 logits too
+    parts = {"weights": 4 * n_total / shards,
+             "optimizer": 8 * n_total / shards,
+             "gradients": 4 * n_total / shards,
+             "gathered": (b * root_and_last - float8_saves) / tp,
+             # the blocks', plus the final norm's and the output layer's input
+             "activations": tokens * (all_blocks + 4 * d / tp + b * d),
+             "loss": tokens * loss_bytes * a.vocab_size / tp,  # vocab-sharded under TP
              "runtime": 0 if cuda else resident_bytes()}
-    # Two candidate peaks. (1) The loss's backward: every block's activations and the loss tensors (and
-    # the gradients under accumulation; otherwise zero_grad(set_to_none) freed them). (2) A block's
-    # backward: gradients of the blocks above, activations of the blocks below, and the block's own
-    # working set (what AC recomputes, plus about two FFN-sized gradients). It peaks at the top or the
-    # bottom block: linear in between.
-    at_loss = parts["activations"] + parts["loss"] + (parts["gradients"] if sizes["grad_accum"] > 1 else 0)
-    working = tokens * (full_block - (saved[mode] if mode in saved else all_blocks / a.n_layers) + 2 * b * f / tp)
-    grad_out, grad_block = 4 * (model.output.weight.numel() + d) / shards, 4 * n_block / shards
-    if sizes["grad_accum"] > 1:
+    # Two candidate peaks. (1) The loss's backward: every block's activations and the loss tensors
+    # (and the gradients under accumulation; otherwise zero_grad(set_to_none) freed them). (2) A
+    # block's backward: gradients of the blocks above, activations of the blocks below, and the
+    # block's own working set (what AC recomputes, plus about two FFN-sized gradients). It peaks at
+    # the top or the bottom block: linear in between.
+    accumulating = sizes["grad_accum"] > 1
+    at_loss = parts["activations"] + parts["loss"] + (parts["gradients"] if accumulating else 0)
+    kept = saved[mode] if mode in saved else all_blocks / a.n_layers  # what AC keeps of a block
+    working = tokens * (full_block - kept + 2 * b * f / tp)
+    grad_out = 4 * (model.output.weight.numel() + d) / shards  # the output layer and final norm
+    grad_block = 4 * n_block / shards
+    if accumulating:
         in_blocks = parts["gradients"] + parts["activations"] + working
     else:
-        in_blocks = working + grad_out + max(grad_block + parts["activations"],
-                                             a.n_layers * grad_block + parts["activations"] / a.n_layers)
+        top = grad_block + parts["activations"]  # one block's gradients, every block's activations
+        bottom = a.n_layers * grad_block + parts["activations"] / a.n_layers  # the other way round
+        in_blocks = working + grad_out + max(top, bottom)
     parts["total"] = (parts["weights"] + parts["optimizer"] + parts["gathered"] + parts["runtime"]
                       + max(at_loss, in_blocks, parts["gradients"]))
     return parts

@@ -1,7 +1,7 @@
-"""Where train.py's numbers go. Each log step, validation round and eval round is one record (a flat dict) that rank 0
-sends to the console (torchtitan's log line, so existing parsers work), metrics.jsonl, TensorBoard and W&B:
-a new scalar is one more key in the record. Plus the device figures a record carries: peak memory and the
-peak FLOP/s that MFU is measured against."""
+"""Where train.py's numbers go. Each log step, validation round and eval round is one record (a flat
+dict) that rank 0 sends to the console (torchtitan's log line, so existing parsers work),
+metrics.jsonl, TensorBoard and W&B: a new scalar is one more key in the record. Plus the device
+figures a record carries: peak memory and the peak FLOP/s that MFU is measured against."""
 
 import dataclasses
 import json
@@ -17,22 +17,24 @@ logger = logging.getLogger("metrics")
 
 
 # Dense bf16 peak TFLOP/s per device, matched against torch.cuda.get_device_name (first match wins).
-PEAK_TFLOPS = [("GB200", 2500.0), ("B200", 2250.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0),
-               ("H800", 989.0), ("A100", 312.0), ("MI300X", 1307.0), ("MI250X", 191.5)]
+PEAK_TFLOPS = [("GB200", 2500.0), ("B200", 2250.0), ("H100 PCIe", 756.0), ("H100", 989.0),
+               ("H200", 989.0), ("H800", 989.0), ("A100", 312.0), ("MI300X", 1307.0), ("MI250X", 191.5)]
 
 
 def peak_tflops(device, configured: float = 0.0) -> float:
-    """For MFU: `configured` (metrics.peak_tflops) if set, else the GPU's; 0 on CPU (MFU prints n/a). `device` is a
-    torch.device or a device's name (preflight.py has the names its ranks gathered)."""
-    name = device if isinstance(device, str) else torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    return configured or next((p for key, p in PEAK_TFLOPS if key in name), 0.0)
+    """For MFU: `configured` (metrics.peak_tflops) if set, else the GPU's; 0 on CPU (MFU prints
+    n/a). `device` is a torch.device or a device's name (preflight.py gathers its ranks' names)."""
+    if not isinstance(device, str):
+        device = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return configured or next((p for key, p in PEAK_TFLOPS if key in device), 0.0)
 
 
 def memory_stats(device: torch.device):
-    """(GiB, % of device, allocated GiB). GPU: the caching allocator's reserved and allocated peaks since
-    the last call; CPU: the process's peak RSS since it started (allocated is None)."""
+    """(GiB, % of device, allocated GiB). GPU: the caching allocator's reserved and allocated peaks
+    since the last call; CPU: the process's peak RSS since it started (allocated is None)."""
     if device.type == "cuda":
-        peak, allocated = torch.cuda.max_memory_reserved(device), torch.cuda.max_memory_allocated(device)
+        peak = torch.cuda.max_memory_reserved(device)
+        allocated = torch.cuda.max_memory_allocated(device)
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.reset_peak_memory_stats(device)
         return peak / 2**30, 100 * peak / total, allocated / 2**30
@@ -43,11 +45,10 @@ def memory_stats(device: torch.device):
 
 
 class MetricsLogger:
-    """Rank 0 sends each record (a flat dict) to the console, metrics.jsonl, TensorBoard and W&B: a new
-    scalar is one more key in the record. Other ranks drop everything."""
+    """Rank 0 sends each record where the module's docstring says; other ranks drop everything."""
 
-    HIDDEN = {"step", "tokens_seen", "source_tokens", "memory_allocated_gib", "memory_pct", "validation_tokens",
-              "loss_tokens", "loss_tokens_pct", "eval_examples"}
+    HIDDEN = {"step", "tokens_seen", "source_tokens", "memory_allocated_gib", "memory_pct",
+              "validation_tokens", "loss_tokens", "loss_tokens_pct", "eval_examples"}
 
     def __init__(self, cfg, rank: int):  # cfg: train.py's Config
         self.jsonl = self.tb = self.wandb = None
@@ -75,31 +76,39 @@ class MetricsLogger:
             return
         if "loss" in r:  # a training step, in torchtitan's format so existing log parsers work
             mfu = f"{r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-            line = (f"step: {r['step']}  loss: {r['loss']:.4f}  grad_norm: {r['grad_norm']:.4f}  lr: {r['lr']:.1e}  "
-                    f"memory: {r['memory_gib']:.2f}GiB({r['memory_pct']:.1f}%)  tps: {r['tps']:,.0f}  "
-                    f"tflops: {r['tflops']:.1f}  mfu: {mfu}  data_wait: {r['data_wait_pct']:.1f}%")
-            if r.get("loss_tokens_pct", 100) < 100:  # block_causal leaves document boundaries out of the loss
+            line = (f"step: {r['step']}  loss: {r['loss']:.4f}  grad_norm: {r['grad_norm']:.4f}  "
+                    f"lr: {r['lr']:.1e}  memory: {r['memory_gib']:.2f}GiB({r['memory_pct']:.1f}%)  "
+                    f"tps: {r['tps']:,.0f}  tflops: {r['tflops']:.1f}  mfu: {mfu}  "
+                    f"data_wait: {r['data_wait_pct']:.1f}%")
+            if r.get("loss_tokens_pct", 100) < 100:  # block_causal: boundaries not in the loss
                 line += f"  loss_tokens: {r['loss_tokens_pct']:.1f}%"
             shown = {"loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu", "data_wait_pct"}
         elif "eval_acc" in r:  # an [eval] round (evals.py): acc/acc_norm per task
-            per = "  ".join(f"{k} {v:.4f}/{r['eval_acc_norm'][k]:.4f}" for k, v in r["eval_acc"].items())
-            line = (f"eval: step {r['step']}  acc/acc_norm  {per}  ({', '.join(map(str, r['eval_examples'].values()))} "
-                    f"examples)  {r['eval_seconds']:.1f}s")
+            norm = r["eval_acc_norm"]
+            per = "  ".join(f"{k} {v:.4f}/{norm[k]:.4f}" for k, v in r["eval_acc"].items())
+            examples = ", ".join(map(str, r["eval_examples"].values()))
+            line = (f"eval: step {r['step']}  acc/acc_norm  {per}  ({examples} examples)  "
+                    f"{r['eval_seconds']:.1f}s")
             shown = {"eval_acc", "eval_acc_norm", "eval_seconds"}
         else:  # a validation round
             per = ", ".join(f"{k} {v:.4f}" for k, v in r["validation_source_loss"].items())
             ppl = math.exp(min(r["validation_loss"], 50))
-            line = (f"validate: step {r['step']}  loss {r['validation_loss']:.4f}  ppl {ppl:.2f}  ({per})  "
-                    f"{r['validation_tokens']:,} tokens  {r['validation_seconds']:.1f}s")
+            line = (f"validate: step {r['step']}  loss {r['validation_loss']:.4f}  ppl {ppl:.2f}  "
+                    f"({per})  {r['validation_tokens']:,} tokens  {r['validation_seconds']:.1f}s")
             shown = {"validation_loss", "validation_source_loss", "validation_seconds"}
-        extra = [f"{k}: {v:.4g}" for k, v in r.items() if k not in shown | self.HIDDEN and isinstance(v, (int, float))]
+        numbers = {k: v for k, v in r.items() if isinstance(v, (int, float))}
+        extra = [f"{k}: {v:.4g}" for k, v in numbers.items() if k not in shown | self.HIDDEN]
         logger.info("  ".join([line, *extra]))
         self.jsonl.write(json.dumps(r) + "\n")
         self.jsonl.flush()
-        scalars = {(f"{k}/{n}" if n else k): x for k, v in r.items() if k != "step"  # nested dicts: "key/name"
-                   for n, x in (v.items() if isinstance(v, dict) else [("", v)]) if isinstance(x, (int, float))}
-        for k, x in scalars.items() if self.tb else ():
-            self.tb.add_scalar(k, x, r["step"])
+        scalars = {}  # what TensorBoard and W&B plot: the numbers, a nested dict's as "key/name"
+        for k, v in r.items():
+            for n, x in v.items() if isinstance(v, dict) else [("", v)]:
+                if k != "step" and isinstance(x, (int, float)):
+                    scalars[f"{k}/{n}" if n else k] = x
+        if self.tb:
+            for k, x in scalars.items():
+                self.tb.add_scalar(k, x, r["step"])
         if self.wandb:
             self.wandb.log(scalars, step=r["step"])
 

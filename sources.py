@@ -1,12 +1,13 @@
-"""Where the data is: each source's files (a Hub dataset at a commit, or a local folder), resolved once per run into
-the data manifest, and read back byte for byte. data.py turns what is read here into batches.
+"""Where the data is: each source's files (a Hub dataset at a commit, or a local folder), resolved
+once per run into the data manifest, and read back byte for byte. data.py turns what is read here
+into batches.
 
-    DataSource            one [[data.sources]] / [[validation.sources]] table
-    resolve_files         the source's files (a Hub id as `datasets` resolves it, or a local folder), with retries
-    pinned_manifest       the run's data_manifest.json: made once by rank 0 at the first start, read on resume
-    verify_manifest       local files still the bytes the manifest recorded
-    HubFile               one pinned Hub file, read by ranged GETs that retry where they broke
-Reading a file of the manifest (the Hub, a local mirror of it, or a local path) is mirror.py's open_file.
+    DataSource        one [[data.sources]] / [[validation.sources]] table
+    resolve_files     the source's files (a Hub id as `datasets` resolves it, or a local folder)
+    pinned_manifest   data_manifest.json: made once by rank 0 at the first start, read on resume
+    verify_manifest   local files still the bytes the manifest recorded
+    HubFile           one pinned Hub file, read by ranged GETs that retry where they broke
+Reading a manifest's file (the Hub, a local mirror of it, or a local path): mirror.py's open_file.
 """
 
 import contextlib
@@ -28,22 +29,25 @@ from typing import Optional
 
 import fsspec
 
-# Pauses before retrying after a transient error (connection, timeout, HTTP 408/429/5xx): about 4 minutes
-# in all, then stop, or sooner where the retry budget ends. Anything else (a corrupt file, 401/403/404) stops at once.
+# Pauses before retrying after a transient error (connection, timeout, HTTP 408/429/5xx): about 4
+# minutes in all, then stop, or sooner where the retry budget ends. Anything else (a corrupt file,
+# 401/403/404) stops at once.
 RETRY_DELAYS = (1, 2, 4, 8, 16, 32, 60, 60, 60)
-TRANSIENT = ("ConnectionError", "TimeoutError", "TransportError", "Timeout", "TimeoutException", "NetworkError",
-             "RemoteProtocolError", "ChunkedEncodingError", "IncompleteRead", "ClientConnectionError")
-# datasets' metadata files (FILES_TO_IGNORE, and the YAML that sets configs): never data unless a pattern names one
-METADATA_FILES = ("README.md", ".huggingface.yaml", "config.json", "dataset_info.json", "dataset_infos.json",
-                  "dataset_dict.json", "dummy_data.zip")
+TRANSIENT = ("ConnectionError", "TimeoutError", "TransportError", "Timeout", "TimeoutException",
+             "NetworkError", "RemoteProtocolError", "ChunkedEncodingError", "IncompleteRead",
+             "ClientConnectionError")
+# datasets' metadata files (FILES_TO_IGNORE, the YAML that sets configs): data only if a pattern
+# names one
+METADATA_FILES = ("README.md", ".huggingface.yaml", "config.json", "dataset_info.json",
+                  "dataset_infos.json", "dataset_dict.json", "dummy_data.zip")
 HUB_TIMEOUT = 60.0  # seconds a Hub read may go without a byte: [data] hub_timeout_seconds
-HF_URL = r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)"  # a pinned Hub file: repo id, commit, path in the repo
+HF_URL = r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)"  # a pinned Hub file: repo id, commit, path
 logger = logging.getLogger("data")
 
 
 class DataError(ValueError):
-    """A problem with the user's tokenizer, data or data config (not a bug): its text is one line, which
-    train.py and the CLI print as is (exit 2)."""
+    """A problem with the user's tokenizer, data or data config (not a bug): its text is one line,
+    which train.py and the CLI print as is (exit 2)."""
 
 
 @dataclass
@@ -59,13 +63,14 @@ class DataSource:
 
     def __post_init__(self):  # config.py turns this into one line naming the table
         if not self.name or not self.path or not self.weight >= 0:
-            raise ValueError(f"needs a name, a path and a weight >= 0 (got name={self.name!r}, path={self.path!r}, "
-                             f"weight={self.weight!r})")
+            raise ValueError(f"needs a name, a path and a weight >= 0 (got name={self.name!r}, "
+                             f"path={self.path!r}, weight={self.weight!r})")
 
 
 def transient(e: BaseException) -> bool:
-    """A network blip worth a retry: a connection or timeout error, or HTTP 408/429/5xx, anywhere in the chain of
-    causes (the libraries wrap them). Corrupt content (a bad gzip) is an OSError too, but no retry mends it."""
+    """A network blip worth a retry: a connection or timeout error, or HTTP 408/429/5xx, anywhere in
+    the chain of causes (the libraries wrap them). Corrupt content (a bad gzip) is an OSError too,
+    but no retry mends it."""
     while e is not None:
         status = getattr(getattr(e, "response", None), "status_code", None)
         if status is not None:
@@ -77,9 +82,10 @@ def transient(e: BaseException) -> bool:
 
 
 def asked_pause(e: BaseException) -> float:
-    """Seconds the server asked for before the next try, anywhere in the chain of causes: a `Retry-After` in
-    seconds (not an HTTP date, as in huggingface_hub), or the Hub's `RateLimit` reset when none are left; 0: none.
-    huggingface_hub's http_backoff reads these too, but then sleeps as long as they say, whatever our budget."""
+    """Seconds the server asked for before the next try, anywhere in the chain of causes: a
+    `Retry-After` in seconds (not an HTTP date, as in huggingface_hub), or the Hub's `RateLimit`
+    reset when none are left; 0: none. huggingface_hub's http_backoff reads these too, but then
+    sleeps as long as they say, whatever our budget."""
     while e is not None:
         headers = getattr(getattr(e, "response", None), "headers", None)
         if headers is not None:
@@ -93,44 +99,53 @@ def asked_pause(e: BaseException) -> float:
     return 0.0
 
 
-def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int, started: float = 0.0,
-                   budget: float = math.inf, next_try: float = 0.0):
-    """Pause before retrying a transient error; anything else, or one failure too many, is one DataError line. So is
-    a retry (its pause, then `next_try`: the longest the next try may take) that could end more than `budget` s
-    (comm.init_timeout_seconds: the other ranks' wait in a collective) after `started`, when the first try failed.
-    The pause is at least what a 429 or 503 asks for (plus 1 s, as huggingface_hub waits), within that budget."""
+def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int,
+                   started: float = 0.0, budget: float = math.inf, next_try: float = 0.0):
+    """Pause before retrying a transient error; anything else, or one failure too many, is one
+    DataError line. So is a retry (its pause, then `next_try`: the longest the next try may take)
+    that could end more than `budget` s (comm.init_timeout_seconds: the other ranks' wait in a
+    collective) after `started`, when the first try failed. The pause is at least what a 429 or 503
+    asks for (plus 1 s, as huggingface_hub waits), within that budget."""
     if isinstance(e, DataError):
         raise e
     spent = time.monotonic() - started
     retries_left = transient(e) and failures < len(RETRY_DELAYS)
     asked = asked_pause(e) if retries_left else 0.0  # never sooner than a rate-limiting Hub says
-    pause = max(RETRY_DELAYS[failures], asked + 1 if asked else 0) if retries_left else 0
+    pause = 0
+    if retries_left:
+        pause = max(RETRY_DELAYS[failures], asked + 1 if asked else 0)
     if retries_left and spent + pause + next_try <= budget:
         logger.warning(f"data source {name!r}: {type(e).__name__} {what}; retrying in {pause:g} s")
         return time.sleep(pause)
-    reason, status = f"{type(e).__name__}: {str(e)[:300]}", getattr(getattr(e, "response", None), "status_code", None)
-    if status in (401, 403, 404) or type(e).__name__ in ("DatasetNotFoundError", "RepositoryNotFoundError"):
-        why = (f"the Hub refused {path!r}{f' (HTTP {status})' if status else ''} while {what}: check the dataset id "
-               "and revision; for a gated or private set log in (`hf auth login` or `huggingface-cli login`, or set "
-               "HF_TOKEN) and accept its terms on the dataset's Hub page")
+    reason = f"{type(e).__name__}: {str(e)[:300]}"
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    not_found = type(e).__name__ in ("DatasetNotFoundError", "RepositoryNotFoundError")
+    if status in (401, 403, 404) or not_found:
+        http = f" (HTTP {status})" if status else ""
+        why = (f"the Hub refused {path!r}{http} while {what}: check the dataset id and revision; "
+               "for a gated or private set log in (`hf auth login` or `huggingface-cli login`, "
+               "or set HF_TOKEN) and accept its terms on the dataset's Hub page")
     elif retries_left:  # but the next would not fit in the budget
         asked_for = f" (the Hub asked for a pause of {asked:g} s)" if asked else ""
-        why = (f"{what} failed {'once' if not failures else f'{failures + 1} times'} in {spent:.0f} s and stopped "
-               f"retrying: another try{asked_for} could end past comm.init_timeout_seconds = {budget:g} s, how long "
+        times = "once" if not failures else f"{failures + 1} times"
+        why = (f"{what} failed {times} in {spent:.0f} s and stopped retrying: another "
+               f"try{asked_for} could end past comm.init_timeout_seconds = {budget:g} s, how long "
                "the other ranks wait for this one in a collective; raise it to give the Hub longer")
+    elif failures:
+        why = f"{what} failed {failures + 1} times"
     else:
-        why = f"{what} failed " + (f"{failures + 1} times" if failures
-                                   else "at once: the file is damaged or unreadable")
+        why = f"{what} failed at once: the file is damaged or unreadable"
     raise DataError(f"data source {name!r}: {why} ({reason})".replace("\n", " ")) from e
 
 
 def bound_hub_requests(timeout: float):
-    """From here on in this process, a huggingface_hub request that names no timeout waits at most `timeout` seconds for
-    a byte, then fails with a TimeoutException (retried). Such are `datasets`' listings (list_repo_tree passes
-    timeout=None, "no timeout" to httpx, so a client timeout would not reach it): the client fills the bound in."""
+    """From here on in this process, a huggingface_hub request that names no timeout waits at most
+    `timeout` seconds for a byte, then fails with a TimeoutException (retried). Such are `datasets`'
+    listings (list_repo_tree passes timeout=None, "no timeout" to httpx, so a client timeout would
+    not reach it): the client fills the bound in."""
     import httpx2
     from huggingface_hub import get_session, set_client_factory
-    from huggingface_hub.utils._http import default_client_factory  # the library's own client (its hooks, redirects)
+    from huggingface_hub.utils._http import default_client_factory  # the library's own client
 
     def fill_in(request):
         if all(t is None for t in request.extensions.get("timeout", {}).values()):
@@ -139,7 +154,8 @@ def bound_hub_requests(timeout: float):
     def client():
         c = default_client_factory()
         c.event_hooks = {**c.event_hooks, "request": [*c.event_hooks["request"], fill_in]}
-        c.hub_timeout = timeout  # read below: a new factory closes the open client, so set one only for a new bound
+        # Read below: a new factory closes the open client, so set one only for a new bound.
+        c.hub_timeout = timeout
         return c
 
     if getattr(get_session(), "hub_timeout", None) != timeout:
@@ -147,45 +163,59 @@ def bound_hub_requests(timeout: float):
 
 
 def local_files(root: str, pattern: str) -> list:
-    """A local folder's files that a data_files glob names (`*` within a name, `**` across folders), sorted, as
-    `datasets` resolves them, without importing it (0.7 s of every start). [] where its rules say more (hidden or
-    special names, a README's configs, `**` inside a name, mixed formats, no match): resolve_files asks it then."""
-    root = os.path.abspath(os.path.expanduser(root))  # a symlinked folder stays as named, as datasets keeps it
-    if re.search(r"[^/]\*\*|\*\*[^/]", pattern) or any(os.path.exists(os.path.join(root, f)) for f in METADATA_FILES):
+    """A local folder's files that a data_files glob names (`*` within a name, `**` across folders),
+    sorted, as `datasets` resolves them, without importing it (0.7 s of every start). [] where its
+    rules say more (hidden or special names, a README's configs, `**` inside a name, mixed formats,
+    no match): resolve_files asks it then."""
+    # A symlinked folder stays as named, as datasets keeps it.
+    root = os.path.abspath(os.path.expanduser(root))
+    inside_name = re.search(r"[^/]\*\*|\*\*[^/]", pattern)  # `**` inside a name
+    if inside_name or any(os.path.exists(os.path.join(root, f)) for f in METADATA_FILES):
         return []
-    files = sorted(f for f in glob.glob(pattern, root_dir=root, recursive=True) if os.path.isfile(os.path.join(root, f))
-                   and os.path.basename(f) not in set(METADATA_FILES) - {os.path.basename(pattern)})
+    skipped = set(METADATA_FILES) - {os.path.basename(pattern)}  # unless the pattern names one
+    matches = glob.glob(pattern, root_dir=root, recursive=True)
+    files = sorted(f for f in matches
+                   if os.path.isfile(os.path.join(root, f)) and os.path.basename(f) not in skipped)
     plain = not any(p.startswith((".", "__")) for f in files for p in PurePath(f).parts)
-    formats = {re.sub(r"\.(gz|bz2|xz|zst|lz4)$", "", f).rpartition(".")[2].replace("jsonl", "json") for f in files}
-    return [os.path.join(root, f) for f in files] if plain and formats in ({"parquet"}, {"json"}) else []
+    extensions = {re.sub(r"\.(gz|bz2|xz|zst|lz4)$", "", f).rpartition(".")[2] for f in files}
+    formats = {ext.replace("jsonl", "json") for ext in extensions}
+    if plain and formats in ({"parquet"}, {"json"}):
+        return [os.path.join(root, f) for f in files]
+    return []
 
 
-def resolve_files(path: str, config: Optional[str], data_files: Optional[str], split: str, revision: Optional[str],
-                  name: str = "", timeout: float = HUB_TIMEOUT, budget: float = math.inf) -> tuple:
-    """The source's files, sorted: `datasets` resolves a hub id (hf:// URLs at the revision's commit) and a local
-    folder (local_files the plain cases); a Hub request waits `timeout` s, a listing retries within `budget` s."""
-    if data_files and not config and split == "train" and os.path.isdir(path) and (
-            files := local_files(path, data_files)):
-        return tuple(files)
+def resolve_files(path: str, config: Optional[str], data_files: Optional[str], split: str,
+                  revision: Optional[str], name: str = "", timeout: float = HUB_TIMEOUT,
+                  budget: float = math.inf) -> tuple:
+    """The source's files, sorted: `datasets` resolves a hub id (hf:// URLs at the revision's commit)
+    and a local folder (local_files the plain cases); a Hub request waits `timeout` s, a listing
+    retries within `budget` s."""
+    if data_files and not config and split == "train" and os.path.isdir(path):
+        files = local_files(path, data_files)
+        if files:
+            return tuple(files)
     from datasets import load_dataset_builder
     bound_hub_requests(timeout)
-    what = f"resolving the {split!r} files of path={path!r} config={config!r} data_files={data_files!r}"
+    source = f"path={path!r} config={config!r} data_files={data_files!r}"
+    what = f"resolving the {split!r} files of {source}"
     started = time.monotonic()
     for failures in range(len(RETRY_DELAYS) + 1):
         tried = time.monotonic()
         try:
-            builder = load_dataset_builder(path, name=config, data_files=data_files, revision=revision)
+            builder = load_dataset_builder(path, name=config, data_files=data_files,
+                                           revision=revision)
             return tuple(sorted(builder.config.data_files[split]))
-        except Exception as e:  # no files, no such folder or split: the user's paths, not the network
-            if isinstance(e, (FileNotFoundError, KeyError, ValueError)) and not transient(e) \
-                    and type(e).__name__ != "DatasetNotFoundError":
-                raise DataError(f"data source {name!r}: no {split!r} files for path={path!r} config={config!r} "
-                                f"data_files={data_files!r} ({type(e).__name__}: {e})".replace("\n", " "))
-            # A listing is many requests, each retried by huggingface_hub itself: the next may take as long as this one
-            retry_or_raise(name, path, what, e, failures, started, budget, max(timeout, time.monotonic() - tried))
+        except Exception as e:  # no files, folder or split: the user's paths, not the network
+            users = isinstance(e, (FileNotFoundError, KeyError, ValueError)) and not transient(e)
+            if users and type(e).__name__ != "DatasetNotFoundError":
+                line = f"data source {name!r}: no {split!r} files for {source} ({type(e).__name__}: {e})"
+                raise DataError(line.replace("\n", " "))
+            # A listing's requests retry in huggingface_hub: the next try may take as long as this one.
+            next_try = max(timeout, time.monotonic() - tried)
+            retry_or_raise(name, path, what, e, failures, started, budget, next_try)
 
 
-# --- The data manifest: each source's files, resolved once per run and read by every rank and worker ---------------
+# --- The data manifest: each source's files, resolved once per run and read by every rank and worker
 
 MANIFEST = "data_manifest.json"  # in the dump folder, unless [data] manifest names one
 MIB = 1 << 20
@@ -206,20 +236,24 @@ def ends_sha256(path: str, size: int) -> str:
 def resolve_source(src: DataSource, timeout: float = HUB_TIMEOUT, budget: float = math.inf) -> dict:
     """One manifest entry: the source's key, the commit a hub revision points at (None for a local folder)
     and its sorted files as [name in the repo or folder, size] (+ the ends' sha256 for a local file)."""
-    urls, entry = resolve_files(src.path, src.config, src.data_files, src.split, src.revision, src.name, timeout,
-                                budget), {k: getattr(src, k) for k in KEY}
+    urls = resolve_files(src.path, src.config, src.data_files, src.split, src.revision, src.name,
+                         timeout, budget)
+    entry = {k: getattr(src, k) for k in KEY}
     hub = [re.fullmatch(HF_URL, u) for u in urls]
-    if all(hub):  # the listing `datasets` just made filled HfFileSystem's cache: the sizes cost no request
-        fs, started = fsspec.filesystem("hf"), time.monotonic()
-        for failures in range(len(RETRY_DELAYS) + 1):  # (unless the cache was cleared: then it is a request)
+    if all(hub):  # `datasets`' listing filled HfFileSystem's cache: the sizes cost no request
+        fs = fsspec.filesystem("hf")
+        started = time.monotonic()
+        for failures in range(len(RETRY_DELAYS) + 1):  # (unless the cache was cleared)
             tried = time.monotonic()
             try:
-                return {**entry, "commit": hub[0][2], "files": [[m[3], fs.info(u)["size"]] for m, u in zip(hub, urls)]}
+                files = [[m[3], fs.info(u)["size"]] for m, u in zip(hub, urls)]
+                return {**entry, "commit": hub[0][2], "files": files}
             except Exception as e:
-                retry_or_raise(src.name, src.path, "reading the sizes of its files", e, failures, started, budget,
-                               max(timeout, time.monotonic() - tried))
-    files = [[os.path.relpath(u, os.path.abspath(src.path)), n, ends_sha256(u, n)] for u, n in
-             zip(urls, map(os.path.getsize, urls))]
+                retry_or_raise(src.name, src.path, "reading the sizes of its files", e, failures,
+                               started, budget, max(timeout, time.monotonic() - tried))
+    root = os.path.abspath(src.path)
+    sizes = map(os.path.getsize, urls)
+    files = [[os.path.relpath(u, root), n, ends_sha256(u, n)] for u, n in zip(urls, sizes)]
     return {**entry, "commit": None, "files": files}
 
 
@@ -334,7 +368,8 @@ def verify_manifest(manifest: dict, part: int = 0, parts: int = 1, sources=None)
         entries = [e for e in entries if any(all(e[k] == getattr(s, k) for k in KEY) for s in sources)]
     local = sorted({(e["name"], e["path"], *f) for e in entries if not e["commit"] for f in e["files"]})
     for name, root, rel, size, ends in local[part::parts]:
-        path, now = os.path.join(root, rel), None
+        path = os.path.join(root, rel)
+        now = None  # the file's size, once it is known to exist
         try:
             now = os.path.getsize(path)
             same = now == size and ends_sha256(path, size) == ends
@@ -350,16 +385,20 @@ def verify_manifest(manifest: dict, part: int = 0, parts: int = 1, sources=None)
 
 
 class HubFile(io.RawIOBase):
-    """A hub file at its pinned commit, read by ranged GETs of its resolve URL (HfFileSystem would list its folder).
-    A transient error is retried here, for the range where it broke, so the reader above (a gzip decompressor, a
-    parquet page) keeps its place: one more range request, not a re-read from byte 0. (HfFileSystemFile's ranges are
-    retried by http_backoff, which sleeps as long as a 429 says, past the budget the other ranks wait for.)"""
+    """A hub file at its pinned commit, read by ranged GETs of its resolve URL (HfFileSystem would
+    list its folder). A transient error is retried here, for the range where it broke, so the
+    reader above (a gzip decompressor, a parquet page) keeps its place: one more range request, not
+    a re-read from byte 0. (HfFileSystemFile's ranges are retried by http_backoff, which sleeps as
+    long as a 429 says, past the budget the other ranks wait for.)"""
 
-    def __init__(self, url: str, size: int, timeout: float, budget: float = math.inf, name: str = ""):
+    def __init__(self, url: str, size: int, timeout: float, budget: float = math.inf,
+                 name: str = ""):
         from huggingface_hub import hf_hub_url
         self.repo, commit, path = re.fullmatch(HF_URL, url).groups()
         self.url = hf_hub_url(self.repo, path, repo_type="dataset", revision=commit)
-        self.hf_url, self.size, self.pos = url, size, 0
+        self.hf_url = url  # the hf:// URL, for the lines that name the file
+        self.size = size
+        self.pos = 0  # where the next read starts
         self.timeout = timeout  # seconds a request may go without a byte
         self.budget = budget  # seconds a failing range is retried for: comm.init_timeout_seconds
         self.name = name or url  # the data source, for the one line that ends the retries
@@ -383,10 +422,10 @@ class HubFile(io.RawIOBase):
                 body = self.get(self.pos, self.pos + n - 1)
                 break
             except Exception as e:
-                if not transient(e):  # a refusal, or bytes other than those asked: the caller's line names the row
+                if not transient(e):  # a refusal or wrong bytes: the caller's line names the row
                     raise
-                retry_or_raise(self.name, self.repo, f"reading {self.hf_url}", e, failures, started, self.budget,
-                               self.timeout)
+                retry_or_raise(self.name, self.repo, f"reading {self.hf_url}", e, failures, started,
+                               self.budget, self.timeout)
         buf[:len(body)] = body
         self.pos += len(body)
         return len(body)
@@ -394,17 +433,18 @@ class HubFile(io.RawIOBase):
     def get(self, first: int, last: int) -> bytes:
         """One try for bytes first..last (or fewer, from `first` on)."""
         from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
-        # huggingface_hub's client waits forever by default: a connection that stops sending would hang the rank.
-        # A timeout makes it a TimeoutException. One try: readinto retries, with pauses the budget can see.
-        # Redirects (to the CDN) keep the Range header.
-        r = http_backoff("GET", self.url, headers={**build_hf_headers(), "Range": f"bytes={first}-{last}"},
-                         timeout=self.timeout, max_retries=0)
+        # huggingface_hub's client waits forever by default: a connection that stops sending would
+        # hang the rank. A timeout makes it a TimeoutException. One try: readinto retries, with
+        # pauses the budget can see. Redirects (to the CDN) keep the Range header.
+        headers = {**build_hf_headers(), "Range": f"bytes={first}-{last}"}
+        r = http_backoff("GET", self.url, headers=headers, timeout=self.timeout, max_retries=0)
         hf_raise_for_status(r)
         body = r.content
-        if r.status_code == 200 and len(body) == self.size:  # Range ignored: the whole file, which has our bytes
+        if r.status_code == 200 and len(body) == self.size:  # Range ignored: the whole file
             return body[first:last + 1]
-        if r.status_code != 206 or not r.headers.get("Content-Range", "").startswith(f"bytes {first}-") \
-                or not 0 < len(body) <= last + 1 - first:
+        ranged = r.status_code == 206 and r.headers.get("Content-Range", "").startswith(f"bytes {first}-")
+        if not ranged or not 0 < len(body) <= last + 1 - first:
+            content_range = r.headers.get("Content-Range")
             raise OSError(f"asked {self.url} for bytes {first}-{last} and got HTTP {r.status_code} with "
-                          f"{len(body):,} bytes (Content-Range {r.headers.get('Content-Range')!r}), not those bytes")
+                          f"{len(body):,} bytes (Content-Range {content_range!r}), not those bytes")
         return body

@@ -1,4 +1,5 @@
-"""End-to-end smoke tests: the debug config trains on CPU with 1 and 2 processes (FSDP2, TP=2, HSDP).
+"""End-to-end smoke tests: the debug config trains on CPU with 1 and 2 processes (FSDP2, TP=2,
+HSDP).
 
     python -m pytest test_smoke.py -q
 """
@@ -13,23 +14,26 @@ import pytest
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 LOG_LINE = re.compile(r"^step: +(\d+)  loss: +[\d.]+  grad_norm: +[\d.]+  lr: [\d.]+e[-+]\d+  "
-                      r"memory: [\d.]+GiB\([\d.]+%\)  tps: [\d,]+  tflops: [\d.]+  mfu: (n/a|[\d.]+%)  "
-                      r"data_wait: [\d.]+%$", re.M)
+                      r"memory: [\d.]+GiB\([\d.]+%\)  tps: [\d,]+  tflops: [\d.]+  "
+                      r"mfu: (n/a|[\d.]+%)  data_wait: [\d.]+%$", re.M)
 
 
 def train(dump, *args, nproc=1):
-    cmd = [sys.executable, "train.py"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
-    cmd += ["--config", "configs/debug_model.toml", "--job.dump_folder", str(dump), "--metrics.log_freq", "1",
-            "--validation.enable", "false", *map(str, args)]
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd += ["train.py", "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump),
+            "--metrics.log_freq", "1", "--validation.enable", "false", *map(str, args)]
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return proc.stdout
 
 
 def losses(dump):
     with open(os.path.join(dump, "metrics.jsonl")) as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}  # not validation rounds
+        records = map(json.loads, f)
+        return {r["step"]: r["loss"] for r in records if "loss" in r}  # not validation rounds
 
 
 def test_fsdp_two_processes_trains_and_logs(fsdp_reference):
@@ -39,8 +43,8 @@ def test_fsdp_two_processes_trains_and_logs(fsdp_reference):
     loss = losses(dump)
     assert loss[10] < loss[1] - 1.0  # the debug model learns quickly on the bundled data
     record = json.loads(open(os.path.join(dump, "metrics.jsonl")).readline())
-    for key in ("step", "loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu", "tokens_seen",
-                "source_tokens", "data_wait_pct"):
+    for key in ("step", "loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu",
+                "tokens_seen", "source_tokens", "data_wait_pct"):
         assert key in record
     assert record["tokens_seen"] == 8 * 256
     assert set(record["source_tokens"]) == {"c4", "zyda2_dclm", "zyda2_fwe3", "finemath"}
@@ -48,14 +52,16 @@ def test_fsdp_two_processes_trains_and_logs(fsdp_reference):
     assert "flavor = \"debugmodel\"" in open(os.path.join(dump, "config.toml")).read()
     assert sorted(os.listdir(os.path.join(dump, "checkpoint"))) == ["step-10", "step-5"]
     with open(os.path.join(ROOT, "README.md")) as f:
-        assert LOG_LINE.search(f.read()), "README.md's example step line is not what train.py prints"
+        readme = f.read()
+    assert LOG_LINE.search(readme), "README.md's example step line is not what train.py prints"
 
 
 @pytest.mark.slow
 def test_one_process_matches_two_fsdp_processes(fsdp_reference, tmp_path):
     dump, _ = fsdp_reference
     train(tmp_path, "--training.steps", 10, "--training.local_batch_size", 8)
-    one, two = losses(tmp_path), losses(dump)
+    one = losses(tmp_path)  # one process, local batch 8
+    two = losses(dump)      # two FSDP ranks, local batch 4 each
     assert one.keys() == two.keys()
     for step in one:
         assert abs(one[step] - two[step]) <= 1e-5 * abs(one[step]), (step, one[step], two[step])
@@ -73,10 +79,11 @@ def test_same_seed_same_losses_other_seed_differs(tmp_path):
 def test_tensor_parallel_two_processes(tp_reference, fsdp_reference):
     dump, out = tp_reference
     assert len(LOG_LINE.findall(out)) == 10
-    # Clipping's norm over the FSDP and TP shards is one all-reduce (train.init_distributed flattens the mesh),
-    # not two in sequence, which DTensor warns about on every rank.
+    # Clipping's norm over the FSDP and TP shards is one all-reduce (train.init_distributed flattens
+    # the mesh), not two in sequence, which DTensor warns about on every rank.
     assert "sequential all_reduce" not in out, out[-3000:]
-    tp, fsdp = losses(dump), losses(fsdp_reference[0])
+    tp = losses(dump)
+    fsdp = losses(fsdp_reference[0])
     assert tp[10] < tp[1] - 1.0
     # Same init, same data and same global batch as the FSDP run; only the reduction order differs.
     assert abs(tp[1] - fsdp[1]) < 1e-5 and abs(tp[10] - fsdp[10]) < 1e-3
@@ -86,6 +93,7 @@ def test_tensor_parallel_two_processes(tp_reference, fsdp_reference):
 def test_hsdp_replicate_two_matches_fsdp(fsdp_reference, tmp_path):
     train(tmp_path, "--training.steps", 10, "--training.local_batch_size", 4,
           "--parallelism.data_parallel_replicate_degree", 2, nproc=2)
-    hsdp, fsdp = losses(tmp_path), losses(fsdp_reference[0])
+    hsdp = losses(tmp_path)
+    fsdp = losses(fsdp_reference[0])
     for step in hsdp:
         assert abs(hsdp[step] - fsdp[step]) <= 1e-5 * abs(fsdp[step])
