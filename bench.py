@@ -181,7 +181,7 @@ def loader(args, extra):
     import torch  # noqa: F401  (the first batch would import it, and be timed with it)
     import train
     from data import DataLoader, Tokenizer
-    from sources import pinned_manifest
+    from data_manifest import pinned_manifest
     cfg = train.load_config(extra)
     train.validate(cfg, world_size=1)
     d = cfg.data

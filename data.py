@@ -30,8 +30,8 @@ import fsspec
 import pyarrow.parquet as pq
 
 from mirror import open_file
-from sources import HUB_TIMEOUT, MIB, DataError, DataSource, HubFile, make_manifest
-from sources import retry_or_raise, source_files
+from data_manifest import make_manifest, source_files
+from sources import HUB_TIMEOUT, MIB, DataError, DataSource, HubFile, retry_or_raise
 
 
 # ---------------------------------------------------------------------------------------------------

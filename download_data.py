@@ -25,8 +25,8 @@ import train
 from config import ConfigError
 from data import SourceReader, Tokenizer
 from mirror import fetch_file, mirror_paths
-from sources import DataError, make_manifest, manifest_sha256
-from sources import pinned_manifest, source_files, write_manifest
+from data_manifest import make_manifest, manifest_sha256, pinned_manifest, source_files, write_manifest
+from sources import DataError
 
 SAMPLE_TOKENS = 2_000_000  # tokens read from a source's first file to estimate its tokens per byte
 MARGIN = 1.25  # files fetched for this much more than each stream's share: shares vary file to file

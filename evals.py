@@ -35,7 +35,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from config import ConfigError, unknown
 from data import heldout_windows
 from mirror import open_file
-from sources import RETRY_DELAYS, DataError, DataSource, HubFile, retry_or_raise, source_files
+from data_manifest import source_files
+from sources import RETRY_DELAYS, DataError, DataSource, HubFile, retry_or_raise
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 import checkpoint
 import data
+import data_manifest
 import dryrun
 import memory
 import sources
@@ -140,20 +141,21 @@ def rank0_manifest(cfg) -> tuple:
     """Rank 0's (manifest, (level, text) for the report, {source: why rank 0 cannot resolve it}, [sources resolved
     now]): the run's pinned manifest ([data] manifest, else the dump folder's once a run made it) read as the run
     reads it, and the sources it lacks resolved once, each on its own, as the first start would. Writes nothing."""
-    path, t0 = cfg.data.manifest or os.path.join(cfg.job.dump_folder, sources.MANIFEST), time.perf_counter()
+    path, t0 = cfg.data.manifest or os.path.join(cfg.job.dump_folder, data_manifest.MANIFEST), time.perf_counter()
     manifest, state = {"version": 1, "data": [], "validation": []}, None
     if cfg.data.manifest or os.path.exists(path):
         try:  # validation sources it lacks are resolved below: a start pins them, preflight writes nothing
-            manifest = sources.pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, [])
+            manifest = data_manifest.pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, [])
         except sources.DataError as e:
             state = ("FAIL", f"{e}; the sources below were resolved afresh")
-    missing = [(kind, s, name) for kind, s, name in configured(cfg) if not sources.manifest_entry(manifest, s, kind)]
+    missing = [(kind, s, name) for kind, s, name in configured(cfg)
+               if not data_manifest.manifest_entry(manifest, s, kind)]
     offline, errors = hub_unreachable() if any(hub_id(s.path) for _, s, _ in missing) else "", {}
     for kind, src, name in missing:
         try:
             if offline and hub_id(src.path):
                 raise sources.DataError(offline)
-            manifest[kind].append(sources.resolve_source(src))
+            manifest[kind].append(data_manifest.resolve_source(src))
         except sources.DataError as e:
             errors[name] = str(e)
     n = len(configured(cfg)) - len(missing)
@@ -164,10 +166,11 @@ def rank0_manifest(cfg) -> tuple:
 
 
 def share_sources(cfg, rank: int) -> tuple:
-    """rank0_manifest on every rank, through the job's store with a deadline of its own, as train.share_manifest
-    does (sources.shared_manifest): resolving many sources on a rate-limited Hub may take longer than a collective."""
+    """rank0_manifest on every rank, through the job's store with a deadline of its own, as
+    train.share_manifest does (data_manifest.shared_manifest): resolving many sources on a rate-limited Hub
+    may take longer than a collective."""
     try:
-        return sources.shared_manifest(dist.distributed_c10d._get_default_store(), rank,
+        return data_manifest.shared_manifest(dist.distributed_c10d._get_default_store(), rank,
                                        cfg.data.resolve_timeout_seconds, lambda: rank0_manifest(cfg))
     except sources.DataError as e:
         fail(str(e))
@@ -175,14 +178,14 @@ def share_sources(cfg, rank: int) -> tuple:
 
 def read_share(cfg, manifest: dict, fresh: list, part: int, parts: int) -> dict:
     """{source: "" or why this node cannot use it}, for this rank's share of its node (rank `part` of `parts`):
-    every parts-th local file of the manifest is there with its bytes (sources.verify_manifest, as a run checks),
+    every parts-th local file of the manifest is there with its bytes (data_manifest.verify_manifest, as a run checks),
     and every parts-th source's first document reads. `fresh`: the sources rank 0 resolved now, not pinned."""
     errors, offline = {}, None
     for i, (kind, src, name) in enumerate(configured(cfg)):
-        entry = sources.manifest_entry(manifest, src, kind)
+        entry = data_manifest.manifest_entry(manifest, src, kind)
         if entry is None:  # rank 0 could not resolve it: its line says why
             continue
-        errors[name] = sources.verify_manifest({"data": [entry], "validation": []}, part, parts)
+        errors[name] = data_manifest.verify_manifest({"data": [entry], "validation": []}, part, parts)
         if errors[name] and name in fresh:  # not the run's files yet: this node lacks what rank 0 resolved
             errors[name] = (errors[name].split(" since ")[0] + " on this node, unlike on rank 0's: every node needs "
                             "the same files (the shared filesystem, or the same mirror on each node)")
@@ -193,7 +196,7 @@ def read_share(cfg, manifest: dict, fresh: list, part: int, parts: int) -> dict:
         try:
             if entry["commit"] and offline:
                 raise sources.DataError(offline)
-            data.SourceReader(src, sources.source_files(manifest, src, kind), 0, 1, 0, ordered=True,
+            data.SourceReader(src, data_manifest.source_files(manifest, src, kind), 0, 1, 0, ordered=True,
                               timeout=cfg.data.hub_timeout_seconds).next_text()
         except sources.DataError as e:
             errors[name] = str(e)

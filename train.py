@@ -49,7 +49,8 @@ from data import DataLoader, Tokenizer
 from float8 import Float8
 from metrics import MetricsLogger, memory_stats, peak_tflops
 from model import Transformer, flavors, keyed_normal_
-from sources import DataError, DataSource, manifest_sha256, pinned_manifest, shared_manifest, verify_manifest
+from data_manifest import manifest_sha256, pinned_manifest, shared_manifest, verify_manifest
+from sources import DataError, DataSource
 
 logger = logging.getLogger("train")
 LEFT_OPEN = []  # main()'s checkpointer and metrics logger: an error exit (below main) closes them first
@@ -596,9 +597,9 @@ def open_dump_folder(cfg: Config, rank: int, device):
 
 
 def share_manifest(cfg: Config, rank: int, device) -> dict:
-    """The files of every source: rank 0 alone resolves them (or reads the run's pinned manifest), every rank gets them
-    through the job's store (sources.shared_manifest). Then each node checks the local files in use once, split over
-    its ranks (a node-local copy may differ)."""
+    """The files of every source: rank 0 alone resolves them (or reads the run's pinned manifest), every rank
+    gets them through the job's store (data_manifest.shared_manifest). Then each node checks the local files
+    in use once, split over its ranks (a node-local copy may differ)."""
     held_out = (cfg.validation.sources if cfg.validation.enable else []) + evals.sources(cfg.eval)  # in use
     if rank == 0:
         logger.info("data manifest: rank 0 reads or makes it; the others wait up to data.resolve_timeout_seconds")

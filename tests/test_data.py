@@ -18,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import data  # noqa: E402
+import data_manifest  # noqa: E402
 import sources as S  # noqa: E402
 import train  # noqa: E402
 from data import DataLoader, Tokenizer, heldout_windows  # noqa: E402
@@ -194,8 +195,8 @@ def test_transient_read_errors_are_retried_from_the_last_good_row(tok, sources, 
     monkeypatch.setattr(S, "RETRY_DELAYS", (0, 0, 0))
     FlakyFiles.register()
 
-    pinned = S.source_files
-    files = [f for s in sources for f, _ in pinned(S.make_manifest([s]), s)]
+    pinned = data_manifest.source_files
+    files = [f for s in sources for f, _ in pinned(data_manifest.make_manifest([s]), s)]
 
     def loader(flaky):  # the files resolved as usual, then read through the flaky filesystem
         monkeypatch.setattr(data, "source_files", lambda *a: [(("flaky://" if flaky else "") + f, n) for f, n in pinned(*a)])
@@ -413,4 +414,4 @@ def test_local_folders_resolve_as_datasets_does(tmp_path, monkeypatch):
         load_dataset_builder(str(tmp_path / "node" / "data"), data_files="*.parquet").config.data_files["train"])
     monkeypatch.setattr(datasets, "load_dataset_builder", lambda *a, **k: pytest.fail("datasets resolved a local glob"))
     cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml")])
-    assert len(S.make_manifest(cfg.data.sources, cfg.validation.sources)["validation"]) == 4
+    assert len(data_manifest.make_manifest(cfg.data.sources, cfg.validation.sources)["validation"]) == 4

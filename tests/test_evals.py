@@ -161,10 +161,11 @@ def test_a_missing_or_malformed_task_is_one_line_at_start_up(hub, tmp_path):
     assert "Traceback" not in proc.stderr and "step: 1 " not in proc.stdout
     sys.path.insert(0, ROOT)
     import evals
+    import data_manifest
     import sources
     from data import Tokenizer
     e = evals.Eval(enable=True, limit=2, tasks=[evals.EvalTask(name="hellaswag", path=str(folder / "baber/piqa"))])
-    manifest = sources.make_manifest([], evals.sources(e))
+    manifest = data_manifest.make_manifest([], evals.sources(e))
     with pytest.raises(sources.DataError, match=r"^eval task 'hellaswag': example 0 of .*baber/piqa is not in the "
                        r"task's layout \(KeyError: 'activity_label'\); point \[\[eval.tasks\]\] path at a copy of "
                        r"Rowan/hellaswag$"):

@@ -25,6 +25,7 @@ import data  # noqa: E402
 import evals  # noqa: E402
 import train  # noqa: E402
 from data import DataLoader, Tokenizer  # noqa: E402
+import data_manifest  # noqa: E402
 import sources  # noqa: E402
 from sources import DataError, DataSource  # noqa: E402
 from hub_fixture import Hub, make_repos, point_libraries_at, write_mirror  # noqa: E402
@@ -187,7 +188,7 @@ def test_a_stalled_redirected_or_whole_file_answer_gives_the_same_batches(hub, t
     this. An answer that is neither the bytes asked for nor the whole file is refused, never misread."""
     srcs = [DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz"),
             DataSource(name="dclm", path="Zyphra/Zyda-2", config="dclm_crossdeduped")]
-    manifest = sources.make_manifest(srcs)
+    manifest = data_manifest.make_manifest(srcs)
     expected = batches(DataLoader(srcs, tok, 128, 1, 0, 1, 1, manifest=manifest), 20)
     hub.stall_seconds, hub.redirect, start = 5, True, len(hub.log)
     hub.faults = {"/cdn/": ["stall", "cut", "whole", "stall"]}
@@ -277,11 +278,11 @@ def test_a_stalled_listing_is_retried_and_ends_in_one_line_within_the_budget(hub
     monkeypatch.setattr(sources, "RETRY_DELAYS", (0.01,) * 9)  # so that a retry of ours fits in the budget below
     src = DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz")
     hub.faults = {"/tree/": ["stall"]}
-    assert len(within(15, sources.resolve_source, src, 0.2)["files"]) == 4 and not hub.faults["/tree/"]
+    assert len(within(15, data_manifest.resolve_source, src, 0.2)["files"]) == 4 and not hub.faults["/tree/"]
     HfFileSystem.clear_instance_cache()  # it keeps listings per thread, and thread ids are reused: list anew
     hub.faults, start, t0 = {"/tree/": ["stall"] * 1000}, len(hub.log), time.monotonic()
     with pytest.raises(DataError) as e:
-        within(15, sources.resolve_source, src, 0.2, 3.0)
+        within(15, data_manifest.resolve_source, src, 0.2, 3.0)
     took, msg = time.monotonic() - t0, str(e.value)
     tries = len([r for r in hub.log[start:] if "/tree/" in r["path"]])  # huggingface_hub tries a page 6 times
     print(f"{tries} stalled requests, one line after {took:.1f} s: {msg}")
@@ -298,7 +299,7 @@ def test_a_read_that_keeps_failing_gives_up_within_the_budget_with_one_line(hub,
     the loader in the trainer's process and in a worker, the held-out and the eval readers."""
     monkeypatch.setattr(sources, "RETRY_DELAYS", (0.1,) * 9)
     src = DataSource(name="fm", path="HuggingFaceTB/finemath", config="finemath-3plus")
-    manifest = sources.make_manifest([src])
+    manifest = data_manifest.make_manifest([src])
     manifest["validation"] = manifest["data"]
     hub.faults, budget = {"finemath-3plus/train-": ["stall"] * 1000}, 0.8
 

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data  # noqa: E402
 import download_data  # noqa: E402
 import mirror as mirrors  # noqa: E402  (tests name their mirror folders `mirror`)
-import sources  # noqa: E402
+import data_manifest  # noqa: E402
 from sources import DataError, DataSource  # noqa: E402
 from hub_fixture import Hub, _jsonl_gz, _parquet, make_repos, point_libraries_at, push  # noqa: E402
 
@@ -73,7 +73,7 @@ def hub_job(tmp_path_factory):
         # One resolution in a fresh process (this one has caches of earlier tests: the Hub client's one-time
         # lookups, dataset cards), with its own empty HF_HOME, as a rank starts.
         code = ("import json, sys, sources, train; c = train.load_config(['--config', sys.argv[1]]); "
-                "print(json.dumps(sources.make_manifest(c.data.sources, c.validation.sources)))")
+                "print(json.dumps(data_manifest.make_manifest(c.data.sources, c.validation.sources)))")
         ref = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "configs", "llama3_8b.toml")], cwd=ROOT,
                              capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HOME": str(tmp / "hf_ref"),
                                                                                "HF_HUB_OFFLINE": "0"})
@@ -261,7 +261,7 @@ def test_download_data_fetches_the_files_the_stream_reads_first_and_more_for_mor
         hub.close()
     manifest = json.load(open(tmp_path / "dump" / "data_manifest.json"))
     src = DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz")
-    order = [os.path.basename(u) for u, _ in data.SourceReader(src, sources.source_files(manifest, src), 0, 1,
+    order = [os.path.basename(u) for u, _ in data.SourceReader(src, data_manifest.source_files(manifest, src), 0, 1,
                                                                 1234)._files()]
     assert few == order[:1] and 1 < len(few + more) < len(order) and few + more == order[:len(few + more)]
 
@@ -344,14 +344,14 @@ def test_a_shard_replaced_by_other_bytes_is_one_line_and_nothing_is_written(offl
 def test_manifest_of_local_folders_is_deterministic_and_readers_use_only_its_files(tmp_path, monkeypatch):
     shutil.copytree(os.path.join(ROOT, "assets", "data", "c4"), tmp_path / "c4")
     src = DataSource(name="c4", path=str(tmp_path / "c4"), data_files="en/c4-train.*.json.gz")
-    a, b = sources.make_manifest([src]), sources.make_manifest([src])
-    assert a == b and sources.manifest_sha256(a) == sources.manifest_sha256(b)
+    a, b = data_manifest.make_manifest([src]), data_manifest.make_manifest([src])
+    assert a == b and data_manifest.manifest_sha256(a) == data_manifest.manifest_sha256(b)
     assert [f[0] for f in a["data"][0]["files"]] == ["en/c4-train.00000-of-00002.json.gz",
                                                      "en/c4-train.00001-of-00002.json.gz"]
-    sources.write_manifest(a, str(tmp_path / "m.json"))
+    data_manifest.write_manifest(a, str(tmp_path / "m.json"))
     assert json.load(open(tmp_path / "m.json")) == a
     # with a manifest, nothing is resolved again: not by the loader, nor its workers, nor the held-out reader
-    monkeypatch.setattr(sources, "resolve_files", lambda *args: pytest.fail("resolved again"))
+    monkeypatch.setattr(data_manifest, "resolve_files", lambda *args: pytest.fail("resolved again"))
     tok = data.Tokenizer(os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model"))
     loader = data.DataLoader([src], tok, 64, 2, 0, 1, 1, num_workers=1, manifest=a)
     next(loader)
@@ -362,29 +362,29 @@ def test_manifest_of_local_folders_is_deterministic_and_readers_use_only_its_fil
 def test_manifest_errors_are_one_line(tmp_path):
     src = DataSource(name="c4", path=os.path.join(ROOT, "assets", "data", "c4"), data_files="en/c4-train.*.json.gz")
     with pytest.raises(DataError, match=r"data manifest .*missing.json cannot be used: .*download_data.py --config C --manifest"):
-        sources.pinned_manifest(str(tmp_path / "missing.json"), str(tmp_path), [src], [])
-    sources.write_manifest(sources.make_manifest([src]), str(tmp_path / sources.MANIFEST))
+        data_manifest.pinned_manifest(str(tmp_path / "missing.json"), str(tmp_path), [src], [])
+    data_manifest.write_manifest(data_manifest.make_manifest([src]), str(tmp_path / data_manifest.MANIFEST))
     other = DataSource(name="c4", path=src.path, data_files="en/c4-validation.*.json.gz")
     with pytest.raises(DataError, match="has no data source 'c4' as configured .* made for other sources") as e:
-        sources.pinned_manifest("", str(tmp_path), [other], [])
+        data_manifest.pinned_manifest("", str(tmp_path), [other], [])
     assert "\n" not in str(e.value)
-    manifest = sources.pinned_manifest("", str(tmp_path), [src], [])
-    assert sources.verify_manifest(manifest) == ""
+    manifest = data_manifest.pinned_manifest("", str(tmp_path), [src], [])
+    assert data_manifest.verify_manifest(manifest) == ""
     manifest["data"][0]["files"][0][0] = "en/gone.json.gz"
     assert re.match(r"data source 'c4': .*en/gone.json.gz is missing since this run's data manifest",
-                    sources.verify_manifest(manifest))
-    assert sources.verify_manifest(manifest, part=0, parts=2) == ""  # the other rank's share is intact
+                    data_manifest.verify_manifest(manifest))
+    assert data_manifest.verify_manifest(manifest, part=0, parts=2) == ""  # the other rank's share is intact
 
 
 def test_validation_sources_are_pinned_when_first_used_and_are_no_resume_key(tmp_path, monkeypatch):
     c4 = os.path.join(ROOT, "assets", "data", "c4")
     src = DataSource(name="c4", path=c4, data_files="en/c4-train.*.json.gz")
     held = DataSource(name="held", path=c4, data_files="en/c4-validation.*.json.gz")
-    first = sources.pinned_manifest("", str(tmp_path), [src], [])
-    later = sources.pinned_manifest("", str(tmp_path), [src], [held])
+    first = data_manifest.pinned_manifest("", str(tmp_path), [src], [])
+    later = data_manifest.pinned_manifest("", str(tmp_path), [src], [held])
     assert [e["name"] for e in later["validation"]] == ["held"]
-    assert json.load(open(tmp_path / sources.MANIFEST)) == later  # pinned in the run's manifest
-    assert sources.manifest_sha256(later) == sources.manifest_sha256(first)
+    assert json.load(open(tmp_path / data_manifest.MANIFEST)) == later  # pinned in the run's manifest
+    assert data_manifest.manifest_sha256(later) == data_manifest.manifest_sha256(first)
     # a manifest that cannot be written (a full disk) is one line, and leaves no temporary file behind
 
     def full(fd):
@@ -392,7 +392,7 @@ def test_validation_sources_are_pinned_when_first_used_and_are_no_resume_key(tmp
 
     monkeypatch.setattr(os, "fsync", full)
     with pytest.raises(DataError, match=r"cannot write the data manifest .*No space left on device; free space"):
-        sources.pinned_manifest("", str(tmp_path / "full"), [src], [])
+        data_manifest.pinned_manifest("", str(tmp_path / "full"), [src], [])
     assert os.listdir(tmp_path / "full") == []
 
 
@@ -424,7 +424,7 @@ def test_every_node_checks_every_local_file_of_its_own_copy(tmp_path, monkeypatc
         shutil.copytree(os.path.join(ROOT, "assets", "data"), node / "assets" / "data")
     monkeypatch.chdir(nodes[0])
     debug = tomllib.load(open(os.path.join(ROOT, "configs", "debug_model.toml"), "rb"))
-    m = sources.make_manifest(*([DataSource(**t) for t in debug[k]["sources"]] for k in ("data", "validation")))
+    m = data_manifest.make_manifest(*([DataSource(**t) for t in debug[k]["sources"]] for k in ("data", "validation")))
     local = sorted({(e["name"], e["path"], f[0]) for e in m["data"] + m["validation"] for f in e["files"]})
     damaged = nodes[1] / local[0][1] / local[0][2]  # the first: rank 0's share under a split over the job's ranks
     raw = bytearray(damaged.read_bytes())
@@ -474,7 +474,7 @@ def test_rank_0s_manifest_reaches_a_rank_through_the_store_and_a_dropped_source_
     import train
     cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml"), "--job.dump_folder",
                              str(tmp_path), "--data.resolve_timeout_seconds", "3"])
-    manifest = sources.make_manifest(cfg.data.sources, cfg.validation.sources)
+    manifest = data_manifest.make_manifest(cfg.data.sources, cfg.validation.sources)
     gone = {"name": "old", "path": str(tmp_path / "gone"), "config": None, "data_files": None, "split": "train",
             "revision": None, "commit": None, "files": [["a.jsonl", 10, "0" * 64]]}
     manifest["validation"].append(gone)
@@ -486,8 +486,8 @@ def test_rank_0s_manifest_reaches_a_rank_through_the_store_and_a_dropped_source_
     finally:
         dist.destroy_process_group()
     old = DataSource(name="old", path=str(tmp_path / "gone"))
-    assert "data source 'old': " in sources.verify_manifest(manifest, sources=[*cfg.data.sources, old])
-    assert sources.verify_manifest(manifest, sources=cfg.data.sources) == ""
+    assert "data source 'old': " in data_manifest.verify_manifest(manifest, sources=[*cfg.data.sources, old])
+    assert data_manifest.verify_manifest(manifest, sources=cfg.data.sources) == ""
 
 
 def test_the_changed_check_reads_only_the_ends_of_a_big_file(tmp_path):
@@ -495,11 +495,11 @@ def test_the_changed_check_reads_only_the_ends_of_a_big_file(tmp_path):
     big = tmp_path / "big.json.gz"
     big.write_bytes(gzip.compress(os.urandom(3 << 20), compresslevel=0))
     size = os.path.getsize(big)
-    base = sources.ends_sha256(str(big), size)
+    base = data_manifest.ends_sha256(str(big), size)
     raw = bytearray(big.read_bytes())
     raw[size // 2] ^= 0xFF  # the middle is not read: not seen (the size is, and a hub file is immutable)
     big.write_bytes(bytes(raw))
-    assert sources.ends_sha256(str(big), size) == base
+    assert data_manifest.ends_sha256(str(big), size) == base
     raw[-10] ^= 0xFF
     big.write_bytes(bytes(raw))
-    assert sources.ends_sha256(str(big), size) != base
+    assert data_manifest.ends_sha256(str(big), size) != base

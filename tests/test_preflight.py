@@ -41,16 +41,16 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory):
     """The debug config on 2 processes; its dump folder holds the data manifest a run made, with the training
-    sources (each local folder's entry as sources.resolve_source makes it); the validation sources are not pinned."""
+    sources (each local folder's entry as data_manifest.resolve_source makes it); the validation sources are not pinned."""
     sys.path.insert(0, ROOT)
-    import sources
+    import data_manifest
     import train
     dump, entries = tmp_path_factory.mktemp("dump"), []
     for s in train.load_config(["--config", CONFIG]).data.sources:
         files = [(os.path.relpath(f, os.path.join(ROOT, s.path)), os.path.getsize(f), f)
                  for f in sorted(glob.glob(os.path.join(ROOT, s.path, s.data_files)))]
-        entries.append({**{k: getattr(s, k) for k in sources.KEY}, "commit": None,
-                        "files": [[rel, size, sources.ends_sha256(f, size)] for rel, size, f in files]})
+        entries.append({**{k: getattr(s, k) for k in data_manifest.KEY}, "commit": None,
+                        "files": [[rel, size, data_manifest.ends_sha256(f, size)] for rel, size, f in files]})
     (dump / "data_manifest.json").write_text(json.dumps({"version": 1, "data": entries, "validation": []}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "preflight.py",
            "check", "--config", CONFIG, "--job.dump_folder", str(dump)]
