@@ -12,6 +12,7 @@ checkpoints, the tokenizer. Exit 1 on a FAIL.
 Other `--section.key value` arguments set train.py's config, as for the training job."""
 
 import argparse
+import dataclasses
 import hashlib
 import os
 import platform
@@ -22,6 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -30,7 +32,9 @@ import checkpoint
 import data
 import data_manifest
 import dryrun
+import evals
 import memory
+import mirror
 import sources
 import train
 from metrics import peak_tflops
@@ -126,10 +130,11 @@ def hub_unreachable() -> str:
 
 
 def configured(cfg) -> list:
-    """[(manifest section, source, its name in the report)] in the config's order."""
-    return [(kind, s, f"{kind} source {s.name!r} ({s.path})") for kind, srcs in
-            (("data", cfg.data.sources), ("validation", cfg.validation.sources + train.evals.sources(cfg.eval)))
-            for s in srcs]
+    """[(manifest section, source, its name in the report)] in the config's order: the training sources, the held-out
+    ones, then [eval]'s tasks (pinned in the manifest's validation section)."""
+    return [(kind, s, f"{what} {s.name!r} ({s.path})") for kind, what, srcs in
+            (("data", "data source", cfg.data.sources), ("validation", "validation source", cfg.validation.sources),
+             ("validation", "eval task", evals.sources(cfg.eval))) for s in srcs]
 
 
 def hub_id(path: str) -> bool:
@@ -176,11 +181,31 @@ def share_sources(cfg, rank: int) -> tuple:
         fail(str(e))
 
 
-def read_share(cfg, manifest: dict, fresh: list, part: int, parts: int) -> dict:
+def from_hub(path: str, size: int) -> bool:
+    """Whether reading this file of the manifest asks the Hub: a pinned Hub file that the data mirror does not hold
+    (mirror.open_file's rule; a damaged copy there is mirror.mirrored's one line)."""
+    where, _, url = path.rpartition("::")
+    if where and url.startswith("hf://"):
+        return not mirror.mirrored(where, url, size)
+    return path.startswith("hf://")
+
+
+def read_task(cfg, src, manifest: dict, tokenizer):
+    """An eval task's first example, as train.py's start reads the task (evals.load): its pinned files, the task's
+    layout (context, choices, answer), tokenized. A DataError says what is wrong."""
+    one = dataclasses.replace(cfg.eval, tasks=[t for t in cfg.eval.tasks if t.name == src.name], limit=1)
+    evals.load(one, tokenizer, train.flavor_args(cfg).max_seq_len, manifest, cfg.data.hub_timeout_seconds)
+
+
+def read_share(cfg, manifest: dict, fresh: list, part: int, parts: int, streams: int) -> dict:
     """{source: "" or why this node cannot use it}, for this rank's share of its node (rank `part` of `parts`):
     every parts-th local file of the manifest is there with its bytes (data_manifest.verify_manifest, as a run checks),
-    and every parts-th source's first document reads. `fresh`: the sources rank 0 resolved now, not pinned."""
-    errors, offline = {}, None
+    and every parts-th source reads as the run reads it, from [data] mirror where that holds the file: a training
+    source's first document of its first stream (of `streams`: the file download_data.py fetches first), a held-out
+    source's first document, an eval task's first example (read_task). `fresh`: the sources rank 0 resolved now."""
+    errors, offline, tokenizer = {}, None, None
+    tasks = evals.sources(cfg.eval)
+    manifest = {**manifest, "mirror": cfg.data.mirror}  # as train.py reads it: pinned Hub files from the mirror first
     for i, (kind, src, name) in enumerate(configured(cfg)):
         entry = data_manifest.manifest_entry(manifest, src, kind)
         if entry is None:  # rank 0 could not resolve it: its line says why
@@ -191,16 +216,32 @@ def read_share(cfg, manifest: dict, fresh: list, part: int, parts: int) -> dict:
                             "the same files (the shared filesystem, or the same mirror on each node)")
         if errors[name] or i % parts != part:
             continue
-        if entry["commit"] and offline is None:  # one request says whether this node reaches the Hub
-            offline = hub_unreachable()
         try:
-            if entry["commit"] and offline:
-                raise sources.DataError(offline)
-            data.SourceReader(src, data_manifest.source_files(manifest, src, kind), 0, 1, 0, ordered=True,
-                              timeout=cfg.data.hub_timeout_seconds).next_text()
+            files = data_manifest.source_files(manifest, src, kind)
+            reader = data.SourceReader(src, files, 0, streams if kind == "data" else 1, cfg.data.seed,
+                                       ordered=kind != "data", timeout=cfg.data.hub_timeout_seconds)
+            first = reader._files()[0] if src not in tasks else files[0]  # the file read first
+            if from_hub(*first):
+                offline = hub_unreachable() if offline is None else offline  # one request per node, not per source
+                if offline:
+                    where, _, url = first[0].rpartition("::")
+                    lacks = f", and {mirror.mirror_paths(where, url)[0]} is not in the data mirror" if where else ""
+                    raise sources.DataError(offline + lacks)
+            if src not in tasks:
+                reader.next_text()
+                continue
+            tokenizer = tokenizer or data.Tokenizer(cfg.model.tokenizer_path)
+            read_task(cfg, src, manifest, tokenizer)
         except sources.DataError as e:
             errors[name] = str(e)
     return errors
+
+
+def node_groups(nodes: dict, timeout: float) -> dict:
+    """{node: the process group of its ranks}, made on every rank (new_group's rule), each bounded by
+    comm.init_timeout_seconds as the trainer's groups are: new_group alone takes the backend's default (NCCL 10
+    minutes, gloo 30), so a frozen rank would hold its node's bandwidth check that long."""
+    return {name: dist.new_group(members, timeout=timedelta(seconds=timeout)) for name, members in nodes.items()}
 
 
 def check(args, extra):
@@ -233,9 +274,11 @@ def check(args, extra):
         os.remove(shared)
     manifest, r["manifest"], resolved, fresh = share_sources(cfg, rank)  # rank 0 resolves, once
     mine = nodes[r["node"]]  # each node checks every local file, split over its ranks as train.share_manifest does
-    r["data"] = {**(resolved if rank == 0 else {}), **read_share(cfg, manifest, fresh, mine.index(rank), len(mine))}
+    streams = cfg.data.num_streams or sizes["dp"]
+    unreadable = read_share(cfg, manifest, fresh, mine.index(rank), len(mine), streams)
+    r["data"] = {**(resolved if rank == 0 else {}), **unreadable}
     sizes_b = [2**20, 2**24, 2**28, 2**30] if device.type == "cuda" else [2**18, 2**22]  # small on CPU (gloo)
-    groups = {name: dist.new_group(members) for name, members in nodes.items()}  # every rank makes every group
+    groups = node_groups(nodes, cfg.comm.init_timeout_seconds)
     r["intra"] = bus_bandwidth(groups[r["node"]], device, sizes_b) if len(nodes[r["node"]]) > 1 else None
     inter = bus_bandwidth(None, device, sizes_b) if len(nodes) > 1 else None
     ranks, code = gather(r), [0]
@@ -325,9 +368,12 @@ def report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> int:
         for x in ranks:  # a node's first error: its ranks checked a share each
             if x["data"].get(name) and not errors.get(x["node"]):
                 errors[x["node"]] = x["data"][name]
+        read = "its first example reads in the task's layout" if name.startswith("eval task") else \
+            "its local files match rank 0's and the first document reads"
+        from_mirror = f", from the data mirror {cfg.data.mirror} where it holds the file" * bool(cfg.data.mirror)
         verdict("FAIL" if errors else "OK", name,
                 f"unreadable on node(s) {', '.join(errors)}: {next(iter(errors.values()))}" if errors
-                else f"its local files match rank 0's and the first document reads on every node ({len(nodes)})")
+                else f"{read} on every node ({len(nodes)}){from_mirror}")
 
     bad = {i: x["dump"] for i, x in enumerate(ranks) if x["dump"]}
     unshared = [i for i, x in enumerate(ranks) if not x["shared"]]

@@ -112,6 +112,26 @@ def test_a_mistake_at_2048_ranks_is_the_trainers_one_line(extra, line, capsys):
     assert e.value.code == 2 and err == line + "\n" and out == ""
 
 
+def test_the_rules_are_the_targets_not_this_machines_gpu(monkeypatch, capsys):
+    """A laptop whose GPU lacks float8 matmuls (an A100-class SM 8.0) dry-runs a float8 config for an H100 cluster:
+    the GPU rules are the job's (float8.check(gpu=True)), and this machine's GPU is never asked. The forked ranks
+    are left out (test_dry_run_peak_is_the_real_peak_per_rank runs float8 ones): validate and the report."""
+    import torch
+
+    import dryrun
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: asked.append(a) or (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    fake = [{"rank": r, "peak": 20 * dryrun.GIB, "peak_phase": "forward and backward of step 2", "setup": 0,
+             "after": 0, "items": 1, "written": 0} for r in (0, 63)]
+    monkeypatch.setattr(dryrun, "dry_run", lambda cfg, world: fake)
+    code = dryrun.run(64, ["--config", os.path.join(ROOT, "configs/llama3_8b.toml"), *FLOAT8])
+    out, err = capsys.readouterr()
+    assert code == 0 and err == "" and ", float8;" in out, out + err
+    assert asked == []
+
+
 @pytest.mark.slow
 def test_the_report(dry, monkeypatch, capsys, tmp_path):
     """The report of the TP 2 layout's dry run (its results from the fixture: dry_run is not run twice)."""

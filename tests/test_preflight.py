@@ -1,6 +1,7 @@
 """preflight.py check on 2 CPU processes (gloo): a healthy job is all OK; a job whose dump folder holds a corrupt
 data manifest and whose second "node" is 20x slower, lacks a data mirror, cannot reach the Hub, has an unwritable
-dump folder and another tokenizer gets a FAIL naming each, and exit 1.
+dump folder and another tokenizer gets a FAIL naming each, and exit 1; what its [data] mirror holds it reads there
+(a Hub source, eval tasks read as evals.load reads them), as the run would.
 
 The faulty job's two ranks are started by hand (as torchrun would start them, through the same environment
 variables), each in its own working folder standing in for a node's local disk: the config is the same, its
@@ -10,15 +11,17 @@ Slurm's node name (SLURMD_NODENAME) tells preflight they are two nodes; node-a r
 """
 
 import glob
+import hashlib
 import json
 import os
 import re
 import socket
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
-from hub_fixture import Hub, make_repos
+from hub_fixture import Hub, make_repos, task_repos
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "debug_model.toml")
@@ -86,14 +89,53 @@ def test_bad_config_is_one_line_exit_2():
     assert proc.stderr.startswith("error: unknown key in [training] 'sequence_len'; did you mean seq_len?"), proc.stderr
 
 
+HUB_SOURCES = """
+[[data.sources]]
+name = "c4_hub"
+path = "allenai/c4"
+config = "en"
+weight = 0.1
+
+[[data.sources]]
+name = "finemath_hub"
+path = "HuggingFaceTB/finemath"
+config = "finemath-3plus"
+weight = 0.1
+
+[eval]
+enable = true
+limit = 4
+tasks = [{name = "hellaswag"}, {name = "arc_easy"}]
+"""
+
+
+def write_mirror(folder: str, repos: dict, wanted: dict):
+    """What download_data.py would fetch into `folder` ([data] mirror): each repo's files at main whose paths start
+    with wanted[repo], at DIR/<repo>@<commit>/<path>, each with its record of the download's checks."""
+    sys.path.insert(0, ROOT)
+    import mirror
+    import sources
+    for repo, prefix in wanted.items():
+        sha = repos[repo]["refs"]["main"]
+        for path, body in repos[repo]["commits"][sha].items():
+            if path.startswith(prefix) and path.endswith(".parquet"):
+                local, record = mirror.mirror_paths(folder, f"hf://datasets/{repo}@{sha}/{path}")
+                os.makedirs(os.path.dirname(local), exist_ok=True)
+                with open(local, "wb") as f:
+                    f.write(body)
+                sources.write_manifest({"commit": sha, "size": len(body), "sha256": hashlib.sha256(body).hexdigest(),
+                                        "ends": sources.ends_sha256(local, len(body))}, record)
+
+
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory):
     """Rank 0 on "node-a", a healthy copy but for a corrupt data_manifest.json in its dump folder; rank 1 on
-    "node-b": 20x slower matmul (the test-only variable), no C4 mirror, no Hub, a regular file where the dump
-    folder should be, and a different tokenizer.model. The config: the debug one plus a hub source."""
+    "node-b": 20x slower matmul (the test-only variable), no C4 copy, no Hub, a regular file where the dump
+    folder should be, and a different tokenizer.model. The config: the debug one plus two hub sources and two eval
+    tasks, and [data] mirror: node-a has none (it reads the Hub), node-b's holds FineMath and the tasks, not C4."""
     tmp = tmp_path_factory.mktemp("nodes")
     with open(CONFIG) as f:
-        config = f.read() + '\n[[data.sources]]\nname = "c4_hub"\npath = "allenai/c4"\nconfig = "en"\nweight = 0.1\n'
+        config = f.read() + HUB_SOURCES
     (tmp / "hub.toml").write_text(config)
     a, b = tmp / "node-a", tmp / "node-b"
     os.makedirs(a)
@@ -107,13 +149,17 @@ def faulty(tmp_path_factory):
     with open(os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model"), "rb") as f:
         (b / "assets" / "tokenizer" / "tokenizer.model").write_bytes(f.read() + b"\n")  # another version
     (b / "dump").write_text("a file, not a folder")
+    repos = {**make_repos(), **task_repos()}
+    write_mirror(str(b / "mirror"), repos, {"HuggingFaceTB/finemath": "finemath-3plus/", "Rowan/hellaswag": "",
+                                            "allenai/ai2_arc": "ARC-Easy/"})
     env = {k: v for k, v in CPU.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_TOKEN")}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", LOCAL_RANK="0",
                LOCAL_WORLD_SIZE="1", PREFLIGHT_TEST_SLOW_RANK="1", OMP_NUM_THREADS="1")
-    hub = Hub(make_repos())
+    hub = Hub(repos)
     try:
         procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "preflight.py"), "check", "--config",
-                                   str(tmp / "hub.toml"), "--job.dump_folder", "dump"], cwd=cwd, text=True,
+                                   str(tmp / "hub.toml"), "--job.dump_folder", "dump", "--data.mirror", "mirror"],
+                                  cwd=cwd, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   env={**env, "RANK": str(rank), "SLURMD_NODENAME": cwd.name, "HF_HOME": str(cwd / "hf"),
                                        "HF_ENDPOINT": hub.endpoint if rank == 0 else f"http://127.0.0.1:{free_port()}"})
@@ -144,6 +190,16 @@ def test_faults_are_named_and_exit_1(faulty):
     level, text = got["data source 'c4_hub' (allenai/c4)"]  # node-a read it from the Hub, node-b cannot reach it
     assert level == "FAIL" and text.startswith("unreadable on node(s) node-b: this node cannot reach the Hub at "
                                                "http://127.0.0.1:"), out
+    assert re.search(r", and \S+/node-b/mirror/allenai/c4@[0-9a-f]{40}/en/c4-train\.\d+-of-00004\.json\.gz is not in "
+                     "the data mirror$", text), text
+    # What node-b's mirror holds it reads there, as the run would (issue 43, item 7); the eval tasks are read as
+    # evals.load reads them, not as text sources with no column '' (item 10): node-a from the Hub, node-b its mirror
+    for name in ("data source 'finemath_hub' (HuggingFaceTB/finemath)", "eval task 'hellaswag' (Rowan/hellaswag)",
+                 "eval task 'arc_easy' (allenai/ai2_arc)"):
+        level, text = got[name]
+        assert level == "OK" and text.endswith(" on every node (2), from the data mirror mirror where it holds the "
+                                               "file"), (name, out)
+    assert got["eval task 'arc_easy' (allenai/ai2_arc)"][1].startswith("its first example reads in the task's layout")
     level, text = got["dump folder dump"]
     assert level == "FAIL" and "rank 1 on node-b" in text and "not writable (FileExistsError" in text, out
     level, text = got["tokenizer assets/tokenizer/tokenizer.model"]
@@ -152,7 +208,7 @@ def test_faults_are_named_and_exit_1(faulty):
     assert got["bandwidth within nodes"] == ("OK", "n/a (one rank per node)")
     assert got["bandwidth across nodes"][0] == "OK" and "2 nodes: busbw" in got["bandwidth across nodes"][1]
     assert got["software"][0] == got["free space"][0] == "OK"
-    assert "7 FAIL, 0 WARN of 17 checks" in out
+    assert "7 FAIL, 0 WARN of 20 checks" in out
 
 
 def test_gpu_thresholds_on_a_made_up_cluster(capsys):
@@ -199,3 +255,20 @@ def test_gpu_thresholds_on_a_made_up_cluster(capsys):
     assert level == "FAIL" and "TCP sockets" in text
     level, text = got["free space"]  # 2 needed, 3 (one more) advised
     assert level == "WARN" and text.startswith("2.5 GiB for 2 more checkpoint(s) of 1.00 GiB (keep_latest_k = 1: "), text
+
+
+def test_per_node_groups_wait_comm_init_timeout_seconds():
+    """preflight's per-node groups (the bandwidth within a node) give up on a frozen rank after
+    comm.init_timeout_seconds, as the trainer's groups do, not after the backend's default (gloo 30 min, NCCL 10).
+    One gloo process, in this process."""
+    sys.path.insert(0, ROOT)
+    import torch
+    import torch.distributed as dist
+
+    import preflight
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=77))
+    try:
+        groups = preflight.node_groups({"node-a": [0]}, 77)
+        assert groups["node-a"]._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=77)
+    finally:
+        dist.destroy_process_group()
