@@ -113,8 +113,8 @@ def write_mirror(folder: str, repos: dict, wanted: dict):
     """What download_data.py would fetch into `folder` ([data] mirror): each repo's files at main whose paths start
     with wanted[repo], at DIR/<repo>@<commit>/<path>, each with its record of the download's checks."""
     sys.path.insert(0, ROOT)
+    import data_manifest
     import mirror
-    import sources
     for repo, prefix in wanted.items():
         sha = repos[repo]["refs"]["main"]
         for path, body in repos[repo]["commits"][sha].items():
@@ -123,8 +123,8 @@ def write_mirror(folder: str, repos: dict, wanted: dict):
                 os.makedirs(os.path.dirname(local), exist_ok=True)
                 with open(local, "wb") as f:
                     f.write(body)
-                sources.write_manifest({"commit": sha, "size": len(body), "sha256": hashlib.sha256(body).hexdigest(),
-                                        "ends": sources.ends_sha256(local, len(body))}, record)
+                data_manifest.write_manifest({"commit": sha, "size": len(body), "sha256": hashlib.sha256(body).hexdigest(),
+                                        "ends": data_manifest.ends_sha256(local, len(body))}, record)
 
 
 @pytest.fixture(scope="module")
