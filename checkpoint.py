@@ -2,7 +2,8 @@
 A checkpoint is <dump_folder>/<checkpoint.folder>/step-N/: DCP files, .metadata and params.json (for
 checkpoint_convert.py). A save is written to .step-N.tmp and renamed to step-N once every rank has written, so a
 crash at any moment leaves only complete step-N folders behind, and the previous one stays until the new one is
-in place. Everything is a tensor (plain state travels as JSON bytes), so loading never unpickles anything."""
+in place. Everything is a tensor (plain state travels as JSON bytes), so loading never unpickles anything.
+initial_load_path also takes torchtitan's checkpoints (model_prefix says which layout a folder has)."""
 
 import json
 import logging
@@ -15,12 +16,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from float8 import plain
 
 logger = logging.getLogger("checkpoint")
+TITAN_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")  # a full torchtitan save, beside the model
 
 
 class CheckpointError(ValueError):
@@ -38,6 +41,42 @@ def json_tensor(obj) -> torch.Tensor:
 
 def json_from(t: torch.Tensor):
     return json.loads(t.numpy().tobytes())
+
+
+def model_prefix(keys) -> str:
+    """How a DCP checkpoint names its model tensors: "model." + Meta's name (ours), or Meta's name alone
+    (torchtitan's: its model sits at the top level, beside optimizer.*, lr_scheduler.* and the rest)."""
+    titan = "tok_embeddings.weight" in keys and not any(k.startswith("model.") for k in keys)
+    return "" if titan else "model."
+
+
+def model_keys(keys) -> dict:
+    """{Meta name: key in the checkpoint} of the model tensors among a checkpoint's keys."""
+    prefix = model_prefix(keys)
+    return {k.removeprefix(prefix): k for k in keys
+            if k.startswith(prefix) and k.split(".")[0] not in TITAN_STATE}
+
+
+class PlainLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner (flat keys), but what was pickled (torchtitan's step and lr schedule: ints) is read with
+    weights_only=True, as everything else here, into `values`: dcp.load hands the planner a copy of the state
+    dict, so that copy's non-tensor entries never reach the caller's."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False)
+        self.values = {}
+
+    def load_bytes(self, read_item, value):
+        self.values[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def load_or_explain(state: dict, path: str, planner=None):
+    """dcp.load, its failure as one line."""
+    try:
+        dcp.load(state, checkpoint_id=path, planner=planner)
+    except CheckpointException as e:  # DCP gathers (error, traceback) per rank: show the first
+        e = next(iter(e.failures.values()), (e,))[0]
+        raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {str(e)[:300]}".replace("\n", " "))
 
 
 def incomplete(path: str):
@@ -135,7 +174,8 @@ class Checkpointer:
         if reason := incomplete(path):
             raise CheckpointError(f"{path} is not a complete DCP checkpoint: {reason}")
         meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        ours = {f"model.{k}": tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
+        prefix = model_prefix(meta)
+        ours = {f"{prefix}{k}": tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
         bad = [f"{k} {tuple(meta[k].size)} vs ours {s}" for k, s in ours.items()
                if k in meta and tuple(meta[k].size) != s] + [f"{k} missing" for k in ours if k not in meta]
         if bad:
@@ -145,6 +185,8 @@ class Checkpointer:
 
     def load(self, path: str, model_only: bool):
         meta, rank_key = self.metadata(path), f"rank{self.rank}"
+        if model_prefix(meta) == "":
+            return self.load_torchtitan(path, meta, model_only)
         model = {k: plain(v) for k, v in get_model_state_dict(self.model).items()}
         state = {"model": model} if model_only else self.state(0, 0)
         for key in meta if not model_only else ():  # JSON blobs: allocate what was saved
@@ -155,11 +197,7 @@ class Checkpointer:
             state["train"] = {k: v for k, v in state["train"].items() if f"train.{k}" in meta}  # older runs lack some
             if f"rng.{rank_key}" not in meta:  # resuming on more ranks than before
                 del state["rng"]
-        try:
-            dcp.load(state, checkpoint_id=path)
-        except CheckpointException as e:  # DCP gathers (error, traceback) per rank: show the first
-            e = next(iter(e.failures.values()), (e,))[0]
-            raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {str(e)[:300]}".replace("\n", " "))
+        load_or_explain(state, path)
         set_model_state_dict(self.model, state["model"])
         if model_only:
             return 0, 0
@@ -186,6 +224,41 @@ class Checkpointer:
             logger.warning(f"training.steps changed {steps} -> {self.steps}: the lr schedule now ends at "
                            f"step {self.steps} instead of {steps}, and the lr from here on follows it")
         return step, int(train["tokens_seen"])
+
+    def load_torchtitan(self, path: str, meta: dict, model_only: bool):
+        """(step, 0) from torchtitan's layout: the model; unless model_only also the AdamW moments (the same
+        flattened optimizer keys as ours), its step and its lr schedule's position. Its data position is its
+        own loader's and cannot carry over; its token count is one rank's, so ours restarts at 0."""
+        model = {k: plain(v) for k, v in get_model_state_dict(self.model).items()}
+        state = dict(model)
+        if not model_only:
+            if "train_state.step" not in meta:
+                raise CheckpointError(f"{path} is a model-only torchtitan save (its last_save_model_only export): "
+                                      "take its weights with checkpoint.initial_load_model_only = true, or "
+                                      "continue from one of its full step-N")
+            opt = get_optimizer_state_dict(self.model, self.optimizer, options=self.sd_options)
+            moments = {f"optimizer.{k}": plain(v) for k, v in opt.items() if k.startswith("state.")}
+            state.update(moments)
+            state.update({"train_state.step": None, "lr_scheduler.last_epoch": None})  # pickled ints
+        planner = PlainLoadPlanner()
+        load_or_explain(state, path, planner)
+        set_model_state_dict(self.model, {k: state[k] for k in model})
+        if model_only:
+            return 0, 0
+        saved = {k.removeprefix("optimizer."): state[k] for k in moments}
+        set_optimizer_state_dict(self.model, self.optimizer, {**opt, **saved}, options=self.sd_options)
+        step = int(planner.values["train_state.step"])
+        position = int(planner.values["lr_scheduler.last_epoch"])  # torchtitan steps it once per step too
+        # Our schedule at its position (torchtitan's own lr curve differs slightly: its warmup reaches the
+        # peak one step earlier), so the lr continues rather than restarting warm-up.
+        lrs = [base * f(position) for base, f in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas)]
+        self.scheduler.load_state_dict({**self.scheduler.state_dict(), "last_epoch": position,
+                                        "_step_count": position + 1, "_last_lr": lrs})
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        logger.info(f"{path} is torchtitan's: took its weights, AdamW moments, step {step} and lr schedule "
+                    f"position; not its data position (another loader): the data starts from its beginning")
+        return step, 0
 
     def save(self, step: int, tokens_seen: int, final: bool):
         """Write step-N: in the background (async_mode) unless the run stops after it."""
