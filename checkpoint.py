@@ -2,8 +2,7 @@
 A checkpoint is <dump_folder>/<checkpoint.folder>/step-N/: DCP files, .metadata and params.json (for
 checkpoint_convert.py). A save is written to .step-N.tmp and renamed to step-N once every rank has written, so a
 crash at any moment leaves only complete step-N folders behind, and the previous one stays until the new one is
-in place. Everything is a tensor (plain state travels as JSON bytes), so loading never unpickles anything.
-initial_load_path also takes torchtitan's checkpoints (model_prefix says which layout a folder has)."""
+in place. Everything is a tensor (plain state travels as JSON bytes), so loading never unpickles anything."""
 
 import json
 import logging
@@ -68,15 +67,6 @@ class PlainLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value):
         self.values[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
-
-
-def load_or_explain(state: dict, path: str, planner=None):
-    """dcp.load, its failure as one line."""
-    try:
-        dcp.load(state, checkpoint_id=path, planner=planner)
-    except CheckpointException as e:  # DCP gathers (error, traceback) per rank: show the first
-        e = next(iter(e.failures.values()), (e,))[0]
-        raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {str(e)[:300]}".replace("\n", " "))
 
 
 def incomplete(path: str):
@@ -197,7 +187,11 @@ class Checkpointer:
             state["train"] = {k: v for k, v in state["train"].items() if f"train.{k}" in meta}  # older runs lack some
             if f"rng.{rank_key}" not in meta:  # resuming on more ranks than before
                 del state["rng"]
-        load_or_explain(state, path)
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except CheckpointException as e:  # DCP gathers (error, traceback) per rank: show the first
+            e = next(iter(e.failures.values()), (e,))[0]
+            raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {str(e)[:300]}".replace("\n", " "))
         set_model_state_dict(self.model, state["model"])
         if model_only:
             return 0, 0
@@ -241,7 +235,11 @@ class Checkpointer:
             state.update(moments)
             state.update({"train_state.step": None, "lr_scheduler.last_epoch": None})  # pickled ints
         planner = PlainLoadPlanner()
-        load_or_explain(state, path, planner)
+        try:
+            dcp.load(state, checkpoint_id=path, planner=planner)
+        except CheckpointException as e:  # as in load()
+            e = next(iter(e.failures.values()), (e,))[0]
+            raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {str(e)[:300]}".replace("\n", " "))
         set_model_state_dict(self.model, {k: state[k] for k in model})
         if model_only:
             return 0, 0

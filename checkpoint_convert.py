@@ -144,20 +144,13 @@ def save_meta(dcp_dir: str, out: str, params: str, dtype: str = None):
 
 
 # --- DCP: our converted models, the trainer's step-N folders, torchtitan's checkpoints ---------------------
-def dcp_keys(dir: str) -> dict:
-    """{Meta key: its key in the folder}: ours are model.<Meta key>, torchtitan's the Meta key alone."""
-    return model_keys(dcp.FileSystemReader(dir).read_metadata().state_dict_metadata)
-
-
-def dcp_args(dir: str, params: str, titan: bool) -> ModelArgs:
+def dcp_args(dir: str, params: str) -> ModelArgs:
     """The model's shape: --params (a params.json or a flavor of model.py), else the folder's params.json."""
     if params in flavors:
         return flavors[params]
     path = params or os.path.join(dir, "params.json")
-    fix = "write asdict(ModelArgs) there as JSON, as the trainer does"
-    if titan and not params:  # torchtitan keeps the shape in its config, not beside the weights
-        fix = (f"torchtitan saves none: pass --params with the model's params.json (Meta's keys) or one of "
-               f"model.py's flavors ({', '.join(flavors)}) whose shape is the torchtitan run's")
+    fix = (f"the trainer and torch2dcp write it; torchtitan saves none: pass --params with the model's params.json "
+           f"(Meta's keys) or the flavor of model.py ({', '.join(flavors)}) whose shape the run had")
     return model_args(read_json(path, fix), path)
 
 
@@ -173,14 +166,14 @@ def dcp_model(dir: str, params: str = None):
                            f"top-level tok_embeddings.weight; export a checkpoint that holds the model, such as "
                            f"a trainer step-N folder")
     model = {k: metadata[key] for k, key in keys.items()}
-    args = dcp_args(dir, params, titan=keys.get("tok_embeddings.weight") == "tok_embeddings.weight")
+    args = dcp_args(dir, params)
     check_shapes({k: md.size for k, md in model.items()}, args, dir)
     return args, {k: model[k] for k in expected_shapes(args)}  # in Meta's order
 
 
 def load_dcp(dir: str, model: dict) -> dict:
     """Read only these model tensors (DCP loads in place, into tensors of the saved size and dtype)."""
-    keys = dcp_keys(dir)
+    keys = model_keys(dcp.FileSystemReader(dir).read_metadata().state_dict_metadata)  # model.<key> or <key>
     sd = {keys[k]: torch.empty(md.size, dtype=md.properties.dtype) for k, md in model.items()}
     dcp.load(sd, checkpoint_id=dir, no_dist=True)  # single process: no process group needed
     return {k: sd[keys[k]] for k in model}
@@ -192,8 +185,7 @@ def save_dcp(args: ModelArgs, sd: dict, dir: str):
 
 
 def save_titan(dcp_dir: str, out: str, params: str):
-    """torchtitan's layout: the Meta keys at the top level, as its model-only saves hold them and as its
-    initial_load_path reads them; params.json (which torchtitan ignores) lets our converters read it back."""
+    """The Meta keys at the top level, as torchtitan's initial_load_path reads them (params.json: for us)."""
     args, model = dcp_model(dcp_dir, params)
     dcp.save(load_dcp(dcp_dir, model), checkpoint_id=out, no_dist=True)
     write_json(out, "params.json", args.params())
@@ -388,8 +380,7 @@ HELP = {"torch2dcp": "Meta's params.json + consolidated.*.pth (model-parallel sh
         "dcp2titan": "DCP -> torchtitan's layout (the model's tensors at the top level under Meta's names), "
                      "which its --checkpoint.initial_load_path loads"}
 INPUT = {"torch2dcp": "Meta folder: params.json and consolidated.00.pth (or .00 .. .NN)",
-         "dcp2torch": "DCP folder: a torch2dcp/hf2dcp output, a trainer step-N (with params.json) or a "
-                      "torchtitan step-N",
+         "dcp2torch": "DCP folder: a torch2dcp/hf2dcp output, a trainer step-N or a torchtitan step-N",
          "hf2dcp": "Hugging Face model folder: config.json and model*.safetensors"}
 
 

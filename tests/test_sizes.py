@@ -12,7 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lines at most, from DESIGN.md's file table.
 BUDGETS = {"train.py": 800, "model.py": 350, "data.py": 550, "sources.py": 450, "bench.py": 450, "preflight.py": 450,
-           "checkpoint.py": 260, "checkpoint_convert.py": 450, "download_tokenizer.py": 80, "metrics.py": 120,
+           "checkpoint.py": 330, "checkpoint_convert.py": 460, "download_tokenizer.py": 80, "metrics.py": 120,
            "config.py": 200, "dryrun.py": 300, "evals.py": 300, "float8.py": 150}
 TOOLS = sorted(glob.glob(os.path.join(ROOT, "*.py")))  # what a user reads and forks
 CODE = TOOLS + sorted(glob.glob(os.path.join(ROOT, "tests", "*.py")) + glob.glob(os.path.join(ROOT, "assets", "*.py")))
