@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from float8 import plain
+from titan_layout import load_torchtitan, model_prefix
 
 logger = logging.getLogger("checkpoint")
 
@@ -142,7 +143,8 @@ class Checkpointer:
         if reason := incomplete(path):
             raise CheckpointError(f"{path} is not a complete DCP checkpoint: {reason}")
         meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        ours = {f"model.{k}": tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
+        prefix = model_prefix(meta)
+        ours = {f"{prefix}{k}": tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
         bad = [f"{k} {tuple(meta[k].size)} vs ours {s}" for k, s in ours.items()
                if k in meta and tuple(meta[k].size) != s] + [f"{k} missing" for k in ours if k not in meta]
         if bad:
@@ -170,6 +172,19 @@ class Checkpointer:
 
     def load(self, path: str, model_only: bool):
         meta, rank_key = self.agreed_metadata(path), f"rank{self.rank}"
+        if model_prefix(meta) == "":  # torchtitan's layout
+            if not model_only and "train_state.step" not in meta:
+                raise CheckpointError(f"{path} is a model-only torchtitan save (its last_save_model_only export): "
+                                      "take its weights with checkpoint.initial_load_model_only = true, or "
+                                      "continue from one of its full step-N")
+            try:
+                step = load_torchtitan(path, self.model, None if model_only else self.optimizer, self.scheduler)
+            except CheckpointException as e:
+                raise CheckpointError(f"cannot load {path}: {why(e)}")
+            if not model_only:
+                logger.info(f"{path} is torchtitan's: took its weights, AdamW moments, step {step} and lr schedule "
+                            f"position; not its data position (another loader): the data starts from its beginning")
+            return step, 0
         model = {k: plain(v) for k, v in get_model_state_dict(self.model).items()}
         state = {"model": model} if model_only else self.state(0, 0)
         for key in meta if not model_only else ():  # JSON blobs: allocate what was saved
@@ -182,9 +197,8 @@ class Checkpointer:
                 del state["rng"]
         try:
             dcp.load(state, checkpoint_id=path)
-        except CheckpointException as e:  # DCP gathers (error, traceback) per rank: show the first
-            e = next(iter(e.failures.values()), (e,))[0]
-            raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {str(e)[:300]}".replace("\n", " "))
+        except CheckpointException as e:
+            raise CheckpointError(f"cannot load {path}: {why(e)}")
         set_model_state_dict(self.model, state["model"])
         if model_only:
             return 0, 0

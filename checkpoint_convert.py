@@ -1,12 +1,14 @@
-"""Convert Llama 3 checkpoints between Meta's torch.save format, our DCP format and Hugging Face.
+"""Convert Llama 3 checkpoints between Meta's torch.save format, our DCP format, Hugging Face and torchtitan.
 
     python checkpoint_convert.py torch2dcp --input_dir META_DIR --output_dir DCP_DIR
     python checkpoint_convert.py dcp2torch --input_dir DCP_DIR  --output_dir META_DIR [--dtype bfloat16]
     python checkpoint_convert.py dcp2hf    --input_dir DCP_DIR  --output_dir HF_DIR
     python checkpoint_convert.py hf2dcp    --input_dir HF_DIR   --output_dir DCP_DIR
+    python checkpoint_convert.py dcp2titan --input_dir DCP_DIR  --output_dir TITAN_DIR
 
 Tensors keep their dtype and bits (HF's q/k rows are permuted, invertibly); from a DCP folder such as a
-trainer's step-N only the model.* tensors are read.
+trainer's step-N only the model.* tensors are read. DCP_DIR may also be a torchtitan checkpoint (its model at the
+top level, no params.json: pass --params); TITAN_DIR is that layout, for torchtitan's initial_load_path.
 """
 
 import argparse
@@ -25,9 +27,10 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from titan_layout import model_keys
 from data import LLAMA3_PAT, NUM_SPECIAL, Tokenizer
 from sources import DataError
-from model import ModelArgs, Transformer
+from model import ModelArgs, Transformer, flavors
 
 MAX_SHARD_BYTES = 5 * 10**9  # per safetensors file, as Hugging Face does by default; tests lower it
 META_TO_HF = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
@@ -129,8 +132,8 @@ def merge_shards(key: str, pieces: list, paths: list, full) -> torch.Tensor:
                        f"the {full} params.json implies; are the shards and params.json from one model?")
 
 
-def save_meta(dcp_dir: str, out: str, dtype: str = None):
-    args, model = dcp_model(dcp_dir)
+def save_meta(dcp_dir: str, out: str, params: str, dtype: str = None):
+    args, model = dcp_model(dcp_dir, params)
     sd = load_dcp(dcp_dir, model)
     for k in sd if dtype else []:  # one at a time: each original is freed as it is replaced
         sd[k] = sd[k].to(getattr(torch, dtype))
@@ -140,33 +143,52 @@ def save_meta(dcp_dir: str, out: str, dtype: str = None):
                                     if k != "max_seq_len" and (k, v) != ("rope_scaling_factor", 8.0)})
 
 
-# --- DCP: our converted models and the trainer's step-N folders -------------------------------------------
-def dcp_model(dir: str):
+# --- DCP: our converted models, the trainer's step-N folders, torchtitan's checkpoints ---------------------
+def dcp_args(dir: str, params: str) -> ModelArgs:
+    """The model's shape: --params (a params.json or a flavor of model.py), else the folder's params.json."""
+    if params in flavors:
+        return flavors[params]
+    path = params or os.path.join(dir, "params.json")
+    fix = (f"the trainer and torch2dcp write it; torchtitan saves none: pass --params with the model's params.json "
+           f"(Meta's keys) or the flavor of model.py ({', '.join(flavors)}) whose shape the run had")
+    return model_args(read_json(path, fix), path)
+
+
+def dcp_model(dir: str, params: str = None):
     """(args, {Meta key: DCP's metadata for it, i.e. size and dtype}) before any tensor is read."""
     if not os.path.isfile(os.path.join(dir, ".metadata")):
         raise ConvertError(f"{dir} is not a DCP checkpoint (no .metadata file); point --input_dir at a "
-                           f"step-N folder or a torch2dcp/hf2dcp output")
+                           f"step-N folder, a torch2dcp/hf2dcp output or a torchtitan step-N")
     metadata = dcp.FileSystemReader(dir).read_metadata().state_dict_metadata
-    model = {k.removeprefix("model."): md for k, md in metadata.items() if k.startswith("model.")}
-    if not model:
-        raise ConvertError(f"{dir} has no model.* tensors (only e.g. {sorted(metadata)[:2]}); export a "
-                           f"checkpoint that holds the model, such as a trainer step-N folder")
-    path = os.path.join(dir, "params.json")
-    args = model_args(read_json(path, "write asdict(ModelArgs) there as JSON, as the trainer does"), path)
+    keys = model_keys(metadata)
+    if not keys:
+        raise ConvertError(f"{dir} has no model.* tensors (only e.g. {sorted(metadata)[:2]}), nor torchtitan's "
+                           f"top-level tok_embeddings.weight; export a checkpoint that holds the model, such as "
+                           f"a trainer step-N folder")
+    model = {k: metadata[key] for k, key in keys.items()}
+    args = dcp_args(dir, params)
     check_shapes({k: md.size for k, md in model.items()}, args, dir)
     return args, {k: model[k] for k in expected_shapes(args)}  # in Meta's order
 
 
 def load_dcp(dir: str, model: dict) -> dict:
     """Read only these model tensors (DCP loads in place, into tensors of the saved size and dtype)."""
-    sd = {f"model.{k}": torch.empty(md.size, dtype=md.properties.dtype) for k, md in model.items()}
+    keys = model_keys(dcp.FileSystemReader(dir).read_metadata().state_dict_metadata)  # model.<key> or <key>
+    sd = {keys[k]: torch.empty(md.size, dtype=md.properties.dtype) for k, md in model.items()}
     dcp.load(sd, checkpoint_id=dir, no_dist=True)  # single process: no process group needed
-    return {k.removeprefix("model."): v for k, v in sd.items()}
+    return {k: sd[keys[k]] for k in model}
 
 
 def save_dcp(args: ModelArgs, sd: dict, dir: str):
     dcp.save({"model": sd}, checkpoint_id=dir, no_dist=True)  # keys "model.<Meta key>", as the trainer's
     write_json(dir, "params.json", args.params())
+
+
+def save_titan(dcp_dir: str, out: str, params: str):
+    """The Meta keys at the top level, as torchtitan's initial_load_path reads them (params.json: for us)."""
+    args, model = dcp_model(dcp_dir, params)
+    dcp.save(load_dcp(dcp_dir, model), checkpoint_id=out, no_dist=True)
+    write_json(out, "params.json", args.params())
 
 
 # --- Hugging Face: config.json + safetensors shards ------------------------------------------------------
@@ -247,9 +269,9 @@ def load_hf(dir: str):
     return args, {k: permute_rope(k, w, args, to_hf=False) for k, w in sd.items()}
 
 
-def save_hf(dcp_dir: str, out: str, tokenizer_path: str):
+def save_hf(dcp_dir: str, out: str, params: str, tokenizer_path: str):
     """Plan shards from DCP's metadata, then read, permute and write one shard at a time."""
-    args, model = dcp_model(dcp_dir)
+    args, model = dcp_model(dcp_dir, params)
     config = hf_config(args, model["tok_embeddings.weight"].properties.dtype)
     if tokenizer_path:  # first: a wrong tokenizer stops before gigabytes are written
         save_tokenizer(tokenizer_path, config, out)
@@ -354,9 +376,11 @@ HELP = {"torch2dcp": "Meta's params.json + consolidated.*.pth (model-parallel sh
         "dcp2torch": "DCP (a converted model or a trainer step-N folder) -> Meta's params.json + "
                      "consolidated.00.pth",
         "dcp2hf": "DCP -> Hugging Face: config.json, safetensors shards, tokenizer and generation files",
-        "hf2dcp": "Hugging Face config.json + safetensors -> DCP (tokenizer files are not read)"}
+        "hf2dcp": "Hugging Face config.json + safetensors -> DCP (tokenizer files are not read)",
+        "dcp2titan": "DCP -> torchtitan's layout (the model's tensors at the top level under Meta's names), "
+                     "which its --checkpoint.initial_load_path loads"}
 INPUT = {"torch2dcp": "Meta folder: params.json and consolidated.00.pth (or .00 .. .NN)",
-         "dcp2torch": "DCP folder with params.json: a torch2dcp/hf2dcp output or a trainer step-N",
+         "dcp2torch": "DCP folder: a torch2dcp/hf2dcp output, a trainer step-N or a torchtitan step-N",
          "hf2dcp": "Hugging Face model folder: config.json and model*.safetensors"}
 
 
@@ -369,6 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--input_dir", required=True, help=INPUT.get(name, INPUT["dcp2torch"]))
         p.add_argument("--output_dir", required=True, help="folder to create (or an empty one); written "
                        "to a temp folder beside it and renamed when complete")
+    for name in ("dcp2torch", "dcp2hf", "dcp2titan"):
+        sub.choices[name].add_argument(
+            "--params", help="the model's shape where --input_dir has no params.json (torchtitan's "
+            f"checkpoints): a params.json with Meta's keys, or a flavor of model.py ({', '.join(flavors)})")
     sub.choices["dcp2torch"].add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                                           help="cast every tensor (default: keep each tensor's dtype)")
     sub.choices["dcp2hf"].add_argument(
@@ -389,9 +417,10 @@ def follow_umask(dir: str):
 
 def main(argv=None):
     commands = {"torch2dcp": lambda src, out, opts: save_dcp(*load_meta(src), out),
-                "dcp2torch": lambda src, out, opts: save_meta(src, out, opts.dtype),
-                "dcp2hf": lambda src, out, opts: save_hf(src, out, opts.tokenizer_path),
-                "hf2dcp": lambda src, out, opts: save_dcp(*load_hf(src), out)}
+                "dcp2torch": lambda src, out, opts: save_meta(src, out, opts.params, opts.dtype),
+                "dcp2hf": lambda src, out, opts: save_hf(src, out, opts.params, opts.tokenizer_path),
+                "hf2dcp": lambda src, out, opts: save_dcp(*load_hf(src), out),
+                "dcp2titan": lambda src, out, opts: save_titan(src, out, opts.params)}
     parser = build_parser()
     opts = parser.parse_args(argv)
     out = opts.output_dir

@@ -344,3 +344,82 @@ def test_preemption_signal_saves_and_ends_the_job_however_it_is_delivered(refere
         assert proc.returncode == 0 or delivery != "ranks", out[-3000:]
     run(tmp_path, *args)
     assert logged(tmp_path) == reference["fsdp"]
+
+
+# --- torchtitan's layout (written here with stock DCP; tests/test_titan.py runs the real torchtitan) ---------
+
+def titan_save(path, model, optimizer=None, scheduler=None, step=0, dtype=None):
+    """A checkpoint laid out as torchtitan 0.2.2 lays it out: the model at the top level under Meta's names; a
+    full save adds its flattened optimizer state, the lr scheduler's and its own state (pickled plain values)
+    and the data loader's; its last save is the model alone in export_dtype."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    state = {k: v.to(dtype or v.dtype) for k, v in model.state_dict().items()}
+    if optimizer is not None:
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=flat)
+        state["lr_scheduler"] = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+        state["train_state"] = {"step": step, "ntokens_seen": 4096 * step}
+        state["dataloader"] = {"dp_rank_0": {"token_buffer": [1, 2]}, "world_size": 1}
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+
+
+def test_initial_load_takes_torchtitan_layout_and_continues_its_run(tmp_path, caplog):
+    """initial_load_path on torchtitan's layout: model-only takes the weights bit for bit; a full save with
+    initial_load_model_only = false also brings the AdamW moments, the step and the lr schedule's position."""
+    import torch.distributed as dist
+    sys.path.insert(0, ROOT)
+    import train
+    from checkpoint import Checkpointer, CheckpointError
+    from model import ModelArgs, Transformer
+
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=384, max_seq_len=32)
+    cfg = train.Config()
+    cfg.lr_scheduler.warmup_steps, cfg.training.steps = 10, 20
+
+    def trainer(seed):
+        torch.manual_seed(seed)
+        model = Transformer(args)
+        model.init_weights()
+        return (model, *train.build_optimizer(model, cfg, torch.device("cpu")))
+
+    theirs, their_opt, their_sched = trainer(0)
+    for _ in range(3):  # three AdamW steps: moments and step counts to carry over
+        their_opt.zero_grad()
+        theirs(torch.randint(0, 384, (2, 16))).logsumexp(-1).mean().backward()
+        their_opt.step()
+        their_sched.step()
+    titan_save(tmp_path / "full", theirs, their_opt, their_sched, step=3)
+    titan_save(tmp_path / "export", theirs, dtype=torch.bfloat16)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        def load(path, model_only):
+            ours, opt, sched = trainer(1)
+            ckpt_cfg = dataclasses.replace(cfg.checkpoint, initial_load_path=str(path),
+                                           initial_load_model_only=model_only)
+            ckpt = Checkpointer(ckpt_cfg, str(tmp_path / "ours"), {}, 20, ours, opt, sched, None, {})
+            return ckpt.resume(), ours, opt, sched
+
+        (step, tokens), ours, opt, sched = load(tmp_path / "full", model_only=True)
+        assert (step, tokens) == (0, 0) and sched.last_epoch == 0 and not opt.state
+        for k, w in theirs.state_dict().items():
+            assert torch.equal(ours.state_dict()[k], w), k
+        (step, tokens), ours, _, _ = load(tmp_path / "export", model_only=True)  # bf16: rounded, as saved
+        assert all(torch.equal(w, theirs.state_dict()[k].bfloat16().float()) for k, w in ours.state_dict().items())
+
+        with caplog.at_level("INFO", logger="checkpoint"):
+            (step, tokens), ours, opt, sched = load(tmp_path / "full", model_only=False)
+        assert (step, tokens) == (3, 0) and sched.last_epoch == 3
+        assert opt.param_groups[0]["lr"] == pytest.approx(cfg.optimizer.lr * train.lr_factor(3, cfg), rel=1e-12)
+        assert "not its data position" in caplog.text and "step 3" in caplog.text
+        names = dict(theirs.named_parameters())
+        their_state = {n: their_opt.state[p] for n, p in names.items()}
+        for n, p in ours.named_parameters():
+            assert torch.equal(p, names[n])
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(opt.state[p][key], their_state[n][key]), (n, key)
+
+        with pytest.raises(CheckpointError, match="model-only torchtitan save.*initial_load_model_only = true"):
+            load(tmp_path / "export", model_only=False)
+    finally:
+        dist.destroy_process_group()

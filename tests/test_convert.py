@@ -1,6 +1,7 @@
 """Tests for checkpoint_convert.py: Meta <-> DCP <-> Hugging Face, bit-exact round trips, equal logits
 in transformers' LlamaForCausalLM, Meta's model-parallel layouts, the exported tokenizer, trainer step-N
-export, the README's sampling snippet, file modes, --help, one-line errors, peak memory.
+export, torchtitan's layout both ways, the README's sampling snippet, file modes, --help, one-line errors,
+peak memory. (tests/test_titan.py runs the real torchtitan.)
 
     python -m pytest tests/test_convert.py -q
 
@@ -286,6 +287,42 @@ def test_trainer_step_folder_exports_model_only(meta, ascii_tokenizer, tmp_path)
     assert_bitwise_equal(read_dcp_model(convert("hf2dcp", hf, tmp_path / "dcp")), fp32)
 
 
+def titan_layout(path, sd: dict, full: bool):
+    """torchtitan 0.2.2's layout, written with stock DCP: the model at the top level under Meta's names and no
+    params.json; a full save adds its flattened optimizer and its pickled lr schedule, step and loader state."""
+    state = dict(sd)
+    if full:
+        state["optimizer"] = {f"state.{k}.exp_avg": torch.randn_like(w, dtype=torch.float32) for k, w in sd.items()}
+        state["lr_scheduler"] = {"last_epoch": 5, "base_lrs": [3e-4]}
+        state["train_state"] = {"step": 5, "ntokens_seen": 20480}
+        state["dataloader"] = {"dp_rank_0": {"token_buffer": [1, 2, 3]}, "world_size": 1}
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+def test_torchtitan_layout_in_and_out(tmp_path):
+    """dcp2torch reads a full torchtitan checkpoint (its model among optimizer.*, lr_scheduler.* ...) with
+    --params: bit for bit what stock dcp_to_torch_save finds there (dcp2hf shares the reading). dcp2titan
+    writes that layout: the Meta keys at the top level, where torchtitan's initial_load_path reads them."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    sd = random_state_dict(M.ModelArgs(**PARAMS))
+    json.dump(PARAMS, open(tmp_path / "params.json", "w"))
+    titan = titan_layout(tmp_path / "titan", sd, full=True)
+    dcp_to_torch_save(str(titan), str(tmp_path / "stock.pt"))
+    stock = torch.load(tmp_path / "stock.pt", weights_only=True)
+    meta = convert("dcp2torch", titan, tmp_path / "meta", "--params", tmp_path / "params.json")
+    assert_bitwise_equal(torch.load(meta / "consolidated.00.pth", weights_only=True), {k: stock[k] for k in sd})
+
+    ours = tmp_path / "ours"
+    dcp.save({"model": sd}, checkpoint_id=str(ours), no_dist=True)
+    json.dump(M.ModelArgs(**PARAMS).params(), open(ours / "params.json", "w"))
+    out = convert("dcp2titan", ours, tmp_path / "out")
+    back = {k: torch.empty_like(w) for k, w in sd.items()}  # as torchtitan asks for its model's keys
+    dcp.load(back, checkpoint_id=str(out), no_dist=True)
+    assert_bitwise_equal(back, sd)
+    assert json.load(open(out / "params.json")) == json.load(open(ours / "params.json"))  # for our converters
+
+
 # --- the exported tokenizer, the README's snippet, file modes, rope config, --help --------------------
 
 def bundled_documents() -> list:
@@ -438,7 +475,8 @@ def test_output_files_follow_umask(umask, meta, dcp_dir, ascii_tokenizer, tmp_pa
 def test_help_documents_every_argument(capsys):
     parser = C.build_parser()
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    assert [c.dest for c in subparsers._choices_actions] == ["torch2dcp", "dcp2torch", "dcp2hf", "hf2dcp"]
+    assert [c.dest for c in subparsers._choices_actions] == ["torch2dcp", "dcp2torch", "dcp2hf", "hf2dcp",
+                                                             "dcp2titan"]
     assert all(len(c.help) > 20 for c in subparsers._choices_actions)
     for name, sub in subparsers.choices.items():
         options = [a for a in sub._actions if a.dest != "help"]
@@ -490,6 +528,9 @@ def error_case(name, tmp_path):
         config = C.hf_config(M.ModelArgs(**params), torch.bfloat16)
         json.dump(config, open(tmp_path / "hf" / "config.json", "w"))
         return "hf2dcp", tmp_path / "hf", out, ["model.safetensors", "No such file"]
+    if name == "titan_no_params":  # torchtitan keeps the shape in its config, not beside the weights
+        return "dcp2torch", titan_layout(tmp_path / "titan", sd, full=False), out, [
+            "titan/params.json is missing", "torchtitan saves none", "--params", "debugmodel"]
     if name == "output_not_empty":
         os.makedirs(out)
         open(out / "keep.txt", "w").write("mine")
@@ -499,7 +540,7 @@ def error_case(name, tmp_path):
 
 ERROR_CASES = ["missing_input", "optimizer_only", "missing_params", "shard_shapes", "params_mismatch",
                "no_safetensors", "output_not_empty"]  # each a subprocess: the user's view, tracebacks included
-IN_PROCESS_ERROR_CASES = ["shard_vs_params", "tokenizer_vocab"]  # the same main(), cheaper
+IN_PROCESS_ERROR_CASES = ["shard_vs_params", "tokenizer_vocab", "titan_no_params"]  # the same main(), cheaper
 
 
 @pytest.fixture(scope="module")
