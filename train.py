@@ -505,7 +505,8 @@ def lost_rank(e: BaseException) -> str:
     waited; '' for anything else. NCCL's watchdog ends a rank itself, with its own lines."""
     text = str(e).replace("\n", " ")
     waited = re.search(r"Timed out waiting (\d+)ms", text)
-    if not isinstance(e, RuntimeError) or not (waited or "Connection closed by peer" in text):
+    gone = re.search(r"Connection (closed|reset) by peer", text)  # reset: the peer was killed (SIGKILL, lost node)
+    if not isinstance(e, RuntimeError) or not (waited or gone):
         return ""
     ours = [f for f in traceback.extract_tb(e.__traceback__) if os.path.dirname(os.path.abspath(f.filename)) == HERE]
     where = f" in {ours[-1].name} ({os.path.basename(ours[-1].filename)}:{ours[-1].lineno})" if ours else ""
