@@ -10,6 +10,7 @@ import math
 import os
 import resource
 import sys
+import time
 
 import torch
 
@@ -47,7 +48,7 @@ class MetricsLogger:
     scalar is one more key in the record. Other ranks drop everything."""
 
     HIDDEN = {"step", "tokens_seen", "source_tokens", "memory_allocated_gib", "memory_pct", "validation_tokens",
-              "loss_tokens", "loss_tokens_pct", "eval_examples"}
+              "loss_tokens", "loss_tokens_pct", "eval_examples", "time"}
 
     def __init__(self, cfg, rank: int):  # cfg: train.py's Config
         self.jsonl = self.tb = self.wandb = None
@@ -74,6 +75,7 @@ class MetricsLogger:
         if self.jsonl is None:
             return
         if "loss" in r:  # a training step, in torchtitan's format so existing log parsers work
+            r = {**r, "time": time.time()}  # when it ended (unix s): what the job's goodput counts (slurm/recover.py)
             mfu = f"{r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
             line = (f"step: {r['step']}  loss: {r['loss']:.4f}  grad_norm: {r['grad_norm']:.4f}  lr: {r['lr']:.1e}  "
                     f"memory: {r['memory_gib']:.2f}GiB({r['memory_pct']:.1f}%)  tps: {r['tps']:,.0f}  "
@@ -96,7 +98,7 @@ class MetricsLogger:
         logger.info("  ".join([line, *extra]))
         self.jsonl.write(json.dumps(r) + "\n")
         self.jsonl.flush()
-        scalars = {(f"{k}/{n}" if n else k): x for k, v in r.items() if k != "step"  # nested dicts: "key/name"
+        scalars = {(f"{k}/{n}" if n else k): x for k, v in r.items() if k not in ("step", "time")  # nested: "key/name"
                    for n, x in (v.items() if isinstance(v, dict) else [("", v)]) if isinstance(x, (int, float))}
         for k, x in scalars.items() if self.tb else ():
             self.tb.add_scalar(k, x, r["step"])
