@@ -1,11 +1,12 @@
 """slurm/multinode.sbatch's bookkeeping: what a failed launch cost, what the script does next, and the job's goodput.
 
-The script calls it; a person reads its lines in the job's log. It keeps the job's record (failures, nodes left
-out, steps trained twice) in <dump_folder>/slurm-<jobid>.json, which outlives the job's requeues.
+The script calls it; a person reads its lines in the job's log. The job's record (when it first started, its
+failures, the nodes left out) is a JSON file next to the log, which outlives the job's requeues. It imports no
+torch: it runs between a failure and the next launch, where every second counts.
 
-    python slurm/recover.py start JOBID --config C [train.py args]   # the record's path (exit 2: a bad config)
+    python slurm/recover.py start RECORD --job JOBID          # at every start of the job
     python slurm/recover.py failed RECORD --log LOG --offset N --since T --nodes "n1 n2" --spares "n3" --down ""
-    python slurm/recover.py end RECORD                                 # the goodput line, also in metrics.jsonl
+    python slurm/recover.py end RECORD --log LOG --offset N   # the goodput line, also into metrics.jsonl
 
 `failed` reads the log from byte N (where the launch began), names the failed node and prints on stdout what to do:
 `spare NODE SPARE` (relaunch with SPARE in place of NODE), `relaunch` (same nodes), `requeue [NODE]`, `stop CODE`.
@@ -40,21 +41,21 @@ def save(record: dict, path: str):
 
 
 # -------------------------------------------------------------------------------------------------
-# start: where the run keeps its files
+# start: the job's record
 # -------------------------------------------------------------------------------------------------
 
 def start(path: str, job: str):
     """The job's record at `path`, made at its first start; every start (1 + its requeues) counts."""
     record = load(path) if os.path.exists(path) else {
-        "job": job, "first_start": time.time(), "starts": 0, "failures": [], "left_out": [], "stalled": 0,
-        "dump_folder": ""}
+        "job": job, "first_start": time.time(), "starts": 0, "failures": [], "restarts": 0, "left_out": [],
+        "stalled": 0, "dump_folder": ""}
     record["starts"] += 1
     save(record, path)
 
 
 def dump_folder(record: dict, lines: list) -> str:
-    """The run's dump folder, from train.py's first log line ("... config in DUMP/config.toml"): the script does
-    not parse configs, and this program imports no torch (it runs between launches: every second counts)."""
+    """The run's dump folder, from train.py's first log line ("...; config in DUMP/config.toml"): neither the
+    script nor this program reads train.py's config (that would import torch)."""
     for line in lines:
         if m := re.search(r"; config in (.+)/config\.toml$", line):
             record["dump_folder"] = m[1]
@@ -89,55 +90,67 @@ def trained_records(metrics: str, since: float) -> list:
 
 
 def how_it_ended(code: int) -> str:
-    if code < 0:
-        return f"killed by {signal.Signals(-code).name}" if -code in signal.Signals.__members__.values() \
-            else f"killed by signal {-code}"
-    return f"exited with code {code}"
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+def reports(lines: list) -> tuple:
+    """What each srun task (node) said: torchrun's (rank, exit code) per failed rank, train.py's `error:` lines,
+    and srun's own `error: NODE: task N: ...` lines (node, line), in log order."""
+    ranks, codes, errors, sruns = {}, {}, {}, []
+    for line in lines:
+        if m := re.match(r"srun: error: (\S+): tasks? [\d\-,]+: ", line):
+            sruns.append((m[1], line.strip()))
+        if not (m := re.match(r"(\d+): (.*)", line)):  # srun --label: the task's index
+            continue
+        task, text = int(m[1]), m[2]
+        if e := re.match(r"error: (.*)", text):
+            errors.setdefault(task, []).append(e[1])
+        elif r := re.match(r"\s+rank\s*: (\d+)", text):  # torchrun's report: rank, then exitcode
+            ranks.setdefault(task, []).append(int(r[1]))
+        elif c := re.match(r"\s+exitcode\s*: (-?\d+)", text):
+            codes.setdefault(task, []).append(int(c[1]))
+    failed = {t: list(zip(ranks.get(t, [None] * len(c)), c)) for t, c in codes.items()}
+    return failed, errors, sruns
 
 
 def diagnose(lines: list, nodes: list, down: list) -> dict:
-    """The failed node of a launch on `nodes` (srun task i runs on nodes[i]) from its log lines: Slurm's node
-    state first, then a rank that died by itself (not one that only lost its peer), then srun's first failed task.
+    """The failed node of a launch on `nodes` (srun's task i ran on nodes[i]), from the launch's log lines: one
+    Slurm marks down; a rank that died by itself (a signal, a traceback), not one that lost its peer (exit 3);
+    srun's first failed task that lost no peer; the one node that said nothing while the others lost a peer.
     Returns node (None: not named), how, error (the line to quote) and user (some rank's exit 2)."""
-    codes, ranks, errors, sruns = {}, {}, {}, []
-    for line in lines:
-        if m := re.match(r"srun: error: (\S+): tasks? [\d\-,]+: (.*)", line):
-            sruns.append((m[1], line.strip()))
-        if not (m := re.match(r"(\d+): (.*)", line)):
-            continue
-        task, text = int(m[1]), m[2]
-        if e := re.match(r"error: (.*)", text):  # train.py's one line
-            errors.setdefault(task, []).append(e[1])
-        elif c := re.match(r"\s+exitcode\s*: (-?\d+)", text):  # torchrun's failure report, one per failed rank
-            codes.setdefault(task, []).append(int(c[1]))
-        elif r := re.match(r"\s+rank\s*: (\d+)", text):
-            ranks.setdefault(task, []).append(int(r[1]))
-    def own(task):  # this task's first error line that is not a lost peer's
+    failed, errors, sruns = reports(lines)
+    def own(task):  # the task's first error line that is not a lost peer's
         return next((e for e in errors.get(task, []) if not any(s in e for s in LOST)), None)
-    if any(2 in c for c in codes.values()):
-        task = next(t for t, c in codes.items() if 2 in c)
-        return {"node": None, "how": "a user error (exit 2)", "error": own(task) or "", "user": True}
+    def named(node, how, error=""):
+        return {"node": node, "how": how, "error": error or how, "user": False}
+
+    for task, ended in failed.items():
+        if any(code == 2 for _, code in ended):
+            return {"node": None, "how": "a user error (exit 2)", "error": own(task) or "", "user": True}
     for node in down:
         if node in nodes:
-            return {"node": node, "how": "Slurm marks it down or not responding", "error": "", "user": False}
-    for task, task_codes in codes.items():  # a rank that died of its own failure, not of a lost peer
-        for i, code in enumerate(task_codes):
-            if code != 3 or own(task):
-                rank = ranks.get(task, [None] * len(task_codes))[i]
-                who = f"rank {rank}" if rank is not None else "a rank"
-                return {"node": nodes[task] if task < len(nodes) else None, "how": f"{who} {how_it_ended(code)}",
-                        "error": own(task) or f"{who} {how_it_ended(code)}", "user": False}
-    victims = {nodes[t] for t in set(codes) | set(errors) if t < len(nodes)}
-    for node, line in sruns:  # srun saw this node's task end, and no rank there reported a lost peer
-        if node in nodes and node not in victims:
-            return {"node": node, "how": line.split(": ", 3)[-1], "error": line, "user": False}
-    silent = [n for n in nodes if n not in victims]
+            return named(node, "Slurm marks it down, drained or not responding")
+    culprits = [(t, rank, code) for t, ended in failed.items() for rank, code in ended if code != 3 or own(t)]
+    alike = {own(t) for t, _, _ in culprits}
+    if len(alike) == 1 and None not in alike and len({t for t, _, _ in culprits}) == len(nodes):
+        return named(None, "every node's ranks stopped alike", alike.pop())  # a non-finite loss, a full disk
+    for task, rank, code in culprits:
+        who = f"rank {rank}" if rank is not None else "a rank"
+        return named(nodes[task] if task < len(nodes) else None, f"{who} {how_it_ended(code)}", own(task))
+    lost_peer = {nodes[t] for t in set(failed) | set(errors) if t < len(nodes)}
+    for node, line in sruns:
+        if node in nodes and node not in lost_peer:
+            return named(node, line.split(": ", 3)[-1], line)
+    silent = [n for n in nodes if n not in lost_peer]
+    if lost_peer and len(silent) == 1:
+        return named(silent[0], "it stopped answering (the other nodes' ranks lost it)")
     last = next((e for es in reversed(list(errors.values())) for e in reversed(es)), "")
-    if victims and len(silent) == 1:  # every other node lost its peer: the one that said nothing stopped answering
-        return {"node": silent[0], "how": "it stopped answering (the other nodes' ranks lost it)", "error": last,
-                "user": False}
-    return {"node": None, "how": "no node could be named", "error": last or (sruns[-1][1] if sruns else ""),
-            "user": False}
+    return named(None, "no node could be named", last or (sruns[-1][1] if sruns else ""))
 
 
 def launch_lines(log: str, offset: int) -> list:
@@ -158,7 +171,8 @@ def failed(path: str, a) -> str:
         return "stop 2"
 
     newest = newest_checkpoint(dump)
-    trained = [step for step, _ in trained_records(os.path.join(dump, "metrics.jsonl"), a.since)]
+    metrics = os.path.join(dump, "metrics.jsonl")
+    trained = [step for step, _ in trained_records(metrics, a.since)]
     again = max(0, max(trained, default=newest) - newest)  # steps this launch trained that the next one trains again
     if record["failures"] and newest <= record["failures"][-1]["resumed"]:
         record["stalled"] += 1  # the last restart got no checkpoint further: a crash loop, if it goes on
@@ -167,12 +181,13 @@ def failed(path: str, a) -> str:
     record["failures"].append(failure)
     n = len(record["failures"])
     if n > a.max_restarts or record["stalled"] > a.max_stalled:
-        why = (f"MAX_RESTARTS={a.max_restarts} restarts used" if n > a.max_restarts else
-               f"{record['stalled']} restarts without a newer checkpoint (MAX_STALLED_RESTARTS={a.max_stalled})")
+        why = (f"past MAX_RESTARTS={a.max_restarts}" if n > a.max_restarts else
+               f"restarts without a newer checkpoint: {record['stalled']}, MAX_STALLED_RESTARTS={a.max_stalled}")
         save(record, path)
+        _, kept, all_trained = kept_time(trained_records(metrics, record["first_start"]))
         say(f"giving up after {n} failures ({why}): nodes left out: {' '.join(record['left_out']) or 'none'}; "
-            f"{sum(f['again'] for f in record['failures'])} steps trained twice; "
-            f"newest checkpoint step-{newest}; last error: {found['error'] or found['how']}")
+            f"steps trained twice: {all_trained - kept}; newest checkpoint step-{newest}; "
+            f"last error: {found['error'] or found['how']}")
         end(path, lines)
         return "stop 1"
 
@@ -187,10 +202,11 @@ def failed(path: str, a) -> str:
         record["left_out"].append(node)
     else:
         action, replacement = "requeue", "requeue as is"
+    record["restarts"] = n
     save(record, path)
     failed_node = f"{node} failed" if node else "a launch failed"
     say(f"restart {n} of {a.max_restarts} (MAX_RESTARTS): {failed_node}: {found['how']}; {replacement}; "
-        f"resuming from step-{newest}, {again} steps to train again")
+        f"resuming from step-{newest}; steps to train again: {again}")
     return action
 
 
@@ -230,14 +246,16 @@ def end(path: str, lines: list):
     seconds, steps, trained = kept_time(trained_records(metrics, record["first_start"]))
     wall = now - record["first_start"]
     goodput = seconds / wall if wall > 0 else 0.0
-    restarts = len(record["failures"])
-    requeues = record["starts"] - 1
+    failures, restarts = len(record["failures"]), record["restarts"]
+    requeues = record["starts"] - 1  # for the time limit too
     say(f"goodput {100 * goodput:.1f}%: {seconds:.1f} s of the {wall:.1f} s since the job's first start trained "
-        f"the {steps} steps kept; restarts: {restarts}, requeues: {requeues}, steps trained twice: {trained - steps}")
+        f"the {steps} steps kept; failures: {failures}, restarts: {restarts}, requeues: {requeues}, "
+        f"steps trained twice: {trained - steps}")
     if os.path.exists(metrics):
         with open(metrics, "a") as f:
             f.write(json.dumps({"step": steps, "goodput": goodput, "goodput_seconds": seconds, "wall_seconds": wall,
-                                "restarts": restarts, "requeues": requeues, "steps_trained_twice": trained - steps,
+                                "failures": failures, "restarts": restarts, "requeues": requeues,
+                                "steps_trained_twice": trained - steps,
                                 "job": record["job"], "time": now}) + "\n")
 
 

@@ -1,14 +1,15 @@
 """slurm/multinode.sbatch on a real Slurm: a 2-node CPU job, and a job that hits its time limit, checkpoints on
-the warning signal, requeues itself and resumes with bitwise the same losses as an uninterrupted run; and
-slurm/preflight.sbatch (preflight.py check through multinode.sbatch) on the same two nodes.
+the warning signal, requeues itself and resumes with bitwise the same losses as an uninterrupted run;
+slurm/preflight.sbatch (preflight.py check through multinode.sbatch) on the same two nodes; and recovery: a rank
+killed with a spare node, without one, at every launch (a crash loop), a user error, and torchrun alone.
 
     bash .ci/install_slurm.sh          # munge slurmctld slurmd slurm-client shellcheck (Debian, as root)
     python -m pytest tests/test_slurm.py -v
 
-The module starts its own munged, slurmctld and two slurmd (nodes n1 and n2 on this one machine), all on
+The module starts its own munged, slurmctld and three slurmd (nodes n1 n2 n3 on this one machine), all on
 127.0.0.1 with state under a pytest tmp folder, and stops them by PID at the end. The slurmds run in a private
-mount namespace whose /etc/hosts maps n1 and n2 to 127.0.0.1, so the jobs can resolve their node names.
-Without root or the packages the cluster tests skip, saying why. About 1.7 minutes on 2 cores (the three jobs run side by side).
+mount namespace whose /etc/hosts maps the nodes to 127.0.0.1, so the jobs can resolve their node names.
+Without root or the packages the cluster tests skip, saying why. All the jobs run side by side.
 """
 
 import json
@@ -151,7 +152,8 @@ PartitionName=ci Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
             self.spawn(f"slurmd-{node}", ["unshare", "--mount", "sh", "-c",
                                           'mount --bind "$1" /etc/hosts && exec slurmd -D -N "$2"', "sh",
                                           f"{t}/hosts", node])
-        self.wait_for(lambda: self.run("sinfo", "-h", "-o", "%T %D", check=False).stdout.split() == ["idle", str(len(NODES))],
+        idle = ["idle", str(len(NODES))]
+        self.wait_for(lambda: self.run("sinfo", "-h", "-o", "%T %D", check=False).stdout.split() == idle,
                       30, "the nodes did not come up idle")
 
     def wait_for(self, ready, timeout, what):
@@ -306,8 +308,8 @@ HEAL_JOBS = {  # name: (sbatch args, environment); a kill after 8 new steps: ste
     "heal_reference": (["--nodes=2"], {}),
     "spare": (["--nodes=3"], {"SPARE_NODES": "1", "KILL_AFTER": "8", "KILL_ONCE": "killed"}),
     "no_spare": (["--nodes=2"], {"KILL_AFTER": "8", "KILL_ONCE": "killed"}),
-    "crash_loop": (["--nodes=1"], {"KILL_TASK": "0", "KILL_AFTER": "1", "MAX_STALLED_RESTARTS": "1"}),
-    "user_error": (["--nodes=2"], {}),
+    "crash_loop": (["--nodes=1"], {"KILL_TASK": "0", "KILL_AFTER": "1", "MAX_STALLED_RESTARTS": "0"}),
+    "user_error": (["--nodes=1"], {}),
 }
 
 
@@ -470,11 +472,11 @@ def test_a_lost_rank_is_replaced_by_the_spare_node(jobs):
     assert info["Restarts"] == "0", info  # the same allocation
     assert "(training on n1 n2; spare: n3)" in out, out[-5000:]
     line = re.search(r"multinode.sbatch: restart 1 of 3 \(MAX_RESTARTS\): n2 failed: rank [01] killed by SIGKILL; "
-                     r"spare n3 in its place; resuming from step-(\d+), (\d+) steps to train again", out)
+                     r"spare n3 in its place; resuming from step-(\d+); steps to train again: (\d+)", out)
     assert line, out[-5000:]
     assert "world 2 = dp_replicate 1 x dp_shard 2" in out.split(line[0])[1]
     assert_resumed_exactly(dump, jobs["heal_reference"][2], out)
-    assert re.search(r"multinode.sbatch: goodput \d+\.\d%: .*; restarts: 1, requeues: 0, steps trained twice: [1-9]",
+    assert re.search(r"multinode.sbatch: goodput \d+\.\d%: .*; failures: 1, restarts: 1, requeues: 0, steps trained twice: [1-9]",
                      out), out[-3000:]
     record = json.loads(open(os.path.join(dump, "metrics.jsonl")).read().splitlines()[-1])
     assert record["restarts"] == 1 and 0 < record["goodput"] < 1 and record["step"] == HEAL_STEPS, record
@@ -492,31 +494,32 @@ def test_a_lost_rank_without_a_spare_requeues_without_its_node(jobs):
                      out), out[-5000:]
     assert f"requeued job {job_id} without n2" in out and "(restart 1) on 2 node(s) n[1,3]" in out, out[-5000:]
     assert_resumed_exactly(dump, jobs["heal_reference"][2], out)
-    assert re.search(r"goodput \d+\.\d%: .*; restarts: 1, requeues: 1, steps trained twice: [1-9]", out), out[-3000:]
+    assert re.search(r"goodput \d+\.\d%: .*; failures: 1, restarts: 1, requeues: 1, steps trained twice: [1-9]", out), out[-3000:]
     print(f"recovery by requeue: {recovery_seconds(dump):.1f} s from the kill to the next trained step")
 
 
 @pytest.mark.slow
 def test_a_crash_loop_stops_with_one_summary_line(jobs):
-    """A rank killed after its first step at every launch, so no checkpoint ever comes: the second restart without
-    one passes MAX_STALLED_RESTARTS=1 and the job ends FAILED with the summary line."""
+    """A rank killed after its first step at every launch, so no checkpoint ever comes: the first restart that
+    got no newer checkpoint passes MAX_STALLED_RESTARTS=0 and the job ends FAILED with the summary line."""
     job_id, info, dump, log = jobs["crash_loop"]
     out = read(log)
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0", f"{info}\n{out[-5000:]}"
-    assert info["Restarts"] == "2", info  # each failure requeued the job without its node
-    assert len(re.findall(r"multinode.sbatch: restart \d of 3", out)) == 2, out[-5000:]
-    summary = re.findall(r"multinode.sbatch: giving up after 3 failures \(2 restarts without a newer checkpoint "
-                         r"\(MAX_STALLED_RESTARTS=1\)\): nodes left out: (n\d n\d); \d+ steps trained twice; newest "
+    assert info["Restarts"] == "1", info  # the first failure requeued the job without its node
+    assert len(re.findall(r"multinode.sbatch: restart \d of 3", out)) == 1, out[-5000:]
+    summary = re.findall(r"multinode.sbatch: giving up after 2 failures \(restarts without a newer checkpoint: 1, "
+                         r"MAX_STALLED_RESTARTS=0\): nodes left out: (n\d); steps trained twice: 1; newest "
                          r"checkpoint step-0; last error: rank 0 killed by SIGKILL", out)
     assert len(summary) == 1, out[-5000:]
-    assert "goodput" in out.split("giving up")[1]
+    assert re.search(r"goodput .*; failures: 2, restarts: 1, requeues: 1, steps trained twice: 1", out), out[-3000:]
 
 
 @pytest.mark.slow
 def test_a_user_error_is_not_restarted(jobs):
     job_id, info, dump, log = jobs["user_error"]
     out = read(log)
-    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0" and info["Restarts"] == "0", f"{info}\n{out[-3000:]}"
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", f"{info}\n{out[-3000:]}"
+    assert info["Restarts"] == "0", info
     assert re.search(r"multinode.sbatch: not restarted: a user error \(exit 2\) fails the same way again: "
                      r"unknown key in \[training\] 'stepz'", out), out[-3000:]
     assert "restart 1" not in out
@@ -548,6 +551,9 @@ def test_the_failed_node_is_the_one_whose_rank_died_not_the_one_that_lost_its_pe
     assert user["user"] and user["error"] == "unknown key x"
     assert recover.diagnose(["srun: error: n1: task 0: Exited with exit code 1"], ["n1", "n2"], [])["node"] == "n1"
     assert recover.diagnose([], ["n1", "n2"], [])["node"] is None
+    nan = [f"{t}: error: step 9: the loss or the gradient norm is not finite" for t in (0, 1)]
+    nan += [f"{t}:   exitcode  : 3 (pid: 1)" for t in (0, 1)]
+    assert recover.diagnose(nan, ["n1", "n2"], [])["node"] is None  # every rank alike: no node to blame
 
 
 def test_goodput_counts_the_time_of_the_kept_steps_only():
@@ -574,7 +580,8 @@ def test_torchrun_max_restarts_resumes_a_killed_rank_exactly(fsdp_reference, tmp
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0 and killed, out[-5000:]
     assert "resumed from" in out and "step-5 at step 5" in out, out[-5000:]
-    assert "exitcode  : -9" in out or "Signal 9 (SIGKILL)" in out, out[-5000:]
+    assert "(exitcode: -9)" in out, out[-5000:]  # torchrun saw the kill, and restarted both ranks
+    assert 'train.py", line' not in out, out[-5000:]  # the survivor: no traceback (a lost rank's line, or none)
     got, want = losses(tmp_path), losses(fsdp_reference[0])
     assert len(got) > 10 and got[-5:] == want[5:], (got, want)  # steps 6-10, trained again
     assert dict(got) == dict(want)
