@@ -46,7 +46,8 @@ def save(record: dict, path: str):
 
 def start(path: str, job: str):
     """The job's record at `path`, made at its first start; every start (1 + its requeues) counts."""
-    record = load(path) if os.path.exists(path) else {
+    old = load(path) if os.path.exists(path) else {}
+    record = old if old.get("job") == job else {  # another job's record: a log name without %j
         "job": job, "first_start": time.time(), "starts": 0, "failures": [], "restarts": 0, "left_out": [],
         "stalled": 0, "dump_folder": ""}
     record["starts"] += 1

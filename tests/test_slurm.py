@@ -564,6 +564,16 @@ def test_goodput_counts_the_time_of_the_kept_steps_only():
     assert (kept, trained) == (10, 13) and seconds == pytest.approx(10.0)
 
 
+def test_the_job_record_counts_starts_and_is_never_another_jobs(tmp_path):
+    recover = recover_module()
+    path = str(tmp_path / "train.recovery.json")  # --output=train.log: one log name for every job
+    recover.start(path, "7")
+    recover.start(path, "7")  # a requeue
+    assert json.load(open(path))["starts"] == 2
+    recover.start(path, "8")
+    assert json.load(open(path))["job"] == "8" and json.load(open(path))["starts"] == 1
+
+
 @pytest.mark.slow
 def test_torchrun_max_restarts_resumes_a_killed_rank_exactly(fsdp_reference, tmp_path):
     """One node, no Slurm: `torchrun --max-restarts 1` restarts both ranks after one is SIGKILLed at step 7 or
