@@ -590,7 +590,7 @@ def test_torchrun_max_restarts_resumes_a_killed_rank_exactly(fsdp_reference, tmp
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0 and killed, out[-5000:]
     assert "resumed from" in out and "step-5 at step 5" in out, out[-5000:]
-    assert "(exitcode: -9)" in out, out[-5000:]  # torchrun saw the kill, and restarted both ranks
+    assert "failed (exitcode: " in out, out[-5000:]  # torchrun saw the kill (-9) or the survivor's exit 3 first
     assert 'train.py", line' not in out, out[-5000:]  # the survivor: no traceback (a lost rank's line, or none)
     got, want = losses(tmp_path), losses(fsdp_reference[0])
     assert len(got) > 10 and got[-5:] == want[5:], (got, want)  # steps 6-10, trained again
