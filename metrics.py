@@ -10,6 +10,7 @@ import math
 import os
 import resource
 import sys
+import time
 
 import torch
 
@@ -48,7 +49,7 @@ class MetricsLogger:
     """Rank 0 sends each record where the module's docstring says; other ranks drop everything."""
 
     HIDDEN = {"step", "tokens_seen", "source_tokens", "memory_allocated_gib", "memory_pct",
-              "validation_tokens", "loss_tokens", "loss_tokens_pct", "eval_examples"}
+              "validation_tokens", "loss_tokens", "loss_tokens_pct", "eval_examples", "time"}
 
     def __init__(self, cfg, rank: int):  # cfg: train.py's Config
         self.jsonl = self.tb = self.wandb = None
@@ -75,6 +76,7 @@ class MetricsLogger:
         if self.jsonl is None:
             return
         if "loss" in r:  # a training step, in torchtitan's format so existing log parsers work
+            r = {**r, "time": time.time()}  # when it ended (unix s): the job's goodput (slurm/recover.py)
             mfu = f"{r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
             line = (f"step: {r['step']}  loss: {r['loss']:.4f}  grad_norm: {r['grad_norm']:.4f}  "
                     f"lr: {r['lr']:.1e}  memory: {r['memory_gib']:.2f}GiB({r['memory_pct']:.1f}%)  "
@@ -104,7 +106,7 @@ class MetricsLogger:
         scalars = {}  # what TensorBoard and W&B plot: the numbers, a nested dict's as "key/name"
         for k, v in r.items():
             for n, x in v.items() if isinstance(v, dict) else [("", v)]:
-                if k != "step" and isinstance(x, (int, float)):
+                if k not in ("step", "time") and isinstance(x, (int, float)):
                     scalars[f"{k}/{n}" if n else k] = x
         if self.tb:
             for k, x in scalars.items():

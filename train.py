@@ -523,7 +523,8 @@ def lost_rank(e: BaseException) -> str:
     waited; '' for anything else. NCCL's watchdog ends a rank itself, with its own lines."""
     text = str(e).replace("\n", " ")
     waited = re.search(r"Timed out waiting (\d+)ms", text)
-    if not isinstance(e, RuntimeError) or not (waited or "Connection closed by peer" in text):
+    gone = re.search(r"Connection (closed|reset) by peer", text)  # reset: the peer was killed (SIGKILL, lost node)
+    if not isinstance(e, RuntimeError) or not (waited or gone):
         return ""
     ours = [f for f in traceback.extract_tb(e.__traceback__) if os.path.dirname(os.path.abspath(f.filename)) == HERE]
     where = f" in {ours[-1].name} ({os.path.basename(ours[-1].filename)}:{ours[-1].lineno})" if ours else ""
@@ -612,6 +613,17 @@ def share_manifest(cfg: Config, rank: int, device) -> dict:
     return manifest
 
 
+def attempt_store(timeout: timedelta) -> dict:
+    """After `torchrun --max-restarts` restarted the ranks, a store of their own: torchrun's store keeps the failed
+    attempt's keys, so a rank of this one could read a dead rank's gloo address (connection refused)."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
+
+
 def init_distributed(cfg: Config, sizes: dict, fake_rank: int = -1):
     """This rank's device (its GPU, else the CPU), the process group and the (dp_replicate, dp_shard, tp) mesh;
     preflight.py check starts alike. dryrun.py's fake_rank: that rank of a "fake" group of the job's size, on CPU."""
@@ -622,7 +634,8 @@ def init_distributed(cfg: Config, sizes: dict, fake_rank: int = -1):
         device, backend = torch.device("cpu"), "gloo" if fake_rank < 0 else "fake"
     timeout = timedelta(seconds=cfg.comm.init_timeout_seconds)
     if "RANK" in os.environ and fake_rank < 0:  # torchrun / srun
-        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
+                                **attempt_store(timeout))
     else:  # plain `python train.py`: a one-process group, no ports needed; dryrun.py: one rank of the job
         rank, world = (fake_rank, sizes["dp"] * cfg.parallelism.tensor_parallel_degree) if fake_rank >= 0 else (0, 1)
         dist.init_process_group(backend, store=dist.HashStore(), rank=rank, world_size=world, timeout=timeout)

@@ -333,6 +333,17 @@ def slow_runs(dump: str):
             dist.destroy_process_group()
 
 
+def test_a_killed_peer_is_a_lost_rank_not_a_traceback():
+    """gloo's words when the peer of a collective was SIGKILLed (reset) or exited (closed): both are a lost rank,
+    which train.py reports in one line and exit 3 (restarted by slurm/multinode.sbatch), not a bug's traceback."""
+    sys.path.insert(0, ROOT)
+    import train
+    for words in ("Connection reset by peer", "Connection closed by peer"):
+        e = RuntimeError(f"[../third_party/gloo/gloo/transport/tcp/pair.cc:538] Read error [127.0.0.1]:41234: {words}")
+        assert "lost its connection to another rank" in train.lost_rank(e), words
+    assert train.lost_rank(RuntimeError("CUDA error: an illegal memory access was encountered")) == ""
+
+
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
     {"two_runs": two_runs, "slow_runs": slow_runs}[sys.argv[1]](sys.argv[2])

@@ -1,14 +1,15 @@
 """slurm/multinode.sbatch on a real Slurm: a 2-node CPU job, and a job that hits its time limit, checkpoints on
-the warning signal, requeues itself and resumes with bitwise the same losses as an uninterrupted run; and
-slurm/preflight.sbatch (preflight.py check through multinode.sbatch) on the same two nodes.
+the warning signal, requeues itself and resumes with bitwise the same losses as an uninterrupted run;
+slurm/preflight.sbatch (preflight.py check through multinode.sbatch) on the same two nodes; and recovery: a rank
+killed with a spare node, without one, at every launch (a crash loop), a user error, and torchrun alone.
 
     bash .ci/install_slurm.sh          # munge slurmctld slurmd slurm-client shellcheck (Debian, as root)
     python -m pytest tests/test_slurm.py -v
 
-The module starts its own munged, slurmctld and two slurmd (nodes n1 and n2 on this one machine), all on
+The module starts its own munged, slurmctld and three slurmd (nodes n1 n2 n3 on this one machine), all on
 127.0.0.1 with state under a pytest tmp folder, and stops them by PID at the end. The slurmds run in a private
-mount namespace whose /etc/hosts maps n1 and n2 to 127.0.0.1, so the jobs can resolve their node names.
-Without root or the packages the cluster tests skip, saying why. About 1.7 minutes on 2 cores (the three jobs run side by side).
+mount namespace whose /etc/hosts maps the nodes to 127.0.0.1, so the jobs can resolve their node names.
+Without root or the packages the cluster tests skip, saying why. All the jobs run side by side.
 """
 
 import json
@@ -26,7 +27,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, "slurm", "multinode.sbatch")
 PREFLIGHT = os.path.join(ROOT, "slurm", "preflight.sbatch")
-NODES = ("n1", "n2")
+NODES = ("n1", "n2", "n3")  # two for a 2-node job, one more: a spare, or where a requeue goes
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel", "unshare",
            "mount")
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
@@ -66,8 +67,13 @@ class Cluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))}
         bin_dir = os.path.join(self.tmp, "bin")  # `torchrun` for the jobs = this interpreter's torch
         os.makedirs(bin_dir)
-        with open(os.path.join(bin_dir, "torchrun"), "w") as f:
-            f.write(f'#!/bin/sh\nexec "{sys.executable}" -m torch.distributed.run "$@"\n')
+        with open(os.path.join(bin_dir, "torchrun"), "w") as f:  # KILL_*: a job whose task KILL_TASK loses a rank
+            f.write(f"""#!/bin/sh
+if [ -n "${{KILL_METRICS:-}}" ] && [ "$SLURM_PROCID" = "${{KILL_TASK:-1}}" ]; then
+    "{sys.executable}" "{ROOT}/tests/kill_rank.py" $$ "$KILL_METRICS" "${{KILL_AFTER:-3}}" "${{KILL_ONCE:-}}" &
+fi
+exec "{sys.executable}" -m torch.distributed.run "$@"
+""")
         os.chmod(os.path.join(bin_dir, "torchrun"), 0o755)
         env.update(SLURM_CONF=self.conf, PATH=f"{bin_dir}:{os.path.dirname(sys.executable)}:{env.get('PATH', '')}",
                    CUDA_VISIBLE_DEVICES="", GLOO_SOCKET_IFNAME="lo", LOGLEVEL="INFO", PYTHONUNBUFFERED="1")
@@ -75,9 +81,9 @@ class Cluster:
 
     def write_config(self):
         t = self.tmp
-        for d in ("state", "spool/n1", "spool/n2"):
+        for d in ("state", *(f"spool/{n}" for n in NODES)):
             os.makedirs(os.path.join(t, d), exist_ok=True)
-        cpus = max(os.cpu_count() or 1, 3)  # the three jobs at once (config_overrides: more than the machine has)
+        cpus = max(os.cpu_count() or 1, 8)  # every job at once (config_overrides: more than the machine has)
         nodes = "\n".join(f"NodeName={n} NodeAddr=127.0.0.1 Port={free_port()} CPUs={cpus} State=UNKNOWN"
                           for n in NODES)
         with open(self.conf, "w") as f:
@@ -146,8 +152,9 @@ PartitionName=ci Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
             self.spawn(f"slurmd-{node}", ["unshare", "--mount", "sh", "-c",
                                           'mount --bind "$1" /etc/hosts && exec slurmd -D -N "$2"', "sh",
                                           f"{t}/hosts", node])
-        self.wait_for(lambda: self.run("sinfo", "-h", "-o", "%T %D", check=False).stdout.split() == ["idle", "2"],
-                      30, "the two nodes did not come up idle")
+        idle = ["idle", str(len(NODES))]
+        self.wait_for(lambda: self.run("sinfo", "-h", "-o", "%T %D", check=False).stdout.split() == idle,
+                      30, "the nodes did not come up idle")
 
     def wait_for(self, ready, timeout, what):
         deadline = time.time() + timeout
@@ -291,21 +298,59 @@ def job_env(cluster, **extra):
     return {"CONFIG_FILE": "configs/debug_model.toml", "NPROC_PER_NODE": "1", "PORT": str(free_port()), **extra}
 
 
+# The recovery jobs: a short run with checkpoints every 5 steps, losing a rank after a few steps (tests/kill_rank.py,
+# started by the cluster's torchrun on srun's task KILL_TASK), against the same run uninterrupted.
+HEAL_STEPS = 30
+HEAL_ARGS = ["--training.steps", str(HEAL_STEPS), "--training.seq_len", "64", "--training.local_batch_size", "2",
+             "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "5",
+             "--validation.enable", "false"]
+HEAL_JOBS = {  # name: (sbatch args, environment); a kill after 8 new steps: step-5 is complete by then
+    "heal_reference": (["--nodes=2"], {}),
+    "spare": (["--nodes=3"], {"SPARE_NODES": "1", "KILL_AFTER": "8", "KILL_ONCE": "killed"}),
+    "no_spare": (["--nodes=2"], {"KILL_AFTER": "8", "KILL_ONCE": "killed"}),
+    "crash_loop": (["--nodes=1"], {"KILL_TASK": "0", "KILL_AFTER": "1", "MAX_STALLED_RESTARTS": "0"}),
+    "user_error": (["--nodes=1"], {}),
+}
+
+
+def submit_recovery_jobs(cluster, tmp_path_factory) -> dict:
+    ids, dumps = {}, {}
+    for name, (sbatch_args, extra) in HEAL_JOBS.items():
+        dumps[name] = str(tmp_path_factory.mktemp(name))
+        env = dict(extra)
+        if "KILL_AFTER" in env:
+            env["KILL_METRICS"] = os.path.join(dumps[name], "metrics.jsonl")
+        if "KILL_ONCE" in env:
+            env["KILL_ONCE"] = os.path.join(dumps[name], "killed")  # the kill's time; none after the first
+        args = ["--job.dump_folder", dumps[name], *HEAL_ARGS]
+        if name == "user_error":
+            args.append("--training.stepz=5")  # train.py's ConfigError on every rank: exit 2
+        ids[name] = cluster.sbatch(name, job_env(cluster, **env), ["--exclusive=user", *sbatch_args], args)
+    return ids, dumps
+
+
 @pytest.fixture(scope="module")
 def jobs(cluster, tmp_path_factory):
-    """Two jobs at once, sharing the two nodes (the script asks for whole nodes; --exclusive=user lets one
+    """Every job at once, sharing the three nodes (the script asks for whole nodes; --exclusive=user lets one
     user's jobs share them): an uninterrupted 2-node x 1-process run, the reference, and a --time=2 job that
     Slurm warns 75 s before its limit. slurmctld checks time limits every 30 s and sends the warning at the
     last check before it is due, so 15-45 s after the start: after train.py has installed its handler, while
     it trains, and long before the kill at 120-150 s. It checkpoints, requeues itself and resumes. Side by
     side, the time-limit job's waits (for the warning, for the requeue) overlap the reference's training.
-    A third job, slurm/preflight.sbatch, runs beside them (about 15 s; each node declares 3 CPUs, so none waits)."""
+    A third job, slurm/preflight.sbatch, runs beside them (about 15 s; each node declares 8 CPUs, so none waits).
+    The recovery jobs (HEAL_JOBS) start once the time-limit job trains, so that its start-up stays short."""
     dumps = {name: str(tmp_path_factory.mktemp(name)) for name in ("reference", "timelimit", "preflight")}
     ids = {name: cluster.sbatch(name, job_env(cluster), ["--exclusive=user", *extra],
                                 ["--job.dump_folder", dumps[name], *TRAIN_ARGS])
            for name, extra in (("reference", []), ("timelimit", ["--time=2", "--signal=B:USR1@75"]))}
     ids["preflight"] = cluster.sbatch("preflight", job_env(cluster), ["--exclusive=user"],
                                       ["--job.dump_folder", dumps["preflight"]], script=PREFLIGHT)
+    deadline = time.time() + 120
+    while time.time() < deadline and not os.path.exists(os.path.join(dumps["timelimit"], "metrics.jsonl")):
+        time.sleep(0.5)
+    heal_ids, heal_dumps = submit_recovery_jobs(cluster, tmp_path_factory)
+    ids.update(heal_ids)
+    dumps.update(heal_dumps)
     logs = {name: os.path.join(cluster.tmp, f"{name}-{ids[name]}.out") for name in ids}
     extended = []
 
@@ -389,3 +434,164 @@ def test_preflight_job_checks_both_nodes(jobs):
     assert "FAIL" not in checks.values(), out[-4000:]
     assert re.search(r"^\d: OK +bandwidth across nodes: 2 nodes: busbw", out, re.M), out[-4000:]
     assert re.search(r"^\d: preflight: 0 FAIL, \d WARN of 16 checks", out, re.M), out[-4000:]
+
+
+# -------------------------------------------------------------------------------------------------------
+# Recovery: a lost rank, with and without a spare node; a crash loop; a user error; torchrun alone
+# -------------------------------------------------------------------------------------------------------
+
+def recovery_seconds(dump) -> float:
+    """From the kill (tests/kill_rank.py's time) to the end of the first step trained again."""
+    with open(os.path.join(dump, "killed")) as f:
+        killed = float(f.read())
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        records = [r for r in map(json.loads, f) if "loss" in r]
+    last = max(r["step"] for r in records if r["time"] < killed)
+    return next(r["time"] for r in records if r["time"] > killed and r["step"] <= last) - killed
+
+
+def assert_resumed_exactly(dump, reference_dump, out):
+    got, want = losses(dump), losses(reference_dump)
+    assert [s for s, _ in want] == list(range(1, HEAL_STEPS + 1))
+    resumed = [int(k) for k in re.findall(r"resumed from \S*step-(\d+) at step", out)]
+    assert len(resumed) == 1 and resumed[0] >= 5, out[-5000:]
+    k = resumed[0]
+    again = [(s, x) for s, x in got if s > k][-(HEAL_STEPS - k):]  # the resumed launch's steps
+    assert [s for s, _ in again] == list(range(k + 1, HEAL_STEPS + 1)), got
+    assert again == want[k:], next(f"step {a[0]}: {a[1]!r} != {b[1]!r}" for a, b in zip(again, want[k:]) if a != b)
+    assert dict(got) == dict(want)  # every step's last loss
+
+
+@pytest.mark.slow
+def test_a_lost_rank_is_replaced_by_the_spare_node(jobs):
+    """SPARE_NODES=1 on 3 nodes: training on n1 n2; a rank on n2 killed; relaunched on n1 n3 in the same
+    allocation (no requeue); the losses after the resume equal the uninterrupted 2-node run's bit for bit."""
+    job_id, info, dump, log = jobs["spare"]
+    out = read(log)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out[-5000:]}"
+    assert info["Restarts"] == "0", info  # the same allocation
+    assert "(training on n1 n2; spare: n3)" in out, out[-5000:]
+    line = re.search(r"multinode.sbatch: restart 1 of 3 \(MAX_RESTARTS\): n2 failed: rank [01] killed by SIGKILL; "
+                     r"spare n3 in its place; resuming from step-(\d+); steps to train again: (\d+)", out)
+    assert line, out[-5000:]
+    assert "world 2 = dp_replicate 1 x dp_shard 2" in out.split(line[0])[1]
+    assert_resumed_exactly(dump, jobs["heal_reference"][2], out)
+    assert re.search(r"multinode.sbatch: goodput \d+\.\d%: .*; failures: 1, restarts: 1, requeues: 0, steps trained twice: [1-9]",
+                     out), out[-3000:]
+    record = json.loads(open(os.path.join(dump, "metrics.jsonl")).read().splitlines()[-1])
+    assert record["restarts"] == 1 and 0 < record["goodput"] < 1 and record["step"] == HEAL_STEPS, record
+    print(f"recovery with a spare: {recovery_seconds(dump):.1f} s from the kill to the next trained step")
+
+
+@pytest.mark.slow
+def test_a_lost_rank_without_a_spare_requeues_without_its_node(jobs):
+    """--nodes 2 on the 3-node cluster, no spare: requeued with n2 excluded, it runs on n1 n3 and resumes exactly."""
+    job_id, info, dump, log = jobs["no_spare"]
+    out = read(log)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out[-5000:]}"
+    assert info["Restarts"] == "1" and info["NodeList"] == "n[1,3]" and info["ExcNodeList"] == "n2", info
+    assert re.search(r"restart 1 of 3 \(MAX_RESTARTS\): n2 failed: rank [01] killed by SIGKILL; requeue without n2;",
+                     out), out[-5000:]
+    assert f"requeued job {job_id} without n2" in out and "(restart 1) on 2 node(s) n[1,3]" in out, out[-5000:]
+    assert_resumed_exactly(dump, jobs["heal_reference"][2], out)
+    assert re.search(r"goodput \d+\.\d%: .*; failures: 1, restarts: 1, requeues: 1, steps trained twice: [1-9]", out), out[-3000:]
+    print(f"recovery by requeue: {recovery_seconds(dump):.1f} s from the kill to the next trained step")
+
+
+@pytest.mark.slow
+def test_a_crash_loop_stops_with_one_summary_line(jobs):
+    """A rank killed after its first step at every launch, so no checkpoint ever comes: the first restart that
+    got no newer checkpoint passes MAX_STALLED_RESTARTS=0 and the job ends FAILED with the summary line."""
+    job_id, info, dump, log = jobs["crash_loop"]
+    out = read(log)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0", f"{info}\n{out[-5000:]}"
+    assert info["Restarts"] == "1", info  # the first failure requeued the job without its node
+    assert len(re.findall(r"multinode.sbatch: restart \d of 3", out)) == 1, out[-5000:]
+    summary = re.findall(r"multinode.sbatch: giving up after 2 failures \(restarts without a newer checkpoint: 1, "
+                         r"MAX_STALLED_RESTARTS=0\): nodes left out: (n\d); steps trained twice: 1; newest "
+                         r"checkpoint step-0; last error: rank 0 killed by SIGKILL", out)
+    assert len(summary) == 1, out[-5000:]
+    assert re.search(r"goodput .*; failures: 2, restarts: 1, requeues: 1, steps trained twice: 1", out), out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_user_error_is_not_restarted(jobs):
+    job_id, info, dump, log = jobs["user_error"]
+    out = read(log)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", f"{info}\n{out[-3000:]}"
+    assert info["Restarts"] == "0", info
+    assert re.search(r"multinode.sbatch: not restarted: a user error \(exit 2\) fails the same way again: "
+                     r"unknown key in \[training\] 'stepz'", out), out[-3000:]
+    assert "restart 1" not in out
+
+
+def recover_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("recover", os.path.join(ROOT, "slurm", "recover.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_failed_node_is_the_one_whose_rank_died_not_the_one_that_lost_its_peer():
+    """srun's task 1 ran on n2; its rank was SIGKILLed, task 0's rank lost its peer (torchrun's reports, trimmed)."""
+    recover = recover_module()
+    lines = ["0: error: rank 1: a collective in forward (model.py:284) lost its connection to another rank, which "
+             "ended: that rank's own error line or traceback says why",
+             "1: Root Cause (first observed failure):", "1:   rank      : 0 (local_rank: 0)",
+             "1:   exitcode  : -9 (pid: 16183)  (SIGKILL)", "0: Root Cause (first observed failure):",
+             "0:   rank      : 1 (local_rank: 0)", "0:   exitcode  : 3 (pid: 16184) ",
+             "srun: error: n1: task 0: Exited with exit code 1", "srun: error: n2: task 1: Exited with exit code 1"]
+    found = recover.diagnose(lines, ["n1", "n2"], [])
+    assert (found["node"], found["how"], found["user"]) == ("n2", "rank 0 killed by SIGKILL", False)
+    assert recover.diagnose(lines, ["n1", "n2"], ["n1"])["node"] == "n1"  # Slurm's node state comes first
+    only_lost = lines[:1] + lines[4:7] + ["srun: error: n2: task 1: Killed"]  # n2 froze: srun ended it
+    assert recover.diagnose(only_lost, ["n1", "n2"], [])["node"] == "n2"
+    user = recover.diagnose(["0: error: unknown key x", "0:   exitcode  : 2 (pid: 1)"], ["n1"], [])
+    assert user["user"] and user["error"] == "unknown key x"
+    assert recover.diagnose(["srun: error: n1: task 0: Exited with exit code 1"], ["n1", "n2"], [])["node"] == "n1"
+    assert recover.diagnose([], ["n1", "n2"], [])["node"] is None
+    nan = [f"{t}: error: step 9: the loss or the gradient norm is not finite" for t in (0, 1)]
+    nan += [f"{t}:   exitcode  : 3 (pid: 1)" for t in (0, 1)]
+    assert recover.diagnose(nan, ["n1", "n2"], [])["node"] is None  # every rank alike: no node to blame
+
+
+def test_goodput_counts_the_time_of_the_kept_steps_only():
+    recover = recover_module()
+    # launch 1: steps 1-8, one second each, the first after 10 s of start-up; launch 2 resumed at 5: 6-10
+    records = [(s, 10.0 + s) for s in range(1, 9)] + [(s, 30.0 + s) for s in range(6, 11)]
+    seconds, kept, trained = recover.kept_time(records)
+    assert (kept, trained) == (10, 13) and seconds == pytest.approx(10.0)
+
+
+def test_the_job_record_counts_starts_and_is_never_another_jobs(tmp_path):
+    recover = recover_module()
+    path = str(tmp_path / "train.recovery.json")  # --output=train.log: one log name for every job
+    recover.start(path, "7")
+    recover.start(path, "7")  # a requeue
+    assert json.load(open(path))["starts"] == 2
+    recover.start(path, "8")
+    assert json.load(open(path))["job"] == "8" and json.load(open(path))["starts"] == 1
+
+
+@pytest.mark.slow
+def test_torchrun_max_restarts_resumes_a_killed_rank_exactly(fsdp_reference, tmp_path):
+    """One node, no Slurm: `torchrun --max-restarts 1` restarts both ranks after one is SIGKILLed at step 7 or
+    later; they resume from step-5 and every step's loss equals the uninterrupted run's (conftest.py's)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import kill_rank
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           "train.py", "--config", "configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
+           "--metrics.log_freq", "1", "--validation.enable", "false", "--training.steps", "10",
+           "--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "5"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    killed = kill_rank.kill_after(proc.pid, os.path.join(tmp_path, "metrics.jsonl"), 7, timeout=300)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0 and killed, out[-5000:]
+    assert "resumed from" in out and "step-5 at step 5" in out, out[-5000:]
+    assert "failed (exitcode: " in out, out[-5000:]  # torchrun saw the kill (-9) or the survivor's exit 3 first
+    assert 'train.py", line' not in out, out[-5000:]  # the survivor: no traceback (a lost rank's line, or none)
+    got, want = losses(tmp_path), losses(fsdp_reference[0])
+    assert len(got) > 10 and got[-5:] == want[5:], (got, want)  # steps 6-10, trained again
+    assert dict(got) == dict(want)
