@@ -4,7 +4,7 @@
 Each rank shown (rank 0 and the last rank, each in a forked process) joins a "fake" process group of N ranks
 (collectives return at once) and runs under fake tensors (every op runs on shapes and dtypes only, no data),
 through the trainer's own code: train.validate and the config rules of a GPU job (float8.check(gpu=True): the
-cluster's start-up refuses what the CPU would let through), train.init_distributed, the model on the meta device,
+cluster's start-up refuses what the CPU would let through), distributed.init_distributed, the model on the meta device,
 float8.convert, train.parallelize (TP, activation checkpointing, FSDP2; not torch.compile: fake tensors are not
 compiled here, so the step is eager's, which keeps more than compiled blocks), train.build_optimizer, two steps
 (train.forward_backward, gradient clipping, optimizer.step, the lr schedule: AdamW makes its moments in the first
@@ -36,6 +36,7 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+import distributed
 import float8
 import memory
 import train
@@ -115,7 +116,7 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
     """train.main's set-up and two steps as `rank`, under fake tensors (`counter` counts their memory). Two: AdamW
     makes its moments (2 x fp32 per parameter shard) inside the first optimizer.step, so only the second step's
     forward and backward hold them, as every later step's does: its peak is the steady state's."""
-    device, mesh = train.init_distributed(cfg, sizes, fake_rank=rank)
+    device, mesh = distributed.init_distributed(cfg, sizes, fake_rank=rank)
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     args, t, tp = train.model_args(cfg), cfg.training, cfg.parallelism.tensor_parallel_degree
     torch.manual_seed(t.seed)

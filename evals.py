@@ -21,7 +21,6 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Callable, Optional
 
 import fsspec
@@ -36,6 +35,7 @@ from config import ConfigError, unknown
 from data import heldout_windows
 from mirror import open_file
 from data_manifest import source_files
+from distributed import from_rank0, wait_for_rank0
 from sources import RETRY_DELAYS, DataError, DataSource, HubFile, retry_or_raise
 
 
@@ -244,29 +244,6 @@ def read_once(cfg, tokenizer, max_seq_len: int, manifest: dict, device) -> tuple
                       device)
     names = [src.name for src in v.sources] if v.enable else []
     return dict(zip(names, flat.view(-1, seq_len + 1).split(head["counts"]))), head["tasks"]
-
-
-def wait_for_rank0(store, key: str, rank: int, wait: float, what: str):
-    """Where rank 0 reads alone (`what`), the others wait for it in the job's c10d store, up to `wait` s (what that
-    reading may take), not in a collective (comm.init_timeout_seconds, for ranks that are all working). Rank 0 calls
-    it when done; what it last put under `key`/doing is the waiting ranks' line if they give up."""
-    if rank == 0:
-        return store.set(key, "done")
-    try:
-        store.wait([key], timedelta(seconds=wait))
-    except RuntimeError as e:  # c10d's DistStoreError
-        doing = store.get(f"{key}/doing").decode() if store.check([f"{key}/doing"]) else "starting"
-        raise DataError(f"rank {rank} waited data.resolve_timeout_seconds = {wait:g} s for rank 0 to read {what} "
-                        f"alone, and it was still {doing}: a slow or rate-limited Hub? Raise it") from e
-
-
-def from_rank0(t: torch.Tensor, device) -> torch.Tensor:
-    """Rank 0's 1-D tensor on every rank (the others pass any tensor of its dtype): its length, then its data."""
-    n = torch.tensor(len(t), device=device)
-    dist.broadcast(n, src=0)
-    out = t.to(device) if dist.get_rank() == 0 else torch.empty(int(n), dtype=t.dtype, device=device)
-    dist.broadcast(out, src=0)
-    return out.cpu()
 
 
 def heldout_share(windows: dict, batch: int, dp_rank: int, dp: int, ignore: Callable) -> dict:

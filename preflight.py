@@ -4,7 +4,7 @@
     CLUSTER_ENV=aws-efa sbatch --nodes 4 slurm/preflight.sbatch                      # every node of an allocation
     python preflight.py check --help                                                 # its options
 
-`check` starts as the trainer does (train.init_distributed: device, process group, mesh) and prints a row per
+`check` starts as the trainer does (distributed.init_distributed: device, process group, mesh) and prints a row per
 rank (node, device, versions, matmul TFLOP/s), then one line per check, OK, WARN or FAIL, each with its threshold:
 software versions, matmul speed, bus bandwidth within and across nodes, the data (rank 0 resolves the sources once,
 every node checks its files and reads each source), the dump folder (writable, shared), free space for the run's
@@ -31,6 +31,7 @@ import torch.distributed as dist
 import checkpoint
 import data
 import data_manifest
+import distributed
 import dryrun
 import evals
 import memory
@@ -252,7 +253,7 @@ def check(args, extra):
         model = Transformer(train.model_args(cfg))
     parts = memory.estimate_memory(model, cfg, sizes, cuda=True)  # a checkpoint: fp32 weights and AdamW's moments
     ckpt = (parts["weights"] + parts["optimizer"]) * sizes["dp_shard"] * cfg.parallelism.tensor_parallel_degree
-    device, _ = train.init_distributed(cfg, sizes)  # the trainer's device choice, process group and mesh
+    device, _ = distributed.init_distributed(cfg, sizes)  # the trainer's device, process group and mesh
 
     def gather(obj):
         out = [None] * world

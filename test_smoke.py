@@ -79,7 +79,7 @@ def test_same_seed_same_losses_other_seed_differs(tmp_path):
 def test_tensor_parallel_two_processes(tp_reference, fsdp_reference):
     dump, out = tp_reference
     assert len(LOG_LINE.findall(out)) == 10
-    # Clipping's norm over the FSDP and TP shards is one all-reduce (train.init_distributed flattens
+    # Clipping's norm over the FSDP and TP shards is one all-reduce (distributed.init_distributed flattens
     # the mesh), not two in sequence, which DTensor warns about on every rank.
     assert "sequential all_reduce" not in out, out[-3000:]
     tp = losses(dump)

@@ -20,21 +20,17 @@ import hashlib
 import logging
 import math
 import os
-import re
 import signal
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
-from datetime import timedelta
 from functools import partial
 from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
@@ -47,14 +43,14 @@ from checkpoint import Checkpointer, CheckpointError, SaveError
 from config import ConfigError, to_toml, unknown
 from data import DataLoader, Tokenizer
 from float8 import Float8
+from data_manifest import manifest_sha256, pinned_manifest, shared_manifest, verify_manifest
+from distributed import agree, agree_on_reads, init_distributed, lost_rank
 from metrics import MetricsLogger, memory_stats, peak_tflops
 from model import Transformer, flavors, keyed_normal_
-from data_manifest import manifest_sha256, pinned_manifest, shared_manifest, verify_manifest
 from sources import DataError, DataSource
 
 logger = logging.getLogger("train")
 LEFT_OPEN = []  # main()'s checkpointer and metrics logger: an error exit (below main) closes them first
-HERE = os.path.dirname(os.path.abspath(__file__))  # frames of this trainer's files, in lost_rank's line
 
 
 # -------------------------------------------------------------------------------------------------
@@ -515,64 +511,8 @@ def lr_factor(step: int, cfg: Config) -> float:
 
 
 # -------------------------------------------------------------------------------------------------
-# Every rank alike: one rank's user error, the dump folder (checkpoints are in checkpoint.py)
+# Every rank alike: the dump folder, the data manifest (distributed.py: the process group, agree)
 # -------------------------------------------------------------------------------------------------
-
-def lost_rank(e: BaseException) -> str:
-    """One line for a collective another rank never joined (gloo's timeout, or the peer gone), naming where this rank
-    waited; '' for anything else. NCCL's watchdog ends a rank itself, with its own lines."""
-    text = str(e).replace("\n", " ")
-    waited = re.search(r"Timed out waiting (\d+)ms", text)
-    gone = re.search(r"Connection (closed|reset) by peer", text)  # reset: the peer was killed (SIGKILL, lost node)
-    if not isinstance(e, RuntimeError) or not (waited or gone):
-        return ""
-    ours = [f for f in traceback.extract_tb(e.__traceback__) if os.path.dirname(os.path.abspath(f.filename)) == HERE]
-    where = f" in {ours[-1].name} ({os.path.basename(ours[-1].filename)}:{ours[-1].lineno})" if ours else ""
-    rank = os.environ.get("RANK", "0")
-    if waited:
-        return (f"rank {rank}: a collective{where} waited {int(waited[1]) / 1000:g} s (comm.init_timeout_seconds) for "
-                "a rank that never joined it: a rank stopped (crashed, froze, ran out of memory, lost its node); its "
-                "log or its node's says which. Raise the timeout only if a step can take longer than that")
-    return (f"rank {rank}: a collective{where} lost its connection to another rank, which ended: that rank's own "
-            "error line or traceback says why")
-
-
-def agree(error: str, device) -> None:
-    """Every rank learns whether any rank failed (error non-empty), and all raise that rank's one line, so
-    no rank is left waiting in a collective for one that has stopped."""
-    flag = torch.tensor(int(bool(error)), device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        raise ConfigError(next(e for e in errors if e))
-
-
-def agree_on_reads(error: str, rank: int, wait: float) -> None:
-    """agree() after every rank read on its own (a read's retries may outlast a collective's timeout): in the job's
-    store, rank 0 waits up to `wait` s (data.resolve_timeout_seconds) for every rank's outcome, and every rank raises
-    rank 0's verdict, the first rank's error, or that a rank never answered."""
-    store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
-    key = f"checked_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"  # a restarted job's store keeps old keys
-    store.set(f"{key}/{rank}", error)
-    if rank == 0:
-        keys = [f"{key}/{r}" for r in range(world)]
-        try:
-            store.wait(keys, timedelta(seconds=wait))
-            verdict = next((e for e in store.multi_get(keys) if e), b"").decode()
-        except RuntimeError:  # c10d's DistStoreError
-            late = [r for r in range(world) if not store.check([keys[r]])]
-            verdict = (f"rank 0 waited data.resolve_timeout_seconds = {wait:g} s for rank {late[0]} (of {len(late)} "
-                       "late) to read the next document of its sources: a slow or rate-limited Hub? Raise it")
-        store.set(f"{key}/verdict", verdict)
-    try:  # rank 0's own reading, then its wait for the others
-        store.wait([f"{key}/verdict"], timedelta(seconds=2 * wait))
-    except RuntimeError as e:
-        raise DataError(f"rank {rank} waited 2 x data.resolve_timeout_seconds = {2 * wait:g} s for rank 0 to read "
-                        "the next document of its sources and hear from every rank: raise it") from e
-    if verdict := store.get(f"{key}/verdict").decode():
-        raise DataError(verdict)
-
 
 def open_dump_folder(cfg: Config, rank: int, device):
     """Every rank checks that the dump folder is usable. Rank 0 returns an flock on it, held for the whole run (the OS
@@ -611,47 +551,6 @@ def share_manifest(cfg: Config, rank: int, device) -> dict:
     in_use = [*cfg.data.sources, *held_out]
     agree(manifest if isinstance(manifest, str) else verify_manifest(manifest, *local, in_use), device)
     return manifest
-
-
-def attempt_store(timeout: timedelta) -> dict:
-    """After `torchrun --max-restarts` restarted the ranks, a store of their own: torchrun's store keeps the failed
-    attempt's keys, so a rank of this one could read a dead rank's gloo address (connection refused)."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    return {"store": dist.PrefixStore(f"attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
-            "world_size": int(os.environ["WORLD_SIZE"])}
-
-
-def init_distributed(cfg: Config, sizes: dict, fake_rank: int = -1):
-    """This rank's device (its GPU, else the CPU), the process group and the (dp_replicate, dp_shard, tp) mesh;
-    preflight.py check starts alike. dryrun.py's fake_rank: that rank of a "fake" group of the job's size, on CPU."""
-    if torch.cuda.is_available() and fake_rank < 0:
-        device, backend = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))), "nccl"
-        torch.cuda.set_device(device)
-    else:
-        device, backend = torch.device("cpu"), "gloo" if fake_rank < 0 else "fake"
-    timeout = timedelta(seconds=cfg.comm.init_timeout_seconds)
-    if "RANK" in os.environ and fake_rank < 0:  # torchrun / srun
-        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
-                                **attempt_store(timeout))
-    else:  # plain `python train.py`: a one-process group, no ports needed; dryrun.py: one rank of the job
-        rank, world = (fake_rank, sizes["dp"] * cfg.parallelism.tensor_parallel_degree) if fake_rank >= 0 else (0, 1)
-        dist.init_process_group(backend, store=dist.HashStore(), rank=rank, world_size=world, timeout=timeout)
-    p = cfg.parallelism
-    mesh = init_device_mesh(device.type, (p.data_parallel_replicate_degree, sizes["dp_shard"],
-                                          p.tensor_parallel_degree), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-    if p.tensor_parallel_degree > 1:
-        # The gradient norm is a sum over FSDP and TP shards: with this mesh DTensor does it in one all-reduce,
-        # not one per dimension in sequence (which can differ between ranks, and which it warns about).
-        mesh["dp_shard", "tp"]._flatten()
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")  # all ranks that see different data (main's dp group)
-    # The mesh's subgroups get the backend's default timeout (NCCL 10 min, gloo 30 min), not the one above: set it
-    # on every group, so a rank that freezes ends the job after init_timeout_seconds whichever group waits for it.
-    for group in list(dist.distributed_c10d._world.pg_map) if backend != "fake" else []:  # (set_timeout: torch 2.15)
-        (getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout)(timeout, group)
-    return device, mesh
 
 
 # -------------------------------------------------------------------------------------------------

@@ -337,11 +337,11 @@ def test_a_killed_peer_is_a_lost_rank_not_a_traceback():
     """gloo's words when the peer of a collective was SIGKILLed (reset) or exited (closed): both are a lost rank,
     which train.py reports in one line and exit 3 (restarted by slurm/multinode.sbatch), not a bug's traceback."""
     sys.path.insert(0, ROOT)
-    import train
+    import distributed
     for words in ("Connection reset by peer", "Connection closed by peer"):
         e = RuntimeError(f"[../third_party/gloo/gloo/transport/tcp/pair.cc:538] Read error [127.0.0.1]:41234: {words}")
-        assert "lost its connection to another rank" in train.lost_rank(e), words
-    assert train.lost_rank(RuntimeError("CUDA error: an illegal memory access was encountered")) == ""
+        assert "lost its connection to another rank" in distributed.lost_rank(e), words
+    assert distributed.lost_rank(RuntimeError("CUDA error: an illegal memory access was encountered")) == ""
 
 
 if __name__ == "__main__":
