@@ -1,9 +1,9 @@
-"""Data: the Llama 3 tokenizer, per-source readers, a token-weighted mixture, packing, loader workers, exact resume.
-Where each source's files are (the Hub, the data manifest) is sources.py's job.
+"""Data: the Llama 3 tokenizer, per-source readers, a token-weighted mixture, packing, loader
+workers, exact resume. Where each source's files are (the Hub, the manifest): sources.py.
 
-    python bench.py loader --config configs/debug_model.toml           # realised token shares, loader tokens/s
+    python bench.py loader --config configs/debug_model.toml           # token shares, tokens/s
     python bench.py loader --config configs/debug_model.toml --show 2  # decode 2 packed samples
-    python download_data.py --config C --world_size N --to DIR         # the pinned files a run reads: a mirror
+    python download_data.py --config C --world_size N --to DIR  # the files a run reads: a mirror
 
 The stream is cut into `num_streams` logical streams that do not depend on how many GPUs read them:
 stream s reads part s of every source, mixes the sources by tokens and packs them into windows of
@@ -34,16 +34,18 @@ from data_manifest import make_manifest, source_files
 from sources import HUB_TIMEOUT, MIB, DataError, DataSource, HubFile, retry_or_raise
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Tokenizer
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-# Llama 3's pre-tokenizer split: contractions, words, 1-3 digit groups, punctuation runs, whitespace.
-LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Llama 3's pre-tokenizer split: contractions, words, 1-3 digit groups, punctuation runs,
+# whitespace
+LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 NUM_SPECIAL = 256
-# Loader workers ignore these: the trainer handles them (save, then exit) and then stops its workers.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGUSR1,) if hasattr(signal, "SIGUSR1") else ())
+# Loader workers ignore these: the trainer handles them (save, then exit), then stops its workers.
+USR1 = (signal.SIGUSR1,) if hasattr(signal, "SIGUSR1") else ()  # not on Windows
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT) + USR1
 logger = logging.getLogger("data")
 
 
@@ -58,22 +60,25 @@ class Tokenizer:
         import tiktoken
 
         if not os.path.isfile(path):
-            raise DataError(f"tokenizer file {path!r} not found; download it with download_tokenizer.py "
-                             "or set --model.tokenizer_path")
+            raise DataError(f"tokenizer file {path!r} not found; "
+                            "download it with download_tokenizer.py or set --model.tokenizer_path")
         # Parsed here rather than with tiktoken.load, which caches files by path in /tmp.
         try:
             with open(path, "rb") as f:
                 ranks = {base64.b64decode(tok, validate=True): int(rank)
                          for tok, rank in (line.split() for line in f if line.strip())}
         except (ValueError, binascii.Error) as e:  # a truncated download, or an HF tokenizer.json
-            raise DataError(f"tokenizer file {path!r} is not a tiktoken BPE file (`base64 rank` lines): {e}")
+            raise DataError(f"tokenizer file {path!r} is not a tiktoken BPE file "
+                            f"(`base64 rank` lines): {e}")
         if not ranks or sorted(ranks.values()) != list(range(len(ranks))):
             raise DataError(f"tokenizer file {path!r} has no tokens or non-contiguous ranks")
         n = len(ranks)
         named = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
                  "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
-                 "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
-        names = named + [f"<|reserved_special_token_{2 + i}|>" for i in range(NUM_SPECIAL - len(named))]
+                 "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>",
+                 "<|python_tag|>"]
+        reserved = range(2, 2 + NUM_SPECIAL - len(named))  # the rest, numbered on from 2
+        names = named + [f"<|reserved_special_token_{i}|>" for i in reserved]
         self.special = {name: n + i for i, name in enumerate(names)}
         self.path = path  # loader workers build their own copy from it
         self.model = tiktoken.Encoding(name=os.path.basename(path), pat_str=LLAMA3_PAT,
@@ -94,27 +99,28 @@ class Tokenizer:
 class SourceReader:
     """Documents of one source for one logical stream, epoch after epoch.
 
-    The files come from the run's manifest, (path or URL, size) sorted by name, and are read here (parquet
-    by row group, json lines), so the position (epoch, file, row) is exact and a restart seeks straight to
-    it. Each epoch shuffles the files with (seed, source, epoch), unless `ordered` (sorted: validation).
-    Streams take every num_streams-th file when there are enough files, otherwise every num_streams-th
-    row of every file.
+    The files come from the run's manifest, (path or URL, size) sorted by name, and are read here
+    (parquet by row group, json lines), so the position (epoch, file, row) is exact and a restart
+    seeks straight to it. Each epoch shuffles the files with (seed, source, epoch), unless `ordered`
+    (sorted: validation). Streams take every num_streams-th file when there are enough files,
+    otherwise every num_streams-th row of every file.
     """
 
-    def __init__(self, src: DataSource, files: list, stream: int, num_streams: int, seed: int, ordered: bool = False,
-                 timeout: float = HUB_TIMEOUT, budget: float = math.inf):
+    def __init__(self, src: DataSource, files: list, stream: int, num_streams: int, seed: int,
+                 ordered: bool = False, timeout: float = HUB_TIMEOUT, budget: float = math.inf):
         self.src = src
         self.stream = stream  # this reader's stream, of num_streams
         self.num_streams = num_streams
         self.seed = seed  # with the source and the epoch: the order of the files
         self.ordered = ordered  # sorted, never shuffled: validation
         self.timeout = timeout  # seconds a hub read may go without a byte before it is retried
-        self.budget = budget  # seconds a failing read is retried for, from its start: [comm] init_timeout_seconds
+        # seconds a failing read is retried for, from its start: [comm] init_timeout_seconds
+        self.budget = budget
         self.files = [tuple(f) for f in files]
         self.epoch, self.file, self.row = 0, 0, 0  # the next document to read
         self.at = 0  # the row being read, for error messages
         self._it = None  # the document iterator
-        self.error = None  # the DataError this reader stopped with: raised again by every later read
+        self.error = None  # the DataError this reader stopped with: every later read raises it
 
     def _files(self) -> list:
         files = list(self.files)
@@ -123,22 +129,24 @@ class SourceReader:
         return files[self.stream::self.num_streams] if len(files) >= self.num_streams else files
 
     def _rows(self, path: str, size: int, start: int):
-        """(row, text) of one file from row `start` on: parquet seeks by row group, json skips lines."""
+        """(row, text) of a file from row `start`: parquet seeks by row group, json skips lines."""
         col = self.src.text_column
         self.at = start
-        if path.endswith(".parquet"):  # exact range reads, no read-ahead: the footer, then the row groups needed
+        # parquet: exact range reads, no read-ahead: the footer, then the row groups needed
+        if path.endswith(".parquet"):
             with open_file(path, size, self.timeout, self.budget, self.src.name) as f:
                 pf = pq.ParquetFile(f)
                 first = 0  # the first row of row group g
                 if col not in pf.schema_arrow.names:
-                    raise DataError(f"data source {self.src.name!r}: no column {col!r} in {path} (columns: "
-                                    f"{pf.schema_arrow.names}); set text_column")
+                    raise DataError(f"data source {self.src.name!r}: no column {col!r} in {path} "
+                                    f"(columns: {pf.schema_arrow.names}); set text_column")
                 for g in range(pf.num_row_groups):
                     n = pf.metadata.row_group(g).num_rows
                     if first + n > start:
                         self.at = max(first, start)
                         texts = pf.read_row_group(g, columns=[col]).column(0).to_pylist()
-                        yield from ((first + i, t) for i, t in enumerate(texts) if first + i >= start)
+                        rows = enumerate(texts, first)  # (row in the file, text)
+                        yield from ((row, t) for row, t in rows if row >= start)
                     first += n
             return
         # json lines, plain or compressed (the extension says which); a hub file in 8 MiB ranges
@@ -150,17 +158,18 @@ class SourceReader:
                 if row >= start and line.strip():
                     doc = json.loads(line)
                     if col not in doc:
-                        raise DataError(f"data source {self.src.name!r}: no key {col!r} in {path} row {row} "
-                                        f"(keys: {sorted(doc)}); set text_column")
+                        raise DataError(f"data source {self.src.name!r}: no key {col!r} in {path} "
+                                        f"row {row} (keys: {sorted(doc)}); set text_column")
                     yield row, doc[col]
                 self.at = row + 1
 
     def texts(self, one_pass: bool = False):
-        """Yield texts from the current position on, keeping (epoch, file, row) up to date; `one_pass`
-        stops at the end of the epoch. A Hub file retries a transient error itself, at the range where it
-        broke (HubFile). Any other transient error re-opens the file at the row after the last document
-        handed out, after a growing pause, so the stream is the same, while that can end within the budget
-        from the start of the read. Anything else stops with one line naming the file and the row."""
+        """Yield texts from the current position on, keeping (epoch, file, row) up to date;
+        `one_pass` stops at the end of the epoch. A Hub file retries a transient error itself, at
+        the range where it broke (HubFile). Any other transient error re-opens the file at the row
+        after the last document handed out, after a growing pause, so the stream is the same, while
+        that can end within the budget from the start of the read. Anything else stops with one line
+        naming the file and the row."""
         failures = 0  # in a row, since the last document handed out
         started = time.monotonic()  # when the read of the next document began
         while True:
@@ -177,21 +186,24 @@ class SourceReader:
                             failures = 0
                             yield text or ""
                             started = time.monotonic()  # the next document is asked for
-                except Exception as e:  # a next try the Hub does not answer fails within one request's `timeout`
-                    retry_or_raise(self.src.name, self.src.path, f"reading {files[self.file][0]} at row {self.at}", e,
-                                   failures, started, self.budget, self.timeout)
+                except Exception as e:
+                    # a next try the Hub does not answer fails within one request's `timeout`
+                    what = f"reading {files[self.file][0]} at row {self.at}"
+                    retry_or_raise(self.src.name, self.src.path, what, e, failures, started,
+                                   self.budget, self.timeout)
                     failures += 1
                     continue
                 self.file, self.row = self.file + 1, 0
             if whole_epoch and not found:
-                raise DataError(f"data source {self.src.name!r} ({self.src.path}) has no rows for stream "
-                                f"{self.stream} of {self.num_streams}")
+                raise DataError(f"data source {self.src.name!r} ({self.src.path}) has no rows "
+                                f"for stream {self.stream} of {self.num_streams}")
             if one_pass:
                 return
             self.epoch, self.file, self.row = self.epoch + 1, 0, 0
 
     def next_text(self) -> str:
-        if self.error is not None:  # a generator that raised is finished: the next read would be StopIteration
+        # a generator that raised is finished: the next read would be StopIteration
+        if self.error is not None:
             raise self.error
         self._it = self._it or self.texts()
         try:
@@ -209,11 +221,13 @@ class SourceReader:
         self.error = None
 
 
-def heldout_windows(src: DataSource, tokenizer: Tokenizer, seq_len: int, limit: Optional[int] = None,
-                    manifest: Optional[dict] = None, timeout: float = HUB_TIMEOUT, budget: float = math.inf) -> list:
-    """The first `limit` (None: all) windows of seq_len + 1 tokens of one source, for validation: its files
-    (from the manifest's validation sources; None: resolved now) in sorted order, read once from the start
-    (no shuffle, no epochs), documents packed as in training. The same arguments give the same windows."""
+def heldout_windows(src: DataSource, tokenizer: Tokenizer, seq_len: int,
+                    limit: Optional[int] = None, manifest: Optional[dict] = None,
+                    timeout: float = HUB_TIMEOUT, budget: float = math.inf) -> list:
+    """The first `limit` (None: all) windows of seq_len + 1 tokens of one source, for validation:
+    its files (from the manifest's validation sources; None: resolved now) in sorted order, read
+    once from the start (no shuffle, no epochs), documents packed as in training. The same arguments
+    give the same windows."""
     out = []  # the windows
     buf = []  # tokens not yet in a window
     files = source_files(manifest or make_manifest([], [src], timeout, budget), src, "validation")
@@ -225,13 +239,14 @@ def heldout_windows(src: DataSource, tokenizer: Tokenizer, seq_len: int, limit: 
         if limit is not None and len(out) >= limit:
             break
     if not out:
-        raise DataError(f"validation source {src.name!r} has no complete sequence of seq_len+1 = {seq_len + 1} tokens")
+        raise DataError(f"validation source {src.name!r} has no complete sequence "
+                        f"of seq_len+1 = {seq_len + 1} tokens")
     return out
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Mixture, packing, loader workers
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 class PackedStream:
     """One logical stream: token-weighted mixture of sources, packed into seq_len + 1 windows.
@@ -241,8 +256,9 @@ class PackedStream:
     remembered by (source, reader state before it, offset): a restart re-reads one document at most.
     """
 
-    def __init__(self, sources, files: list, tokenizer: Tokenizer, seq_len: int, stream: int, num_streams: int,
-                 seed: int, timeout: float = HUB_TIMEOUT, budget: float = math.inf):
+    def __init__(self, sources, files: list, tokenizer: Tokenizer, seq_len: int, stream: int,
+                 num_streams: int, seed: int, timeout: float = HUB_TIMEOUT,
+                 budget: float = math.inf):
         total = sum(s.weight for s in sources)
         self.shares = [s.weight / total for s in sources]
         self.readers = [SourceReader(s, f, stream, num_streams, seed, False, timeout, budget)
@@ -250,28 +266,32 @@ class PackedStream:
         self.tok = tokenizer
         self.seq_len = seq_len
         self.counts = [0] * len(sources)  # tokens emitted per source
-        self.positions = [r.state_dict() for r in self.readers]  # per source: where its next document is
+        # per source: where its next document is
+        self.positions = [r.state_dict() for r in self.readers]
         self.cur = None  # the source of the document being packed
         self.cur_state = None  # its reader's position before that document
         self.offset = 0  # tokens of the document already packed
         self.doc = []  # the document's tokens
 
     def read_doc(self, i: int):
-        """(tokens, position before, position after) of source i's next document, read in this process."""
+        """(tokens, position before, position after) of source i's next document, read in this
+        process."""
         before = self.readers[i].state_dict()
         tokens = self.tok.encode(self.readers[i].next_text())
         return tokens, before, self.readers[i].state_dict()
 
     def next_window(self, read=None) -> list:
-        """The next seq_len + 1 tokens. `read(i)` gives source i's next document as `read_doc` does (the
-        default); the loader passes its workers' queues instead."""
+        """The next seq_len + 1 tokens. `read(i)` gives source i's next document as `read_doc` does
+        (the default); the loader passes its workers' queues instead."""
         read = read or self.read_doc
         out = []
         while len(out) < self.seq_len + 1:
             if self.offset >= len(self.doc):
                 total = sum(self.counts) + 1
-                # deficit = tokens a source should have by now minus tokens it has; ties go to the first source
-                self.cur = max(range(len(self.readers)), key=lambda i: self.shares[i] * total - self.counts[i])
+                # deficit = tokens a source should have by now minus tokens it has; ties go to the
+                # first source
+                self.cur = max(range(len(self.readers)),
+                               key=lambda i: self.shares[i] * total - self.counts[i])
                 self.doc, self.cur_state, self.positions[self.cur] = read(self.cur)
                 self.offset = 0
             take = self.doc[self.offset:self.offset + self.seq_len + 1 - len(out)]
@@ -297,20 +317,24 @@ class PackedStream:
             reader = self.readers[self.cur]
             reader.load_state_dict(self.cur_state)
             self.doc = self.tok.encode(reader.next_text())
-            assert reader.state_dict() == self.positions[self.cur], "re-reading the current document moved the reader"
+            moved = "re-reading the current document moved the reader"
+            assert reader.state_dict() == self.positions[self.cur], moved
 
 
 def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int):
-    """Loader process: reads and tokenizes the documents of its (stream, source) pairs, in order, into one
-    bounded queue per pair. Each document travels with its reader positions, so the trainer checkpoints
-    exactly what it consumed, whatever was read ahead. SIGTERM/SIGUSR1/SIGINT are ignored (the trainer
-    saves, then stops the workers); it ends when told, or when the trainer is gone (even by SIGKILL)."""
+    """Loader process: reads and tokenizes the documents of its (stream, source) pairs, in order,
+    into one bounded queue per pair. Each document travels with its reader positions, so the trainer
+    checkpoints exactly what it consumed, whatever was read ahead. SIGTERM/SIGUSR1/SIGINT are
+    ignored (the trainer saves, then stops the workers); it ends when told, or when the trainer is
+    gone (even by SIGKILL)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked from the fork to here: none got through
+    # blocked from the fork to here: none got through
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     tok = Tokenizer(tokenizer_path)
     readers = {}
-    for key, src, files, stream, num_streams, seed, timeout, budget, position in jobs:  # files: from the trainer
+    # files: from the trainer
+    for key, src, files, stream, num_streams, seed, timeout, budget, position in jobs:
         readers[key] = SourceReader(src, files, stream, num_streams, seed, False, timeout, budget)
         readers[key].load_state_dict(position)
     try:
@@ -342,21 +366,26 @@ class Workers:
 
     def __init__(self, streams: list, num_workers: int, prefetch: int = 64):
         import multiprocessing as mp
-        ctx = mp.get_context("spawn")  # not fork: the trainer process has threads (gloo, OMP, arrow)
+        ctx = mp.get_context("spawn")  # not fork: the trainer has threads (gloo, OMP, arrow)
         pairs = [(s, i) for s in range(len(streams)) for i in range(len(streams[s].readers))]
         self.queues = {key: ctx.Queue(maxsize=prefetch) for key in pairs}
         self.stop = ctx.Event()
         self.procs = []
         self.failed = {}  # (stream, source) -> its error
-        # A child inherits the signal mask: these stay blocked until the worker ignores them, so a signal sent
-        # to every process of the job while a worker starts up cannot kill it. The trainer's own come after.
+        # A child inherits the signal mask: these stay blocked until the worker ignores them, so a
+        # signal sent to every process of the job while a worker starts up cannot kill it. The
+        # trainer's own come after.
         old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             for w in range(min(num_workers, len(pairs))):
-                jobs = [((s, i), r.src, r.files, r.stream, r.num_streams, r.seed, r.timeout, r.budget,
-                         streams[s].positions[i]) for s, i in pairs[w::num_workers] for r in [streams[s].readers[i]]]
-                self.procs.append(ctx.Process(target=_worker, daemon=True, args=(
-                    streams[0].tok.path, jobs, {k: self.queues[k] for k, *_ in jobs}, self.stop, os.getpid())))
+                jobs = []  # this worker's (stream, source) pairs: what its readers need
+                for s, i in pairs[w::num_workers]:
+                    r = streams[s].readers[i]
+                    jobs.append(((s, i), r.src, r.files, r.stream, r.num_streams, r.seed, r.timeout,
+                                 r.budget, streams[s].positions[i]))
+                queues = {k: self.queues[k] for k, *_ in jobs}
+                args = (streams[0].tok.path, jobs, queues, self.stop, os.getpid())
+                self.procs.append(ctx.Process(target=_worker, daemon=True, args=args))
                 self.procs[-1].start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
@@ -372,8 +401,9 @@ class Workers:
             except queue.Empty:
                 dead = [p for p in self.procs if not p.is_alive()]
                 if dead:
-                    raise DataError(f"data loader worker {dead[0].pid} died (exit code {dead[0].exitcode})")
-        if item[0] == "error":  # the worker has stopped: later reads of this pair fail alike, at once
+                    raise DataError(f"data loader worker {dead[0].pid} died "
+                                    f"(exit code {dead[0].exitcode})")
+        if item[0] == "error":  # the worker has stopped: later reads of this pair fail at once
             self.failed[(s, i)] = item[1]
             raise DataError(item[1])
         return item
@@ -402,32 +432,37 @@ class Workers:
 class DataLoader:
     """Batches for one data-parallel rank: (inputs, labels), each (local_batch_size, seq_len)."""
 
-    def __init__(self, sources, tokenizer, seq_len: int, local_batch_size: int, dp_rank: int, dp_degree: int,
-                 num_streams: int = 0, seed: int = 0, num_workers: int = 0, manifest: Optional[dict] = None,
-                 timeout: float = HUB_TIMEOUT, budget: float = math.inf):
+    def __init__(self, sources, tokenizer, seq_len: int, local_batch_size: int, dp_rank: int,
+                 dp_degree: int, num_streams: int = 0, seed: int = 0, num_workers: int = 0,
+                 manifest: Optional[dict] = None, timeout: float = HUB_TIMEOUT,
+                 budget: float = math.inf):
         num_streams = num_streams or dp_degree
         if num_streams % dp_degree or local_batch_size % (num_streams // dp_degree):
-            raise DataError(f"data.num_streams={num_streams} must be a multiple of the data-parallel "
-                            f"degree {dp_degree}, and local_batch_size={local_batch_size} a multiple "
+            raise DataError(f"data.num_streams={num_streams} must be a multiple of the "
+                            f"data-parallel degree {dp_degree}, "
+                            f"and local_batch_size={local_batch_size} a multiple "
                             f"of the streams per rank ({num_streams // max(dp_degree, 1)})")
         per_rank = num_streams // dp_degree
         self.names = [s.name for s in sources]
         self.stream_ids = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
-        manifest = manifest or make_manifest(sources, (), timeout, budget)  # None: resolved here (tests, the CLI)
+        # None: resolved here (the tests, the CLI)
+        manifest = manifest or make_manifest(sources, (), timeout, budget)
         files = [source_files(manifest, s) for s in sources]
-        self.streams = [PackedStream(sources, files, tokenizer, seq_len, s, num_streams, seed, timeout, budget)
+        self.streams = [PackedStream(sources, files, tokenizer, seq_len, s, num_streams, seed,
+                                     timeout, budget)
                         for s in self.stream_ids]
         self.per_stream = local_batch_size // per_rank
         self.num_workers = num_workers
         self.workers = None
 
     def check(self):
-        """Read the next document of every (stream, source), in this process and in a copy (the stream
-        is untouched): call it before the first step (after a resume) on every rank, so a missing or
-        unreadable source is a DataError there, not inside a step."""
+        """Read the next document of every (stream, source), in this process and in a copy (the
+        stream is untouched): call it before the first step (after a resume) on every rank, so a
+        missing or unreadable source is a DataError there, not inside a step."""
         for st in self.streams:
             for r, position in zip(st.readers, st.positions):
-                probe = SourceReader(r.src, r.files, r.stream, r.num_streams, r.seed, False, r.timeout, r.budget)
+                probe = SourceReader(r.src, r.files, r.stream, r.num_streams, r.seed, False,
+                                     r.timeout, r.budget)
                 probe.load_state_dict(position)
                 probe.next_text()
 
@@ -435,10 +470,14 @@ class DataLoader:
         return self
 
     def __next__(self):
-        if self.num_workers and self.workers is None:  # started late: after a resume set the positions
+        # started late: after a resume set the positions
+        if self.num_workers and self.workers is None:
             self.workers = Workers(self.streams, self.num_workers)
-        reads = [functools.partial(self.workers.get, s) if self.workers else None for s in range(len(self.streams))]
-        rows = [st.next_window(read) for st, read in zip(self.streams, reads) for _ in range(self.per_stream)]
+        reads = [None] * len(self.streams)  # None: each stream reads in this process
+        if self.workers:
+            reads = [functools.partial(self.workers.get, s) for s in range(len(self.streams))]
+        rows = [st.next_window(read) for st, read in zip(self.streams, reads)
+                for _ in range(self.per_stream)]
         import torch  # here, not at the top: loader workers never need it and start a second sooner
         batch = torch.tensor(rows, dtype=torch.long)  # (local_batch_size, seq_len + 1)
         return batch[:, :-1], batch[:, 1:]

@@ -1,13 +1,13 @@
 """The files a run reads, before the run: its pinned Hub files into a local mirror, or its data manifest alone.
 
     python download_data.py --config configs/llama3_8b.toml --world_size 2048 --to /lustre/mirror
-    python download_data.py --config C --world_size N --to DIR --tokens 2_000_000_000   # the first 2B tokens
-    python download_data.py --config configs/llama3_8b.toml --manifest m.json   # resolve once, read no data
-    python download_data.py --help                                             # every option
+    python download_data.py --config C --world_size N --to DIR --tokens 2_000_000_000  # first 2B
+    python download_data.py --config C --manifest m.json  # resolve once, read no data
+    python download_data.py --help  # every option
 
-Train from the mirror with `--data.mirror DIR` ([data] mirror; HF_HUB_OFFLINE=1 where no Hub answers), or
-with `--data.manifest m.json` to skip the resolution at the first start (docs/data.md#offline-nodes).
-Other `--section.key value` arguments set train.py's config, as for the run the files are for.
+Train from the mirror with `--data.mirror DIR` ([data] mirror; HF_HUB_OFFLINE=1 where no Hub
+answers), or with `--data.manifest m.json` to skip the resolution at the first start
+(docs/data.md#offline-nodes). Other `--section.key value` arguments set train.py's config.
 """
 
 import argparse
@@ -33,55 +33,57 @@ MARGIN = 1.25  # files fetched for this much more than each stream's share: shar
 
 
 class Stopped(BaseException):
-    """Raised in a fetching thread to end it at its next chunk. Not an Exception: fetch_file retries those."""
+    """Ends a fetching thread at its next chunk. Not an Exception: fetch_file retries those."""
 
 
 def world_size(cfg, given: int) -> int:
-    """The run's GPUs: --world_size, or the config's fixed degrees. The batch and the streams follow it when the
-    config leaves them to the layout (global_batch_size = -1, num_streams = 0, data_parallel_shard_degree = -1)."""
+    """The run's GPUs: --world_size, or fixed degrees (data_parallel_shard_degree != -1). The batch
+    and streams follow it where left to the layout (global_batch_size = -1, num_streams = 0)."""
     p = cfg.parallelism
     if given:
         return given
     if p.data_parallel_shard_degree != -1:
         return p.data_parallel_replicate_degree * p.data_parallel_shard_degree * p.tensor_parallel_degree
     if cfg.training.global_batch_size == -1 or cfg.data.num_streams == 0:
-        raise ConfigError("--world_size is missing: this config's batch or data streams follow the number of GPUs "
-                          "(global_batch_size = -1 or num_streams = 0); give the real job's, e.g. --world_size 2048")
+        raise ConfigError("--world_size is missing: this config's batch or data streams follow the "
+                          "number of GPUs (global_batch_size = -1 or num_streams = 0); "
+                          "give the real job's, e.g. --world_size 2048")
     return 1
 
 
 def fetch(todo: list, to: str, workers: int, timeout: float, budget: float) -> int:
-    """fetch_file for each (hf:// URL, size), `workers` at once, with a progress bar (bytes, files, rate, ETA).
-    On an error or Ctrl-C every fetch stops at its next chunk: its .part stays, and the next run goes on from it."""
+    """fetch_file for each (hf:// URL, size), `workers` at once, under a progress bar (bytes, files,
+    rate, ETA). An error or Ctrl-C stops each fetch at its next chunk; a later run resumes it."""
     stop = threading.Event()
     total = sum(size for _, size in todo)
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024) as bar:
-
         def progress(n: int):
             if stop.is_set():
                 raise Stopped
             bar.update(n)
 
         pool = ThreadPoolExecutor(workers)
-        jobs = {pool.submit(fetch_file, to, url, size, timeout, budget, progress): size for url, size in todo}
+        jobs = {pool.submit(fetch_file, to, url, size, timeout, budget, progress): size
+                for url, size in todo}  # each fetch -> its file's size
         try:
             for done, job in enumerate(as_completed(jobs), 1):
-                bar.total -= jobs[job] - job.result()  # bytes there before are not this run's: rate and ETA
+                bar.total -= jobs[job] - job.result()  # bytes there before: not in rate and ETA
                 bar.set_postfix_str(f"{done}/{len(jobs)} files")
         finally:
             stop.set()
-            pool.shutdown(wait=True, cancel_futures=True)  # the running fetches end at their next chunk
+            pool.shutdown(wait=True, cancel_futures=True)  # running fetches end at their next chunk
     return sum(job.result() for job in jobs)
 
 
 def tokens_per_byte(path: str, size: int, src, tokenizer: Tokenizer) -> float:
-    """Tokens per byte of a local file of `src`, from its first SAMPLE_TOKENS tokens (a C4 shard holds about 150M):
-    over the compressed bytes read so far for json lines, over the rows' share of the file for parquet."""
+    """Tokens per byte of `src`'s local file, from its first SAMPLE_TOKENS (a C4 shard holds ~150M):
+    over the compressed bytes read so far for json lines, the rows' share of a parquet file."""
     tokens = 0
     if path.endswith(".parquet"):
         rows = pq.ParquetFile(path).metadata.num_rows
-        read = 0
-        for read, text in enumerate(SourceReader(src, [(path, size)], 0, 1, 0, True).texts(one_pass=True), 1):
+        read = 0  # rows read so far
+        reader = SourceReader(src, [(path, size)], 0, 1, 0, True)  # this one file, one stream
+        for read, text in enumerate(reader.texts(one_pass=True), 1):
             tokens += len(tokenizer.encode(text))
             if tokens >= SAMPLE_TOKENS:
                 break
@@ -97,9 +99,10 @@ def tokens_per_byte(path: str, size: int, src, tokenizer: Tokenizer) -> float:
         return tokens / raw.tell()
 
 
-def plan_files(cfg, manifest: dict, held_out: list, tokens: int, streams: int, to: str, workers: int) -> dict:
-    """{(url, size): the earliest position a stream reads it at} for the files `tokens` need, fetching each source's
-    first file on the way (it gives the source's tokens per byte). Held-out and eval files: all of them."""
+def plan_files(cfg, manifest: dict, held_out: list, tokens: int, streams: int, to: str,
+               workers: int) -> dict:
+    """{(url, size): the earliest position a stream reads it at} for the files `tokens` need, each
+    source's first file fetched on the way (for its tokens per byte); held-out, eval files: all."""
     timeout = cfg.data.hub_timeout_seconds
     budget = cfg.comm.init_timeout_seconds
     plan = {}
@@ -120,31 +123,32 @@ def plan_files(cfg, manifest: dict, held_out: list, tokens: int, streams: int, t
         fetch([(url, size)], to, workers, timeout, budget)
         per_byte = tokens_per_byte(mirror_paths(to, url)[0], size, s, tokenizer)
         need = MARGIN * tokens * s.weight / weights / len(orders)  # tokens per stream
-        for order in orders:  # each stream's files, in the order it reads them, until they cover its share
+        for order in orders:  # a stream's files in reading order, until they cover its share
             have = 0.0  # tokens this stream's files hold so far
             for i, (url, size) in enumerate(order):
                 if have >= need:
                     break
-                plan[(url, size)] = min(plan.get((url, size), i), i)  # the earliest any stream reads it at
+                plan[(url, size)] = min(plan.get((url, size), i), i)  # its earliest position
                 have += size * per_byte
     return plan
 
 
 def download(cfg, held_out: list, tokens: int, streams: int, to: str, workers: int):
-    """The run's pinned Hub files into `to` (DIR/<repo id>@<commit>/<path>): the held-out and eval files, and those
-    each stream reads first for its source's share of `tokens`, with a margin. Files already there stay."""
+    """The run's pinned Hub files into `to` (DIR/<repo id>@<commit>/<path>): held-out, eval files,
+    and those each stream reads first for its share of `tokens`, with a margin. Files there stay."""
     timeout = cfg.data.hub_timeout_seconds
     budget = cfg.comm.init_timeout_seconds
-    manifest = pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, held_out, timeout, budget)
+    manifest = pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, held_out,
+                               timeout, budget)
     plan = plan_files(cfg, manifest, held_out, tokens, streams, to, workers)
-    fetched = fetch(sorted(plan, key=plan.get), to, workers, timeout, budget)  # the streams' first files first
+    fetched = fetch(sorted(plan, key=plan.get), to, workers, timeout, budget)  # earliest read first
     total = sum(size for _, size in plan)
     print(f"{to}: {len(plan):,} files, {total:,} bytes ({fetched:,} fetched now) for {tokens:,} tokens; "
           f"run from it with --data.mirror {to} ([data] mirror), HF_HUB_OFFLINE=1 where no Hub is")
 
 
 def manifest_only(sources: list, held_out: list, path: str, timeout: float, budget: float):
-    """Resolve the sources (Hub listings, local globs) and write their data manifest to `path`: no data is read."""
+    """Write the sources' data manifest (Hub listings, local globs) to `path`: no data is read."""
     manifest = make_manifest(sources, held_out, timeout, budget)
     write_manifest(manifest, path)
     for e in manifest["data"] + manifest["validation"]:
@@ -155,26 +159,30 @@ def manifest_only(sources: list, held_out: list, path: str, timeout: float, budg
 
 
 def main(argv: list):
-    p = argparse.ArgumentParser(prog="download_data.py", description=__doc__.split("\n")[0], allow_abbrev=False,
-                                epilog="Every other --section.key value sets train.py's config as for the run "
-                                "(python train.py --help lists them).")
+    summary = __doc__.split("\n")[0]  # the docstring's first line
+    p = argparse.ArgumentParser(prog="download_data.py", description=summary, allow_abbrev=False,
+                                epilog="Every other --section.key value sets train.py's config as "
+                                "for the run (python train.py --help lists them).")
     p.add_argument("--config", action="append", help="train.py's TOML config, e.g. configs/llama3_8b.toml")
-    p.add_argument("--to", metavar="DIR", help="the mirror folder: DIR/<repo id>@<commit>/<path>, for [data] mirror")
+    p.add_argument("--to", metavar="DIR", help="the mirror folder: DIR/<repo id>@<commit>/<path>, "
+                   "for [data] mirror")
     p.add_argument("--tokens", type=int, help="training tokens to fetch the files for "
                    "(default: training.steps x global batch x seq_len, the whole run)")
-    p.add_argument("--world_size", type=int, help="the run's GPUs: its batch and streams (needed when the "
-                   "config leaves them to the layout)")
+    p.add_argument("--world_size", type=int, help="the run's GPUs: its batch and streams "
+                   "(needed when the config leaves them to the layout)")
     p.add_argument("--workers", type=int, default=8, help="files fetched at once")
-    p.add_argument("--manifest", metavar="PATH", help="instead: resolve the training, validation and eval sources "
-                   "and write their data manifest here (for [data] manifest), without reading any data")
+    p.add_argument("--manifest", metavar="PATH",
+                   help="instead: resolve the training, validation and eval sources and write "
+                   "their data manifest here (for [data] manifest), without reading any data")
     args, rest = p.parse_known_args(argv)
-    cfg = train.load_config([x for path in args.config or [] for x in ("--config", path)] + rest)
-    held_out = cfg.validation.sources + evals.sources(cfg.eval)  # [eval]'s tasks are read through it too
+    cfg = train.load_config([x for c in args.config or [] for x in ("--config", c)] + rest)
+    held_out = cfg.validation.sources + evals.sources(cfg.eval)  # [eval]'s tasks: read through it
     if args.manifest:
-        return manifest_only(cfg.data.sources, held_out, args.manifest, cfg.data.hub_timeout_seconds,
-                             cfg.comm.init_timeout_seconds)
+        return manifest_only(cfg.data.sources, held_out, args.manifest,
+                             cfg.data.hub_timeout_seconds, cfg.comm.init_timeout_seconds)
     if not args.to:
-        raise ConfigError("--to DIR is missing: the folder to fetch the run's files into (or --manifest PATH)")
+        raise ConfigError("--to DIR is missing: the folder to fetch the run's files into "
+                          "(or --manifest PATH)")
     sizes = train.validate(cfg, world_size(cfg, args.world_size))
     tokens = args.tokens or cfg.training.steps * sizes["global_batch_size"] * cfg.training.seq_len
     streams = cfg.data.num_streams or sizes["dp"]

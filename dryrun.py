@@ -1,22 +1,23 @@
-"""A dry run of train.py at the job's real world size, on a laptop: `python preflight.py dryrun --config C
---world_size N [--section.key value ...]`. One CPU process, no GPU.
+"""A dry run of train.py at the job's real world size, on a laptop: `python preflight.py dryrun
+--config C --world_size N [--section.key value ...]`. One CPU process, no GPU.
 
-Each rank shown (rank 0 and the last rank, each in a forked process) joins a "fake" process group of N ranks
-(collectives return at once) and runs under fake tensors (every op runs on shapes and dtypes only, no data),
-through the trainer's own code: train.validate and the config rules of a GPU job (float8.check(gpu=True): the
-cluster's start-up refuses what the CPU would let through), distributed.init_distributed, the model on the meta device,
-float8.convert, train.parallelize (TP, activation checkpointing, FSDP2; not torch.compile: fake tensors are not
-compiled here, so the step is eager's, which keeps more than compiled blocks), train.build_optimizer, two steps
-(train.forward_backward, gradient clipping, optimizer.step, the lr schedule: AdamW makes its moments in the first
-step, so the second is the steady state's) and the checkpoint's state dict (Checkpointer.state) planned as DCP
-would write it.
+Each rank shown (rank 0 and the last, each in a forked process) joins a "fake" process group of N
+ranks (collectives return at once) and runs under fake tensors (ops run on shapes and dtypes only,
+no data), through the trainer's own code: train.validate and the config rules of a GPU job
+(float8.check(gpu=True): what the cluster's start-up refuses), distributed.init_distributed, the model on
+the meta device, float8.convert, train.parallelize (TP, activation checkpointing, FSDP2; not
+torch.compile: fake tensors are not compiled here, so the step is eager's, which keeps more than
+compiled blocks), train.build_optimizer, two steps (train.forward_backward, gradient clipping,
+optimizer.step, the lr schedule: AdamW makes its moments in the first step, so the second is the
+steady state's) and the checkpoint's state dict (Checkpointer.state) planned as DCP would write it.
 
-Memory per rank is counted, not estimated: LiveStorages sees the output of every op and adds the bytes of each
-tensor storage once while it lives (a weakref's callback takes it off when it is freed; FSDP2's storage resizes
-are followed). The peak is taken after every op, so it is the steps' true peak at op granularity, not a sample
-at phase boundaries (the peak sits inside step 2's backward). Not counted: NCCL's buffers, the CUDA context, the
-caching allocator's fragmentation, compile's workspaces and a validation or eval round: the verdicts keep 15%
-free for them, as `bench.py memory` does. Errors are train.py's: one `error:` line, exit 2."""
+Memory per rank is counted, not estimated: LiveStorages sees the output of every op and adds the
+bytes of each tensor storage once while it lives (a weakref's callback takes it off when it is
+freed; FSDP2's storage resizes are followed). The peak is taken after every op, so it is the steps'
+true peak at op granularity, not a sample at phase boundaries (the peak sits inside step 2's
+backward). Not counted: NCCL's buffers, the CUDA context, the caching allocator's fragmentation,
+compile's workspaces and a validation or eval round: the verdicts keep 15% free for them, as
+`bench.py memory` does. Errors are train.py's: one `error:` line, exit 2."""
 
 import argparse
 import dataclasses
@@ -48,18 +49,23 @@ GIB = 2**30
 
 
 class LiveStorages(TorchDispatchMode):
-    """Bytes of the tensor storages alive now (`live`) and at most so far (`peak`, with the `phase` it was in).
-    Each storage an op returns is counted once, by its identity, until it is freed; storages made before the
-    mode was entered are not counted. Works alike on real and fake tensors."""
+    """Bytes of the tensor storages alive now (`live`) and at most so far (`peak`, with the `phase`
+    it was in). Each storage an op returns is counted once, by its identity, until it is freed;
+    storages made before the mode was entered are not. Real and fake tensors alike."""
 
     def __init__(self):
         super().__init__()
-        self.paused, self.fake_mode = 0, None
-        self.bytes, self.live, self.peak, self.phase, self.peak_phase = {}, 0, 0, "", ""
-        self.refs = {}
+        self.paused = 0  # > 0 inside Paused: ops' outputs are not counted
+        self.fake_mode = None  # the FakeTensorMode it runs under, set by run_rank
+        self.bytes = {}  # storage id -> its bytes now
+        self.refs = {}  # storage id -> the weakref whose callback drops it
+        self.live = 0  # bytes of the storages alive now
+        self.phase = ""  # what the steps are doing now, set by run_rank
+        self.peak, self.peak_phase = 0, ""  # the most live bytes so far, and the phase it was in
 
     def add(self, storage, nbytes=None):
-        key, nbytes = id(storage), storage.nbytes() if nbytes is None else nbytes
+        key = id(storage)
+        nbytes = storage.nbytes() if nbytes is None else nbytes  # given: the size resize_ sets
         if key not in self.refs:
             self.refs[key] = weakref.ref(storage, lambda _, key=key: self.drop(key))
         self.live += nbytes - self.bytes.get(key, 0)
@@ -73,23 +79,29 @@ class LiveStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(is_traceable_wrapper_subclass(t) for t in tree_leaves((args, kwargs))):
-            return NotImplemented  # a DTensor or float8 op: its own ops on plain tensors come back here
+            return NotImplemented  # a DTensor or float8 op: its ops on plain tensors come back here
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out) if not self.paused else ():
-            if isinstance(t, torch.Tensor) and t.device.type != "meta" and id(t.untyped_storage()) not in self.refs:
+            real = isinstance(t, torch.Tensor) and t.device.type != "meta"
+            if real and id(t.untyped_storage()) not in self.refs:
                 self.add(t.untyped_storage())
         return out
 
     def __enter__(self):
         # FSDP2 frees and re-allocates its unsharded parameters by resizing their storage in place
-        self.resize, self.lock = torch.UntypedStorage.resize_, ShardingPropagator._fake_mode_lock
-        torch.UntypedStorage.resize_ = lambda storage, n: (self.resize(storage, n), self.add(storage, n))[0]
-        # DTensor infers an op's global shape by running it on global-shape fake tensors, under this lock (a
-        # nullcontext unless set): no memory of any rank, so not counted
+        self.resize = torch.UntypedStorage.resize_
+
+        def resized(storage, n):  # the storage's new size counted
+            out = self.resize(storage, n)
+            self.add(storage, n)
+            return out
+        torch.UntypedStorage.resize_ = resized
+        # DTensor infers global shapes on fake tensors in this lock: no rank's memory, not counted
+        self.lock = ShardingPropagator._fake_mode_lock
         ShardingPropagator._fake_mode_lock = Paused(self)
         return super().__enter__()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc):  # both back as they were before __enter__
         torch.UntypedStorage.resize_, ShardingPropagator._fake_mode_lock = self.resize, self.lock
         return super().__exit__(*exc)
 
@@ -106,19 +118,22 @@ class Paused:
 
 
 class NoData:
-    """The data loader's place in the checkpoint: its state is a few JSON numbers per stream, left out here."""
+    """The data loader's place in the checkpoint: a few JSON numbers per stream, left out here."""
 
     def state_dict(self):
         return {}
 
 
 def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
-    """train.main's set-up and two steps as `rank`, under fake tensors (`counter` counts their memory). Two: AdamW
-    makes its moments (2 x fp32 per parameter shard) inside the first optimizer.step, so only the second step's
-    forward and backward hold them, as every later step's does: its peak is the steady state's."""
+    """train.main's set-up and two steps as `rank`, under fake tensors (`counter` counts their
+    memory). Two: AdamW makes its moments (2 x fp32 a parameter shard) in the first optimizer.step,
+    so only the second step's forward and backward hold them: its peak is the steady state's."""
     device, mesh = distributed.init_distributed(cfg, sizes, fake_rank=rank)
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    args, t, tp = train.model_args(cfg), cfg.training, cfg.parallelism.tensor_parallel_degree
+    args = train.model_args(cfg)
+    t = cfg.training
+    tp = cfg.parallelism.tensor_parallel_degree
+    batch_shape = (t.local_batch_size, t.seq_len + 1)  # a micro-batch's inputs and labels
     torch.manual_seed(t.seed)
     with torch.device("meta"):
         model = Transformer(args)
@@ -128,7 +143,8 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
     with counter.fake_mode, counter:
         counter.phase = "set-up"
         model.to_empty(device=device)
-        model.init_weights(normal_=lambda name, w, std: None, buffer_device=device)  # fake weights hold no values
+        no_values = lambda name, w, std: None  # noqa: E731 (fake weights hold no values)
+        model.init_weights(normal_=no_values, buffer_device=device)
         model.train()
         optimizer, scheduler = train.build_optimizer(model, cfg, device)
         setup = counter.live
@@ -138,7 +154,7 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
             optimizer.zero_grad(set_to_none=True)
             batches = []
             for _ in range(sizes["grad_accum"]):
-                tokens = torch.randint(0, args.vocab_size, (t.local_batch_size, t.seq_len + 1), device=device)
+                tokens = torch.randint(0, args.vocab_size, batch_shape, device=device)
                 batches.append((tokens[:, :-1], train.ignore_boundaries(tokens[:, 1:], args)))
             counted = sum((y != -100).sum() for _, y in batches).float()
             dist.all_reduce(counted, group=dp_mesh.get_group())
@@ -147,7 +163,8 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
             del batches, inputs, labels
             counter.phase = f"gradient clipping of step {step}"
             grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_norm or float("inf"), foreach=True)
-            grad_norm.full_tensor() if isinstance(grad_norm, train.DTensor) else grad_norm
+            if isinstance(grad_norm, train.DTensor):  # train.py's all-reduce of the norm it logs
+                grad_norm.full_tensor()
             counter.phase = f"optimizer step {step}"
             optimizer.step()
             if float8_scales:
@@ -156,17 +173,18 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
         after = counter.live
         counter.phase = "checkpoint state dict"
         folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
-        ckpt = Checkpointer(dataclasses.replace(cfg.checkpoint, async_mode="disabled"), folder, {}, t.steps, model,
-                            optimizer, scheduler, NoData(), {"model.converters": cfg.model.converters})
+        sync = dataclasses.replace(cfg.checkpoint, async_mode="disabled")
+        notes = {"model.converters": cfg.model.converters}
+        ckpt = Checkpointer(sync, folder, {}, t.steps, model, optimizer, scheduler, NoData(), notes)
         state = ckpt.state(2, 0)
-    planner = dcp.DefaultSavePlanner()  # outside the fake mode: the shards' offsets come from the mesh's real tensor
+    planner = dcp.DefaultSavePlanner()  # outside the fake mode: offsets from the mesh's real tensor
     planner.set_up_planner(state, is_coordinator=rank == 0)
     items = planner.create_local_plan().items
-    written = sum(i.tensor_data.properties.dtype.itemsize * torch.Size(i.tensor_data.chunk.sizes).numel()
-                  for i in items if i.tensor_data is not None)
+    tensors = [i.tensor_data for i in items if i.tensor_data is not None]
+    written = sum(d.properties.dtype.itemsize * torch.Size(d.chunk.sizes).numel() for d in tensors)
     dist.destroy_process_group()
-    return {"rank": rank, "peak": counter.peak, "peak_phase": counter.peak_phase, "setup": setup, "after": after,
-            "items": len(items), "written": written}
+    return {"rank": rank, "peak": counter.peak, "peak_phase": counter.peak_phase, "setup": setup,
+            "after": after, "items": len(items), "written": written}
 
 
 def child(cfg, sizes, rank, conn):
@@ -177,26 +195,29 @@ def child(cfg, sizes, rank, conn):
         conn.send({"rank": rank, "error": str(e), "code": 2})
     except Exception as e:  # what the trainer would crash on at start-up: the exception, and where
         where = traceback.extract_tb(e.__traceback__)[-1]
-        conn.send({"rank": rank, "error": f"rank {rank}: {type(e).__name__}: {e} "
-                   f"({os.path.basename(where.filename)}:{where.lineno})".replace("\n", " "), "code": 1})
+        line = f"{os.path.basename(where.filename)}:{where.lineno}"
+        error = f"rank {rank}: {type(e).__name__}: {e} ({line})".replace("\n", " ")
+        conn.send({"rank": rank, "error": error, "code": 1})
     conn.close()
 
 
 def validate(cfg, world_size: int) -> dict:
-    """train.validate, then the rules train.py applies only on a GPU (float8.check's): the dry run models the GPU
-    job, so a config its GPUs refuse at start-up ends here with the same line. train.validate's sizes."""
-    # train.validate's float8.check asks this machine's GPU: a laptop's A100 would refuse float8 for an H100 cluster.
-    # The float8 rules are checked once, below, as the target's GPUs apply them.
-    no_float8 = dataclasses.replace(cfg.model, converters=[c for c in cfg.model.converters if c != "float8"])
+    """train.validate's sizes, after the rules train.py applies only on a GPU (float8.check's): the
+    dry run models the GPU job, so a config its GPUs refuse at start-up ends here with that line."""
+    # train.validate's float8.check asks this machine's GPU: a laptop's A100 would refuse float8
+    # for an H100 cluster. The float8 rules are checked once, below, as the target's GPUs do.
+    converters = [c for c in cfg.model.converters if c != "float8"]
+    no_float8 = dataclasses.replace(cfg.model, converters=converters)
     sizes = train.validate(dataclasses.replace(cfg, model=no_float8), world_size)
     float8.check(cfg, gpu=True)
     return sizes
 
 
 def dry_run(cfg, world_size: int, ranks=None) -> list:
-    """Results for `ranks` (default: 0 and world_size - 1), each rank in a forked process, in parallel."""
+    """Results for `ranks` (default 0 and world_size - 1), each in a forked process, in parallel."""
     sizes = validate(cfg, world_size)
-    ctx, results = multiprocessing.get_context("fork"), []
+    ctx = multiprocessing.get_context("fork")
+    results = []
     procs = []
     for rank in ranks if ranks is not None else sorted({0, world_size - 1}):
         recv, send = ctx.Pipe(duplex=False)
@@ -208,26 +229,29 @@ def dry_run(cfg, world_size: int, ranks=None) -> list:
         try:
             results.append(recv.recv())
         except EOFError:
-            results.append({"rank": rank, "error": f"rank {rank}: the dry run's process died "
-                            f"(exit code {proc.join() or proc.exitcode})", "code": 1})
+            code = proc.join() or proc.exitcode
+            error = f"rank {rank}: the dry run's process died (exit code {code})"
+            results.append({"rank": rank, "error": error, "code": 1})
         proc.join()
     return results
 
 
-HELP = ("train.py's set-up and two steps (the second holds the optimizer's state) at the job's world size, as rank 0 "
-        "and the last rank: steady-state memory per rank")
-EPILOG = ("One CPU process, no GPU; train.py's config rules for GPUs apply (H100-class: float8 matmuls). Other "
-          "--section.key value arguments set train.py's config.")
+HELP = ("train.py's set-up and two steps (the second holds the optimizer's state) at the job's "
+        "world size, as rank 0 and the last rank: steady-state memory per rank")
+EPILOG = ("One CPU process, no GPU; train.py's config rules for GPUs apply (H100-class: float8 "
+          "matmuls). Other --section.key value arguments set train.py's config.")
 
 
 def arguments(p: argparse.ArgumentParser):
-    p.add_argument("--config", action="append", help="train.py's TOML config (e.g. configs/llama3_405b.toml)")
-    p.add_argument("--world_size", type=int, required=True, help="GPUs in the job (e.g. 2048); it sets the sharding")
+    config_help = "train.py's TOML config (e.g. configs/llama3_405b.toml)"
+    p.add_argument("--config", action="append", help=config_help)
+    world_help = "GPUs in the job (e.g. 2048); it sets the sharding"
+    p.add_argument("--world_size", type=int, required=True, help=world_help)
 
 
 def run(world_size: int, rest: list) -> int:
-    """The dry run of train.py's config `rest` (--config and --section.key value arguments): its report, or
-    train.py's one `error:` line; the exit code."""
+    """The dry run of train.py's config `rest` (--config and --section.key value arguments): its
+    report, or train.py's one `error:` line; the exit code."""
     t0 = time.perf_counter()
     try:
         cfg = train.load_config(rest)
@@ -243,24 +267,29 @@ def run(world_size: int, rest: list) -> int:
     par = cfg.parallelism
     with torch.device("meta"):
         model = Transformer(train.model_args(cfg))
-    print(f"dryrun: model {cfg.model.flavor} ({model.num_params():,} parameters), world {world_size} = "
-          f"dp_replicate {par.data_parallel_replicate_degree} x dp_shard {sizes['dp_shard']} x tp "
-          f"{par.tensor_parallel_degree}, grad accumulation {sizes['grad_accum']}, activation checkpoint "
-          f"{cfg.activation_checkpoint.mode}{', float8' if 'float8' in cfg.model.converters else ''}; fake process "
-          f"group and fake tensors, eager (compile{' is skipped' if cfg.compile.enable else ' is off'}); two steps, "
-          "the second holding AdamW's moments as every later step does")
+    with_float8 = ", float8" if "float8" in cfg.model.converters else ""
+    compile_is = " is skipped" if cfg.compile.enable else " is off"
+    print(f"dryrun: model {cfg.model.flavor} ({model.num_params():,} parameters), "
+          f"world {world_size} = dp_replicate {par.data_parallel_replicate_degree} "
+          f"x dp_shard {sizes['dp_shard']} x tp {par.tensor_parallel_degree}, "
+          f"grad accumulation {sizes['grad_accum']}, activation checkpoint "
+          f"{cfg.activation_checkpoint.mode}{with_float8}; fake process group and fake tensors, "
+          f"eager (compile{compile_is}); two steps, the second holding AdamW's moments as every "
+          "later step does")
     for r in results:
-        print(f"rank {r['rank']}: peak {r['peak'] / GIB:.2f} GiB in {r['peak_phase']} (after set-up "
-              f"{r['setup'] / GIB:.2f}, after step 2 {r['after'] / GIB:.2f}); checkpoint: {r['items']} items, "
-              f"{r['written'] / GIB:.2f} GiB from this rank")
-    print("not counted: NCCL's buffers, the CUDA context, the caching allocator's fragmentation, compile's "
-          "workspaces, a validation or eval round; \"fits\" keeps 15% of the GPU free for them")
+        print(f"rank {r['rank']}: peak {r['peak'] / GIB:.2f} GiB in {r['peak_phase']} "
+              f"(after set-up {r['setup'] / GIB:.2f}, after step 2 {r['after'] / GIB:.2f}); "
+              f"checkpoint: {r['items']} items, {r['written'] / GIB:.2f} GiB from this rank")
+    print("not counted: NCCL's buffers, the CUDA context, the caching allocator's fragmentation, "
+          "compile's workspaces, a validation or eval round; "
+          "\"fits\" keeps 15% of the GPU free for them")
     estimate = memory.estimate_memory(model, cfg, sizes, cuda=True)
     print(f"bench.py memory's {memory.format_estimate(estimate)}")
     peak = max(r["peak"] for r in results)
+    total = estimate["total"]  # bytes per rank, by bench.py memory's estimate
     for name, capacity in memory.GPUS:
-        print(f"{name}: {memory.verdict(peak, capacity)} ({100 * peak / capacity:.0f}% of its memory at the dry run's "
-              f"peak; {memory.verdict(estimate['total'], capacity)} by the estimate)")
+        print(f"{name}: {memory.verdict(peak, capacity)} ({100 * peak / capacity:.0f}% of its "
+              f"memory at the dry run's peak; {memory.verdict(total, capacity)} by the estimate)")
     print(f"dryrun took {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -269,4 +298,4 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="dryrun.py", description=HELP, epilog=EPILOG)
     arguments(parser)
     args, extra = parser.parse_known_args(sys.argv[1:])
-    sys.exit(run(args.world_size, [x for path in args.config or [] for x in ("--config", path)] + extra))
+    sys.exit(run(args.world_size, [x for p in args.config or [] for x in ("--config", p)] + extra))

@@ -1,7 +1,8 @@
-"""float8 training with torchao, as torchtitan v0.2 does it: `[model] converters = ["float8"]` and the `[float8]`
-keys. train.py calls these three: check() before any process group exists, convert() on the meta-device model
-before parallelize(), tp_styles() for the tensor-parallel plan. Checkpoints keep plain weights under Meta's names
-(plain() unwraps torchao's all-gather wrapper), so float8 may be turned on or off on a resume."""
+"""float8 training with torchao, as torchtitan v0.2 does it: `[model] converters = ["float8"]`
+and the `[float8]` keys. train.py calls these three: check() before any process group exists,
+convert() on the meta-device model before parallelize(), tp_styles() for the tensor-parallel plan.
+Checkpoints keep plain weights under Meta's names (plain() unwraps torchao's all-gather wrapper),
+so float8 may be turned on or off on a resume."""
 
 import dataclasses
 import importlib.util
@@ -16,91 +17,110 @@ from torch.distributed.tensor import DTensor
 from config import ConfigError
 
 logger = logging.getLogger("train")
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearConfig.from_recipe_name
+# torchao's Float8LinearConfig.from_recipe_name
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 @dataclass
 class Float8:  # train.py's [float8] section, used when model.converters has "float8"
     recipe_name: str = "tensorwise"  # tensorwise (fastest), rowwise or rowwise_with_gw_hp (more accurate)
-    enable_fsdp_float8_all_gather: bool = False  # FSDP all-gathers the weights in float8 (1 byte instead of 2); tensorwise only
-    precompute_float8_dynamic_scale_for_fsdp: bool = False  # one all-reduce after optimizer.step computes every weight's scale (needs the float8 all-gather)
-    filter_fqns: list = field(default_factory=lambda: ["output"])  # Linear layers whose name contains one of these stay in high precision
+    enable_fsdp_float8_all_gather: bool = False  # FSDP all-gathers weights in float8, 1 byte not 2 (tensorwise only)
+    precompute_float8_dynamic_scale_for_fsdp: bool = False  # all weights' scales in one all-reduce per step (needs the float8 all-gather)
+    filter_fqns: list = field(default_factory=lambda: ["output"])  # Linear layers named with one of these stay in high precision
 
 
 def check(cfg, gpu: bool | None = None) -> None:
-    """The [float8] rules, on train.py's config, before any process group exists. float8 needs torchao, and on a
-    GPU float8 matmuls: CUDA SM 8.9+ or ROCm MI300+ (gfx942 reports 9.4). `gpu`: whether the job runs on GPUs;
-    None (train.py) asks this machine. dryrun.py passes True: the GPU rules of a job it models without a GPU,
-    whose GPUs are taken to be H100-class (so this machine's GPU, if any, is not asked about float8 matmuls)."""
+    """The [float8] rules, on train.py's config, before any process group exists. float8 needs
+    torchao, and on a GPU float8 matmuls: CUDA SM 8.9+ or ROCm MI300+ (gfx942 reports 9.4). `gpu`:
+    whether the job runs on GPUs; None (train.py) asks this machine. dryrun.py passes True: the GPU
+    rules of a job it models without a GPU, whose GPUs are taken to be H100-class (so this machine's
+    GPU, if any, is not asked about float8 matmuls)."""
     f8 = cfg.float8
     if f8.recipe_name not in RECIPES:
-        raise ConfigError(f"float8.recipe_name = {f8.recipe_name!r}: must be one of {', '.join(RECIPES)}")
+        recipes = ", ".join(RECIPES)
+        raise ConfigError(f"float8.recipe_name = {f8.recipe_name!r}: must be one of {recipes}")
     if f8.enable_fsdp_float8_all_gather and f8.recipe_name != "tensorwise":
-        raise ConfigError("float8.enable_fsdp_float8_all_gather = True: must be false unless float8.recipe_name is "
-                          "tensorwise (torchao's rule)")
+        raise ConfigError("float8.enable_fsdp_float8_all_gather = True: must be false unless "
+                          "float8.recipe_name is tensorwise (torchao's rule)")
     if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
         raise ConfigError("float8.precompute_float8_dynamic_scale_for_fsdp = True needs "
-                          "float8.enable_fsdp_float8_all_gather = true: the scales it computes are the all-gather's")
+                          "float8.enable_fsdp_float8_all_gather = true: "
+                          "the scales it computes are the all-gather's")
     if "float8" not in cfg.model.converters:
         return
     if importlib.util.find_spec("torchao") is None:
-        raise ConfigError("model.converters = [\"float8\"] needs torchao: pip install torchao==0.18.0")
-    here, index = gpu is None, int(os.environ.get("LOCAL_RANK", 0))
+        raise ConfigError("model.converters = [\"float8\"] needs torchao: "
+                          "pip install torchao==0.18.0")
+    here = gpu is None  # train.py: this machine is the job's
+    index = int(os.environ.get("LOCAL_RANK", 0))  # this process's GPU
     gpu = torch.cuda.is_available() if here else gpu
     needs = (9, 4) if torch.version.hip else (8, 9)
     if here and gpu and torch.cuda.get_device_capability(index) < needs:
-        raise ConfigError(f"float8 needs float8 matmuls (H100, H200, B200, MI300 or newer), which this "
-                          f"{torch.cuda.get_device_name(index)} lacks: remove \"float8\" from model.converters")
-    # What torch._scaled_mm enforces on a GPU (the CPU's emulation multiplies in fp32 and enforces neither):
-    # rowwise scaling writes bf16 only, and the tokens are the inner dimension of the weight-gradient matmul.
-    if gpu and f8.recipe_name != "tensorwise" and cfg.training.mixed_precision_param != "bfloat16":
-        raise ConfigError(f"float8.recipe_name = {f8.recipe_name!r} needs training.mixed_precision_param = bfloat16 "
-                          f"on a GPU (rowwise float8 matmuls write bf16; it is {cfg.training.mixed_precision_param})")
+        name = torch.cuda.get_device_name(index)
+        raise ConfigError("float8 needs float8 matmuls (H100, H200, B200, MI300 or newer), "
+                          f"which this {name} lacks: remove \"float8\" from model.converters")
+    # What torch._scaled_mm enforces on a GPU (the CPU's emulation multiplies in fp32 and enforces
+    # neither): rowwise scaling writes bf16 only, and the tokens are the inner dimension of the
+    # weight-gradient matmul.
+    param_dtype = cfg.training.mixed_precision_param
+    if gpu and f8.recipe_name != "tensorwise" and param_dtype != "bfloat16":
+        raise ConfigError(f"float8.recipe_name = {f8.recipe_name!r} needs "
+                          "training.mixed_precision_param = bfloat16 on a GPU "
+                          f"(rowwise float8 matmuls write bf16; it is {param_dtype})")
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
     if gpu and tokens % 16:
-        raise ConfigError(f"training.local_batch_size x seq_len = {tokens} tokens per micro-batch: float8 matmuls "
-                          "on a GPU need a multiple of 16")
+        raise ConfigError(f"training.local_batch_size x seq_len = {tokens} tokens per micro-batch: "
+                          "float8 matmuls on a GPU need a multiple of 16")
 
 
 def convert(model: torch.nn.Module, cfg, device: torch.device):
-    """With model.converters = ["float8"] (`cfg`: train.py's config), swap the Linear layers for torchao's
-    Float8Linear: the same weights under the same names, so checkpoints do not change. Returns the per-step
-    weight-scale precompute if asked for (one all-reduce after optimizer.step for every weight's scale), else None."""
+    """With model.converters = ["float8"] (`cfg`: train.py's config), swap the Linear layers for
+    torchao's Float8Linear: the same weights under the same names, so checkpoints do not change.
+    Returns the per-step weight-scale precompute if asked for (one all-reduce after optimizer.step
+    for every weight's scale), else None."""
     if "float8" not in cfg.model.converters:
         return None
     f8 = cfg.float8
-    if f8.recipe_name == "rowwise":  # as torchtitan, for inductor's float8 casts (pytorch/pytorch#150859)
+    if f8.recipe_name == "rowwise":  # as torchtitan does (pytorch/pytorch#150859)
         import torch._inductor.config as inductor
         inductor.emulate_precision_casts = True
-    if device.type == "cuda" and not cfg.compile.enable:  # torchao's casts are separate kernels without compile
-        logger.warning("float8 without compile.enable is slower than bf16: turn on --compile.enable")
-    logging.disable(logging.WARNING)  # torchao's CUDA kernels fail to load on a CPU machine: not for the log
+    if device.type == "cuda" and not cfg.compile.enable:  # torchao's casts: separate kernels then
+        logger.warning("float8 without compile.enable is slower than bf16: "
+                       "turn on --compile.enable")
+    logging.disable(logging.WARNING)  # torchao's CUDA kernels fail to load on CPU: not for the log
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     logging.disable(logging.NOTSET)
-    # CPU: torch._scaled_mm takes ~1000x an fp32 matmul there, so the float8 values are multiplied in fp32
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(f8.recipe_name), emulate=device.type == "cpu",
+    recipe = Float8LinearConfig.from_recipe_name(f8.recipe_name)
+    # CPU: torch._scaled_mm takes ~1000x an fp32 matmul there: the float8 values multiply in fp32
+    config = dataclasses.replace(recipe, emulate=device.type == "cpu",
                                  enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather)
 
-    def convertible(m: torch.nn.Linear, fqn: str) -> bool:  # float8 matmuls need both dims multiples of 16
-        return not any(f in fqn for f in f8.filter_fqns) and m.in_features % 16 == 0 and m.out_features % 16 == 0
+    def convertible(m: torch.nn.Linear, fqn: str) -> bool:
+        kept = any(f in fqn for f in f8.filter_fqns)  # filter_fqns: stays in high precision
+        # float8 matmuls need both dims multiples of 16
+        return not kept and m.in_features % 16 == 0 and m.out_features % 16 == 0
 
     convert_to_float8_training(model, config=config, module_filter_fn=convertible)
     high = sorted({re.sub(r"layers\.\d+\.", "layers.*.", n) for n, m in model.named_modules()
                    if type(m) is torch.nn.Linear})
-    cpu = "; on CPU the matmuls are emulated in fp32: for correctness, not speed" if device.type == "cpu" else ""
+    emulated = "; on CPU the matmuls are emulated in fp32: for correctness, not speed"
+    cpu = emulated if device.type == "cpu" else ""
     logger.info(f"float8 {f8.recipe_name} (torchao); Linear layers kept in high precision: "
                 f"{', '.join(high) or 'none'}{cpu}")
-    return precompute_float8_dynamic_scale_for_fsdp if f8.precompute_float8_dynamic_scale_for_fsdp else None
+    precompute = f8.precompute_float8_dynamic_scale_for_fsdp  # asked for in [float8]
+    return precompute_float8_dynamic_scale_for_fsdp if precompute else None
 
 
 def tp_styles(model: torch.nn.Module, device_type: str, recipe_name: str):
-    """torchao's (colwise, rowwise, prepare-input) TP styles when every Linear of the blocks is float8 with the
-    tensorwise recipe on CUDA: they cast to float8 before the all-gathers, so they move 1 byte per value. None
-    otherwise (gloo has no float8; on ROCm they are not used), and the plan uses the plain styles."""
+    """torchao's (colwise, rowwise, prepare-input) TP styles when every Linear of the blocks is
+    float8 with the tensorwise recipe on CUDA: they cast to float8 before the all-gathers, so they
+    move 1 byte per value. None otherwise (gloo has no float8; on ROCm they are not used), and the
+    plan uses the plain styles."""
     linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
-    if device_type != "cuda" or torch.version.hip or recipe_name != "tensorwise" or not all(
-            type(m).__name__ == "Float8Linear" for m in linears):
+    all_float8 = all(type(m).__name__ == "Float8Linear" for m in linears)
+    on_cuda = device_type == "cuda" and not torch.version.hip  # a ROCm build's "cuda" is not
+    if not on_cuda or recipe_name != "tensorwise" or not all_float8:
         return None
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
     from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
@@ -108,15 +128,22 @@ def tp_styles(model: torch.nn.Module, device_type: str, recipe_name: str):
 
 
 def plain(t):
-    """The fp32 tensor inside torchao's float8 weight wrapper (the float8 all-gather's), sharing its memory:
-    checkpoints hold plain tensors, loadable without torchao, and a load into the plain view fills the parameter."""
-    local, float8_weight = t._local_tensor if isinstance(t, DTensor) else t, "WeightWithDynamicFloat8CastTensor"
-    if not torch.utils._python_dispatch.is_traceable_wrapper_subclass(local):  # plain (or a dry run's fake one)
+    """The fp32 tensor inside torchao's float8 weight wrapper (the float8 all-gather's), sharing its
+    memory: checkpoints hold plain tensors, loadable without torchao, and a load into the plain view
+    fills the parameter."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    float8_weight = "WeightWithDynamicFloat8CastTensor"  # the one wrapper unwrapped here
+    is_wrapper = torch.utils._python_dispatch.is_traceable_wrapper_subclass(local)
+    if not is_wrapper:  # plain (or a dry run's fake one)
         return t
-    if f"{type(local).__module__}.{type(local).__name__}" != f"torchao.float8.fsdp_utils.{float8_weight}":
-        # by type: another subclass's inner tensors need not be the value, and saving one would lose the weight
-        raise TypeError(f"a {type(local).__name__} in the state dict: checkpoints unwrap only torchao's "
-                        f"{float8_weight}; teach float8.plain which of its tensors holds the value")
+    kind = type(local)
+    if f"{kind.__module__}.{kind.__name__}" != f"torchao.float8.fsdp_utils.{float8_weight}":
+        # by type: another subclass's inner tensors need not be the value (saving one loses it)
+        raise TypeError(f"a {kind.__name__} in the state dict: checkpoints unwrap only "
+                        f"torchao's {float8_weight}; "
+                        "teach float8.plain which of its tensors holds the value")
     inner = local._tensor
+    if not isinstance(t, DTensor):
+        return inner
     return DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                              stride=t.stride()) if isinstance(t, DTensor) else inner
+                              stride=t.stride())

@@ -42,8 +42,8 @@ class ModelArgs:
     # params.json; the 1B/3B flavors below have it).
     rope_scaling_factor: float = 8.0
     max_seq_len: int = 2048  # length of the precomputed rope table
-    # How training runs the model, not its shape (never in params.json): block_causal keeps attention inside each
-    # document of a packed sequence, as Llama 3 was pretrained; a document starts at each bos_id token.
+    # How training runs the model, not its shape (never in params.json): block_causal keeps
+    # attention inside each packed document, as Llama 3 was pretrained; one starts at each bos_id.
     attn_mask_type: str = "causal"  # causal or block_causal
     bos_id: Optional[int] = None  # the tokenizer's <|begin_of_text|>; needed by block_causal
 
@@ -186,8 +186,8 @@ def causal_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask=
     bs, seqlen, n_heads, _ = xq.shape
     n_rep = n_heads // xk.shape[2]
     if isinstance(mask, BlockMask):  # FlexAttention reads each kv head in place for its n_rep query heads
-        # Inside a compiled block the compiler captures flex_attention itself; eager CUDA calls the compiled one
-        # (the CPU, forward only, runs it eagerly).
+        # Inside a compiled block the compiler captures flex_attention itself; eager CUDA calls the
+        # compiled one (the CPU, forward only, runs it eagerly).
         eager = torch.compiler.is_compiling() or not xq.is_cuda
         flex = flex_attention if eager else compiled_flex_attention()
         out = flex(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), block_mask=mask, enable_gqa=n_rep > 1)

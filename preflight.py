@@ -56,7 +56,8 @@ def matmul_tflops(device, rank: int) -> float:
     512^2 on CPU."""
     gpu = device.type == "cuda"
     n, dtype = (8192, torch.bfloat16) if gpu else (512, torch.float32)
-    a, b, times = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype), []
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))  # the operands
+    times = []  # seconds of each run
     start = time.perf_counter()
     while len(times) < 10 or time.perf_counter() - start < 0.5:
         t0 = time.perf_counter()
@@ -71,7 +72,9 @@ def matmul_tflops(device, rank: int) -> float:
 def bus_bandwidth(group, device, sizes) -> dict:
     """{op: [GB/s per size]} as nccl-tests computes it from the slowest rank's time: algbw = bytes of the
     result / time; all-reduce busbw = algbw x 2(n-1)/n, all-gather busbw = algbw x (n-1)/n."""
-    gather, n, out = getattr(dist, "all_gather_single", dist.all_gather_into_tensor), dist.get_world_size(group), {}
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the newer name first
+    n = dist.get_world_size(group)
+    out = {}
     for size in sizes:
         part = torch.ones(size // 4 // n, device=device)
         full = torch.ones(len(part) * n, device=device)  # all-gather's output: n parts
@@ -147,8 +150,10 @@ def rank0_manifest(cfg) -> tuple:
     """Rank 0's (manifest, (level, text) for the report, {source: why rank 0 cannot resolve it}, [sources resolved
     now]): the run's pinned manifest ([data] manifest, else the dump folder's once a run made it) read as the run
     reads it, and the sources it lacks resolved once, each on its own, as the first start would. Writes nothing."""
-    path, t0 = cfg.data.manifest or os.path.join(cfg.job.dump_folder, data_manifest.MANIFEST), time.perf_counter()
-    manifest, state = {"version": 1, "data": [], "validation": []}, None
+    t0 = time.perf_counter()
+    path = cfg.data.manifest or os.path.join(cfg.job.dump_folder, data_manifest.MANIFEST)
+    manifest = {"version": 1, "data": [], "validation": []}  # none yet: every source is missing
+    state = None  # the report's (level, text), once something decides it
     if cfg.data.manifest or os.path.exists(path):
         try:  # validation sources it lacks are resolved below: a start pins them, preflight writes nothing
             manifest = data_manifest.pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, [])
@@ -156,7 +161,8 @@ def rank0_manifest(cfg) -> tuple:
             state = ("FAIL", f"{e}; the sources below were resolved afresh")
     missing = [(kind, s, name) for kind, s, name in configured(cfg)
                if not data_manifest.manifest_entry(manifest, s, kind)]
-    offline, errors = hub_unreachable() if any(hub_id(s.path) for _, s, _ in missing) else "", {}
+    offline = hub_unreachable() if any(hub_id(s.path) for _, s, _ in missing) else ""
+    errors = {}  # source name -> why rank 0 cannot resolve it
     for kind, src, name in missing:
         try:
             if offline and hub_id(src.path):
@@ -204,7 +210,9 @@ def read_share(cfg, manifest: dict, fresh: list, part: int, parts: int, streams:
     and every parts-th source reads as the run reads it, from [data] mirror where that holds the file: a training
     source's first document of its first stream (of `streams`: the file download_data.py fetches first), a held-out
     source's first document, an eval task's first example (read_task). `fresh`: the sources rank 0 resolved now."""
-    errors, offline, tokenizer = {}, None, None
+    errors = {}  # source name -> "" or why this node cannot use it
+    offline = None  # why this node cannot reach the Hub, once asked ("": it can)
+    tokenizer = None  # made for the first eval task
     tasks = evals.sources(cfg.eval)
     manifest = {**manifest, "mirror": cfg.data.mirror}  # as train.py reads it: pinned Hub files from the mirror first
     for i, (kind, src, name) in enumerate(configured(cfg)):
@@ -246,7 +254,9 @@ def node_groups(nodes: dict, timeout: float) -> dict:
 
 
 def check(args, extra):
-    t0, world, rank = time.perf_counter(), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    t0 = time.perf_counter()
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
     cfg = train.load_config(extra)
     sizes = train.validate(cfg, world)
     with torch.device("meta"):
@@ -282,7 +292,8 @@ def check(args, extra):
     groups = node_groups(nodes, cfg.comm.init_timeout_seconds)
     r["intra"] = bus_bandwidth(groups[r["node"]], device, sizes_b) if len(nodes[r["node"]]) > 1 else None
     inter = bus_bandwidth(None, device, sizes_b) if len(nodes) > 1 else None
-    ranks, code = gather(r), [0]
+    ranks = gather(r)
+    code = [0]  # the exit code, rank 0's verdict for every rank
     if rank == 0:
         code = [report(cfg, ranks, nodes, inter, sizes_b, ckpt, device.type == "cuda", time.perf_counter() - t0)]
     dist.broadcast_object_list(code)
