@@ -43,10 +43,8 @@ import memory
 import train
 from checkpoint import Checkpointer
 from config import ConfigError
+from memory import GIB
 from model import Transformer
-
-GIB = 2**30
-
 
 class LiveStorages(TorchDispatchMode):
     """Bytes of the tensor storages alive now (`live`) and at most so far (`peak`, with the `phase`

@@ -304,7 +304,8 @@ def check(args, extra):
 
 def report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> int:
     """Rank 0: one table, then one verdict line per check (with its threshold); 1 if any FAILs, else 0."""
-    levels, gib = [], 2**30
+    levels = []
+    gib = memory.GIB
     print(f"preflight: {len(ranks)} ranks on {len(nodes)} node(s), {'NCCL' if gpu else 'gloo'}")
     print(f"{'rank':>4}  {'node':<12} {'device':<22} {'torch':<13} {'cuda/rocm':<11} {'nccl':<8} {'TFLOP/s':>8}  "
           f"{'tokenizer':<10} {'dump':<10} free GiB")
