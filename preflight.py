@@ -12,30 +12,23 @@ checkpoints, the tokenizer. Exit 1 on a FAIL.
 Other `--section.key value` arguments set train.py's config, as for the training job."""
 
 import argparse
-import dataclasses
 import hashlib
 import os
 import platform
-import re
 import shutil
 import statistics
 import sys
 import time
-import urllib.error
-import urllib.request
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 import checkpoint
-import data
-import data_manifest
+import data_check
 import distributed
 import dryrun
-import evals
 import memory
-import mirror
 import sources
 import train
 from metrics import peak_tflops
@@ -119,133 +112,6 @@ def rank_checks(cfg, device, rank: int, token: str) -> dict:
     return r
 
 
-def hub_unreachable() -> str:
-    """Why this node cannot reach the Hub (HF_ENDPOINT), or "": one request, so that a node without a route out
-    fails in seconds rather than after every library's retries for every hub source."""
-    from huggingface_hub import constants
-    try:
-        urllib.request.urlopen(constants.ENDPOINT, timeout=15).close()
-    except urllib.error.HTTPError:  # it answered
-        pass
-    except OSError as e:
-        why = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-        return f"this node cannot reach the Hub at {constants.ENDPOINT} ({why})"
-    return ""
-
-
-def configured(cfg) -> list:
-    """[(manifest section, source, its name in the report)] in the config's order: the training sources, the held-out
-    ones, then [eval]'s tasks (pinned in the manifest's validation section)."""
-    return [(kind, s, f"{what} {s.name!r} ({s.path})") for kind, what, srcs in
-            (("data", "data source", cfg.data.sources), ("validation", "validation source", cfg.validation.sources),
-             ("validation", "eval task", evals.sources(cfg.eval))) for s in srcs]
-
-
-def hub_id(path: str) -> bool:
-    """Hub ids look like org/name and are not local folders."""
-    return not os.path.exists(path) and bool(re.fullmatch(r"[\w.-]+/[\w.-]+", path))
-
-
-def rank0_manifest(cfg) -> tuple:
-    """Rank 0's (manifest, (level, text) for the report, {source: why rank 0 cannot resolve it}, [sources resolved
-    now]): the run's pinned manifest ([data] manifest, else the dump folder's once a run made it) read as the run
-    reads it, and the sources it lacks resolved once, each on its own, as the first start would. Writes nothing."""
-    t0 = time.perf_counter()
-    path = cfg.data.manifest or os.path.join(cfg.job.dump_folder, data_manifest.MANIFEST)
-    manifest = {"version": 1, "data": [], "validation": []}  # none yet: every source is missing
-    state = None  # the report's (level, text), once something decides it
-    if cfg.data.manifest or os.path.exists(path):
-        try:  # validation sources it lacks are resolved below: a start pins them, preflight writes nothing
-            manifest = data_manifest.pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, [])
-        except sources.DataError as e:
-            state = ("FAIL", f"{e}; the sources below were resolved afresh")
-    missing = [(kind, s, name) for kind, s, name in configured(cfg)
-               if not data_manifest.manifest_entry(manifest, s, kind)]
-    offline = hub_unreachable() if any(hub_id(s.path) for _, s, _ in missing) else ""
-    errors = {}  # source name -> why rank 0 cannot resolve it
-    for kind, src, name in missing:
-        try:
-            if offline and hub_id(src.path):
-                raise sources.DataError(offline)
-            manifest[kind].append(data_manifest.resolve_source(src))
-        except sources.DataError as e:
-            errors[name] = str(e)
-    n = len(configured(cfg)) - len(missing)
-    pinned = f"{n} source(s) pinned in {path}" if n else f"none pinned yet ({path} is made at the run's first start)"
-    state = state or ("OK", f"{pinned}; rank 0 resolved {len(missing)} source(s) once, in "
-                      f"{time.perf_counter() - t0:.1f} s; every node checks its local files against that")
-    return manifest, state, errors, [name for _, _, name in missing]
-
-
-def share_sources(cfg, rank: int) -> tuple:
-    """rank0_manifest on every rank, through the job's store with a deadline of its own, as
-    train.share_manifest does (data_manifest.shared_manifest): resolving many sources on a rate-limited Hub
-    may take longer than a collective."""
-    try:
-        return data_manifest.shared_manifest(dist.distributed_c10d._get_default_store(), rank,
-                                       cfg.data.resolve_timeout_seconds, lambda: rank0_manifest(cfg))
-    except sources.DataError as e:
-        fail(str(e))
-
-
-def from_hub(path: str, size: int) -> bool:
-    """Whether reading this file of the manifest asks the Hub: a pinned Hub file that the data mirror does not hold
-    (mirror.open_file's rule; a damaged copy there is mirror.mirrored's one line)."""
-    where, _, url = path.rpartition("::")
-    if where and url.startswith("hf://"):
-        return not mirror.mirrored(where, url, size)
-    return path.startswith("hf://")
-
-
-def read_task(cfg, src, manifest: dict, tokenizer):
-    """An eval task's first example, as train.py's start reads the task (evals.load): its pinned files, the task's
-    layout (context, choices, answer), tokenized. A DataError says what is wrong."""
-    one = dataclasses.replace(cfg.eval, tasks=[t for t in cfg.eval.tasks if t.name == src.name], limit=1)
-    evals.load(one, tokenizer, train.flavor_args(cfg).max_seq_len, manifest, cfg.data.hub_timeout_seconds)
-
-
-def read_share(cfg, manifest: dict, fresh: list, part: int, parts: int, streams: int) -> dict:
-    """{source: "" or why this node cannot use it}, for this rank's share of its node (rank `part` of `parts`):
-    every parts-th local file of the manifest is there with its bytes (data_manifest.verify_manifest, as a run checks),
-    and every parts-th source reads as the run reads it, from [data] mirror where that holds the file: a training
-    source's first document of its first stream (of `streams`: the file download_data.py fetches first), a held-out
-    source's first document, an eval task's first example (read_task). `fresh`: the sources rank 0 resolved now."""
-    errors = {}  # source name -> "" or why this node cannot use it
-    offline = None  # why this node cannot reach the Hub, once asked ("": it can)
-    tokenizer = None  # made for the first eval task
-    tasks = evals.sources(cfg.eval)
-    manifest = {**manifest, "mirror": cfg.data.mirror}  # as train.py reads it: pinned Hub files from the mirror first
-    for i, (kind, src, name) in enumerate(configured(cfg)):
-        entry = data_manifest.manifest_entry(manifest, src, kind)
-        if entry is None:  # rank 0 could not resolve it: its line says why
-            continue
-        errors[name] = data_manifest.verify_manifest({"data": [entry], "validation": []}, part, parts)
-        if errors[name] and name in fresh:  # not the run's files yet: this node lacks what rank 0 resolved
-            errors[name] = (errors[name].split(" since ")[0] + " on this node, unlike on rank 0's: every node needs "
-                            "the same files (the shared filesystem, or the same mirror on each node)")
-        if errors[name] or i % parts != part:
-            continue
-        try:
-            files = data_manifest.source_files(manifest, src, kind)
-            reader = data.SourceReader(src, files, 0, streams if kind == "data" else 1, cfg.data.seed,
-                                       ordered=kind != "data", timeout=cfg.data.hub_timeout_seconds)
-            first = reader._files()[0] if src not in tasks else files[0]  # the file read first
-            if from_hub(*first):
-                offline = hub_unreachable() if offline is None else offline  # one request per node, not per source
-                if offline:
-                    where, _, url = first[0].rpartition("::")
-                    lacks = f", and {mirror.mirror_paths(where, url)[0]} is not in the data mirror" if where else ""
-                    raise sources.DataError(offline + lacks)
-            if src not in tasks:
-                reader.next_text()
-                continue
-            tokenizer = tokenizer or data.Tokenizer(cfg.model.tokenizer_path)
-            read_task(cfg, src, manifest, tokenizer)
-        except sources.DataError as e:
-            errors[name] = str(e)
-    return errors
-
-
 def node_groups(nodes: dict, timeout: float) -> dict:
     """{node: the process group of its ranks}, made on every rank (new_group's rule), each bounded by
     comm.init_timeout_seconds as the trainer's groups are: new_group alone takes the backend's default (NCCL 10
@@ -283,10 +149,15 @@ def check(args, extra):
         nodes.setdefault(x["node"], []).append(i)
     if rank == 0 and not r["dump"]:
         os.remove(shared)
-    manifest, r["manifest"], resolved, fresh = share_sources(cfg, rank)  # rank 0 resolves, once
+    try:  # rank 0 resolves, once
+        manifest, r["manifest"], resolved, fresh = data_check.share_sources(cfg, rank)
+    except sources.DataError as e:
+        fail(str(e))
     mine = nodes[r["node"]]  # each node checks every local file, split over its ranks as train.share_manifest does
     streams = cfg.data.num_streams or sizes["dp"]
-    unreadable = read_share(cfg, manifest, fresh, mine.index(rank), len(mine), streams)
+    max_seq_len = train.flavor_args(cfg).max_seq_len  # the window evals.load cuts examples to
+    unreadable = data_check.read_share(cfg, manifest, fresh, mine.index(rank), len(mine), streams,
+                                       max_seq_len)
     r["data"] = {**(resolved if rank == 0 else {}), **unreadable}
     sizes_b = [2**20, 2**24, 2**28, 2**30] if device.type == "cuda" else [2**18, 2**22]  # small on CPU (gloo)
     groups = node_groups(nodes, cfg.comm.init_timeout_seconds)
@@ -376,7 +247,7 @@ def report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> int:
 
     level, text = ranks[0]["manifest"]
     verdict(level, "data manifest", text)
-    for _, _, name in configured(cfg):
+    for _, _, name in data_check.configured(cfg):
         errors = {}
         for x in ranks:  # a node's first error: its ranks checked a share each
             if x["data"].get(name) and not errors.get(x["node"]):
