@@ -1,14 +1,15 @@
 """Before a big job: check the nodes it was given, in a minute, launched like train.py.
 
-    torchrun --nproc_per_node 8 preflight.py check --config configs/llama3_8b.toml    # one node
-    CLUSTER_ENV=aws-efa sbatch --nodes 4 slurm/preflight.sbatch                      # every node of an allocation
-    python preflight.py check --help                                                 # its options
+    torchrun --nproc_per_node 8 preflight.py check --config configs/llama3_8b.toml   # one node
+    CLUSTER_ENV=aws-efa sbatch --nodes 4 slurm/preflight.sbatch   # every node of an allocation
+    python preflight.py check --help                              # its options
 
-`check` starts as the trainer does (distributed.init_distributed: device, process group, mesh) and prints a row per
-rank (node, device, versions, matmul TFLOP/s), then one line per check, OK, WARN or FAIL, each with its threshold:
-software versions, matmul speed, bus bandwidth within and across nodes, the data (rank 0 resolves the sources once,
-every node checks its files and reads each source), the dump folder (writable, shared), free space for the run's
-checkpoints, the tokenizer. Exit 1 on a FAIL.
+`check` starts as the trainer does (distributed.init_distributed: device, process group, mesh) and
+prints a row per rank (node, device, versions, matmul TFLOP/s), then one line per check, OK, WARN or
+FAIL, each with its threshold: software versions, matmul speed, bus bandwidth within and across
+nodes, the data (rank 0 resolves the sources once, every node checks its files and reads each
+source: data_check.py), the dump folder (writable, shared), free space for the run's checkpoints,
+the tokenizer. Exit 1 on a FAIL.
 Other `--section.key value` arguments set train.py's config, as for the training job."""
 
 import argparse
@@ -34,7 +35,8 @@ import train
 from metrics import peak_tflops
 from model import Transformer
 
-SLOW_RANK = "PREFLIGHT_TEST_SLOW_RANK"  # FOR TESTS ONLY: that rank sleeps inside its matmul timing (20x slower)
+# FOR TESTS ONLY: that rank sleeps inside its matmul timing (20x slower)
+SLOW_RANK = "PREFLIGHT_TEST_SLOW_RANK"
 
 
 def fail(msg: str):
@@ -43,10 +45,19 @@ def fail(msg: str):
     sys.exit(2)
 
 
+def level(value: float, warn: float, fail: float) -> str:
+    """A measurement's verdict against its thresholds: FAIL below `fail`, WARN below `warn`."""
+    if value < fail:
+        return "FAIL"
+    if value < warn:
+        return "WARN"
+    return "OK"
+
+
 def matmul_tflops(device, rank: int) -> float:
-    """A dense matmul's TFLOP/s, the fastest of the runs in half a second (8 at least) after 2 warm-ups: a busy
-    neighbour only ever slows a run down, so the fastest is the device's own speed. bf16 8192^2 on GPU, fp32
-    512^2 on CPU."""
+    """A dense matmul's TFLOP/s, the fastest of the runs in half a second (8 at least) after 2
+    warm-ups: a busy neighbour only ever slows a run down, so the fastest is the device's own
+    speed. bf16 8192^2 on GPU, fp32 512^2 on CPU."""
     gpu = device.type == "cuda"
     n, dtype = (8192, torch.bfloat16) if gpu else (512, torch.float32)
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))  # the operands
@@ -55,7 +66,8 @@ def matmul_tflops(device, rank: int) -> float:
     while len(times) < 10 or time.perf_counter() - start < 0.5:
         t0 = time.perf_counter()
         a @ b
-        torch.cuda.synchronize() if gpu else None
+        if gpu:
+            torch.cuda.synchronize()
         if os.environ.get(SLOW_RANK) == str(rank):
             time.sleep(19 * (time.perf_counter() - t0))
         times.append(time.perf_counter() - t0)
@@ -63,21 +75,26 @@ def matmul_tflops(device, rank: int) -> float:
 
 
 def bus_bandwidth(group, device, sizes) -> dict:
-    """{op: [GB/s per size]} as nccl-tests computes it from the slowest rank's time: algbw = bytes of the
-    result / time; all-reduce busbw = algbw x 2(n-1)/n, all-gather busbw = algbw x (n-1)/n."""
+    """{op: [GB/s per size]} as nccl-tests computes it from the slowest rank's time: algbw = bytes
+    of the result / time; all-reduce busbw = algbw x 2(n-1)/n, all-gather busbw = algbw x
+    (n-1)/n."""
     gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the newer name first
     n = dist.get_world_size(group)
     out = {}
     for size in sizes:
         part = torch.ones(size // 4 // n, device=device)
         full = torch.ones(len(part) * n, device=device)  # all-gather's output: n parts
-        for op, run, factor in (("all-reduce", lambda: dist.all_reduce(full, group=group), 2 * (n - 1) / n),
-                                ("all-gather", lambda: gather(full, part, group=group), (n - 1) / n)):
-            run(), run(), dist.barrier(group=group)  # warm-up: connections, buffers
+        ops = (("all-reduce", lambda: dist.all_reduce(full, group=group), 2 * (n - 1) / n),
+               ("all-gather", lambda: gather(full, part, group=group), (n - 1) / n))
+        for op, run, factor in ops:
+            run()  # two warm-ups: connections, buffers
+            run()
+            dist.barrier(group=group)
             t0 = time.perf_counter()
             for _ in range(5):
                 run()
-            torch.cuda.synchronize() if device.type == "cuda" else None
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             dt = torch.tensor([time.perf_counter() - t0], device=device)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
             out.setdefault(op, []).append(full.nbytes * 5 / dt.item() * factor / 1e9)
@@ -87,15 +104,19 @@ def bus_bandwidth(group, device, sizes) -> dict:
 def rank_checks(cfg, device, rank: int, token: str) -> dict:
     """What this rank sees: node, device, versions, matmul speed, tokenizer sha256, dump folder."""
     gpu = device.type == "cuda"
-    runtime = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}" if torch.version.hip \
-        else "-"
-    r = {"node": os.environ.get("SLURMD_NODENAME") or platform.node(),  # CI's Slurm nodes share one host
-         "device": torch.cuda.get_device_name(device) if gpu else f"CPU {platform.machine()}",
-         "versions": (torch.__version__, runtime, ".".join(map(str, torch.cuda.nccl.version())) if gpu else "-"),
-         # GPUs that torch does not see: a CPU-only torch build in the VENV
-         "hidden_gpus": not gpu and bool(shutil.which("nvidia-smi") or shutil.which("rocm-smi"))
-         and os.environ.get("CUDA_VISIBLE_DEVICES") != "",
-         "tflops": matmul_tflops(device, rank), "dump": "", "free": None}
+    runtime = "-"
+    if torch.version.cuda:
+        runtime = f"CUDA {torch.version.cuda}"
+    elif torch.version.hip:
+        runtime = f"ROCm {torch.version.hip}"
+    node = os.environ.get("SLURMD_NODENAME") or platform.node()  # CI's Slurm nodes share one host
+    name = torch.cuda.get_device_name(device) if gpu else f"CPU {platform.machine()}"
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if gpu else "-"
+    smi = bool(shutil.which("nvidia-smi") or shutil.which("rocm-smi"))  # the node has GPUs
+    # GPUs that torch does not see: a CPU-only torch build in the VENV (unless the job hid them)
+    hidden = not gpu and smi and os.environ.get("CUDA_VISIBLE_DEVICES") != ""
+    r = {"node": node, "device": name, "versions": (torch.__version__, runtime, nccl),
+         "hidden_gpus": hidden, "tflops": matmul_tflops(device, rank), "dump": "", "free": None}
     try:
         with open(cfg.model.tokenizer_path, "rb") as f:
             r["tokenizer"] = hashlib.sha256(f.read()).hexdigest()
@@ -113,10 +134,12 @@ def rank_checks(cfg, device, rank: int, token: str) -> dict:
 
 
 def node_groups(nodes: dict, timeout: float) -> dict:
-    """{node: the process group of its ranks}, made on every rank (new_group's rule), each bounded by
-    comm.init_timeout_seconds as the trainer's groups are: new_group alone takes the backend's default (NCCL 10
-    minutes, gloo 30), so a frozen rank would hold its node's bandwidth check that long."""
-    return {name: dist.new_group(members, timeout=timedelta(seconds=timeout)) for name, members in nodes.items()}
+    """{node: the process group of its ranks}, made on every rank (new_group's rule), each bounded
+    by comm.init_timeout_seconds as the trainer's groups are: new_group alone takes the backend's
+    default (NCCL 10 minutes, gloo 30), so a frozen rank would hold its node's bandwidth check that
+    long."""
+    bound = timedelta(seconds=timeout)
+    return {name: dist.new_group(members, timeout=bound) for name, members in nodes.items()}
 
 
 def check(args, extra):
@@ -127,9 +150,13 @@ def check(args, extra):
     sizes = train.validate(cfg, world)
     with torch.device("meta"):
         model = Transformer(train.model_args(cfg))
-    parts = memory.estimate_memory(model, cfg, sizes, cuda=True)  # a checkpoint: fp32 weights and AdamW's moments
-    ckpt = (parts["weights"] + parts["optimizer"]) * sizes["dp_shard"] * cfg.parallelism.tensor_parallel_degree
-    device, _ = distributed.init_distributed(cfg, sizes)  # the trainer's device, process group and mesh
+    # a checkpoint: fp32 weights and AdamW's moments, every rank's shard of them
+    parts = memory.estimate_memory(model, cfg, sizes, cuda=True)
+    per_shard = parts["weights"] + parts["optimizer"]
+    ckpt = per_shard * sizes["dp_shard"] * cfg.parallelism.tensor_parallel_degree
+    # the trainer's device, process group and mesh
+    device, _ = distributed.init_distributed(cfg, sizes)
+    gpu = device.type == "cuda"
 
     def gather(obj):
         out = [None] * world
@@ -138,7 +165,8 @@ def check(args, extra):
 
     token = gather(os.urandom(8).hex())[0]
     r = rank_checks(cfg, device, rank, token)
-    shared = os.path.join(cfg.job.dump_folder, f".preflight-{token}")  # rank 0 writes it, every rank reads it
+    # rank 0 writes it, every rank reads it
+    shared = os.path.join(cfg.job.dump_folder, f".preflight-{token}")
     if rank == 0 and not r["dump"]:
         with open(shared, "w") as f:
             f.write(token)
@@ -153,20 +181,24 @@ def check(args, extra):
         manifest, r["manifest"], resolved, fresh = data_check.share_sources(cfg, rank)
     except sources.DataError as e:
         fail(str(e))
-    mine = nodes[r["node"]]  # each node checks every local file, split over its ranks as train.share_manifest does
+    # each node checks every local file, split over its ranks as train.share_manifest does
+    mine = nodes[r["node"]]
+    part = mine.index(rank)
     streams = cfg.data.num_streams or sizes["dp"]
     max_seq_len = train.flavor_args(cfg).max_seq_len  # the window evals.load cuts examples to
-    unreadable = data_check.read_share(cfg, manifest, fresh, mine.index(rank), len(mine), streams,
-                                       max_seq_len)
+    unreadable = data_check.read_share(cfg, manifest, fresh, part, len(mine), streams, max_seq_len)
     r["data"] = {**(resolved if rank == 0 else {}), **unreadable}
-    sizes_b = [2**20, 2**24, 2**28, 2**30] if device.type == "cuda" else [2**18, 2**22]  # small on CPU (gloo)
+    sizes_b = [2**20, 2**24, 2**28, 2**30] if gpu else [2**18, 2**22]  # small on CPU (gloo)
     groups = node_groups(nodes, cfg.comm.init_timeout_seconds)
-    r["intra"] = bus_bandwidth(groups[r["node"]], device, sizes_b) if len(nodes[r["node"]]) > 1 else None
+    r["intra"] = None  # one rank on this node: nothing to measure within it
+    if len(mine) > 1:
+        r["intra"] = bus_bandwidth(groups[r["node"]], device, sizes_b)
     inter = bus_bandwidth(None, device, sizes_b) if len(nodes) > 1 else None
     ranks = gather(r)
     code = [0]  # the exit code, rank 0's verdict for every rank
     if rank == 0:
-        code = [report(cfg, ranks, nodes, inter, sizes_b, ckpt, device.type == "cuda", time.perf_counter() - t0)]
+        seconds = time.perf_counter() - t0
+        code = [report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds)]
     dist.broadcast_object_list(code)
     dist.barrier()  # no rank tears down its process group while another still uses it
     dist.destroy_process_group()
@@ -174,49 +206,75 @@ def check(args, extra):
 
 
 def report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> int:
-    """Rank 0: one table, then one verdict line per check (with its threshold); 1 if any FAILs, else 0."""
-    levels = []
+    """Rank 0: one table, then one verdict line per check (with its threshold); 1 if any FAILs,
+    else 0."""
+    levels = []  # each check's verdict
     gib = memory.GIB
     print(f"preflight: {len(ranks)} ranks on {len(nodes)} node(s), {'NCCL' if gpu else 'gloo'}")
-    print(f"{'rank':>4}  {'node':<12} {'device':<22} {'torch':<13} {'cuda/rocm':<11} {'nccl':<8} {'TFLOP/s':>8}  "
-          f"{'tokenizer':<10} {'dump':<10} free GiB")
+    print(f"{'rank':>4}  {'node':<12} {'device':<22} {'torch':<13} {'cuda/rocm':<11} {'nccl':<8} "
+          f"{'TFLOP/s':>8}  {'tokenizer':<10} {'dump':<10} free GiB")
     for i, x in enumerate(ranks):
-        dump = "FAIL" if x["dump"] else "shared" if x["shared"] else "NOT SHARED"
+        dump = "shared" if x["shared"] else "NOT SHARED"
+        if x["dump"]:  # not writable
+            dump = "FAIL"
         free = f"{x['free'] / gib:.1f}" if x["free"] is not None else "-"
         torch_v, runtime, nccl = x["versions"]
-        print(f"{i:>4}  {x['node'][:12]:<12} {x['device'][:22]:<22} {torch_v[:13]:<13} {runtime:<11} {nccl:<8} "
+        versions = f"{torch_v[:13]:<13} {runtime:<11} {nccl:<8}"
+        print(f"{i:>4}  {x['node'][:12]:<12} {x['device'][:22]:<22} {versions} "
               f"{x['tflops']:>8.3f}  {x['tokenizer'][:10]:<10} {dump:<10} {free}")
 
     def verdict(level, check, text):
         levels.append(level)
         print(f"{level:<4} {check}: {text}")
 
-    versions, hidden = {x["versions"] for x in ranks}, [i for i, x in enumerate(ranks) if x["hidden_gpus"]]
+    versions = {x["versions"] for x in ranks}
+    hidden = [i for i, x in enumerate(ranks) if x["hidden_gpus"]]
     if hidden:
-        text = f"ranks {hidden} have GPUs (nvidia-smi or rocm-smi) that torch does not see: a CPU-only torch build?"
+        text = (f"ranks {hidden} have GPUs (nvidia-smi or rocm-smi) that torch does not see: "
+                "a CPU-only torch build?")
     elif len(versions) > 1:
         text = f"{len(versions)} different torch/CUDA/NCCL versions: {sorted(versions)}"
     else:
-        text = "torch {}, CUDA/ROCm {}, NCCL {} on every rank (threshold: all alike)".format(*ranks[0]["versions"])
+        alike = "torch {}, CUDA/ROCm {}, NCCL {} on every rank (threshold: all alike)"
+        text = alike.format(*ranks[0]["versions"])
     verdict("FAIL" if len(versions) > 1 or hidden else "OK", "software", text)
 
     tf = [x["tflops"] for x in ranks]
-    slow, med = min(range(len(tf)), key=tf.__getitem__), statistics.median(tf)
-    # each rank against the median of the others (with two ranks, the overall median is half the slow one's)
-    of = [t / (statistics.median(tf[:i] + tf[i + 1:]) if len(tf) > 1 else t) for i, t in enumerate(tf)]
+    slow = min(range(len(tf)), key=tf.__getitem__)  # the slowest rank
+    med = statistics.median(tf)
+    # each rank against the median of the others (with two ranks, the overall median is half the
+    # slow one's)
+    others = [statistics.median(tf[:i] + tf[i + 1:]) if len(tf) > 1 else t
+              for i, t in enumerate(tf)]
+    of = [t / median for t, median in zip(tf, others)]
     peak = peak_tflops(ranks[0]["device"], cfg.metrics.peak_tflops)  # 0 on CPU: no datasheet peak
-    (warn, fail_), why = ((0.8, 0.25), "one slow GPU sets every rank's pace") if gpu else \
-        ((0.25, 0.1), "CPU has no datasheet peak, and shared machines are noisy")
+    if gpu:  # of the others' median
+        warn = 0.8
+        fail_ = 0.25
+        why = "one slow GPU sets every rank's pace"
+    else:
+        warn = 0.25
+        fail_ = 0.1
+        why = "CPU has no datasheet peak, and shared machines are noisy"
     failed = [i for i in range(len(tf)) if of[i] < fail_]
     bad = [i for i in range(len(tf)) if (of[i] < warn or tf[i] < 0.35 * peak) and i not in failed]
     of_peak = f", {100 * med / peak:.0f}% of the datasheet peak {peak:.0f}" if peak else ""
-    peak_rule = ("; or below 35% of the peak: metrics.peak_tflops, else the datasheet table in metrics.py"
-                 if peak else "")
+    peak_rule = ""
+    if peak:
+        peak_rule = ("; or below 35% of the peak: metrics.peak_tflops, else the datasheet table in "
+                     "metrics.py")
     slowest = "".join(f"; {what}: ranks {r}" for what, r in (("FAIL", failed), ("WARN", bad)) if r)
-    verdict("FAIL" if failed else "WARN" if bad else "OK", "matmul", f"median {med:.3f} TFLOP/s "
-            f"({'bf16' if gpu else 'fp32'}, the fastest run of each){of_peak}; slowest rank {slow} on "
-            f"{ranks[slow]['node']}: {tf[slow]:.3f} = {100 * of[slow]:.0f}% of the others' median{slowest} "
-            f"(threshold: of the others' median, FAIL below {fail_:.0%}, WARN below {warn:.0%}: {why}{peak_rule})")
+    if failed:
+        matmul = "FAIL"
+    elif bad:
+        matmul = "WARN"
+    else:
+        matmul = "OK"
+    dtype = "bf16" if gpu else "fp32"
+    verdict(matmul, "matmul", f"median {med:.3f} TFLOP/s ({dtype}, the fastest run of each)"
+            f"{of_peak}; slowest rank {slow} on {ranks[slow]['node']}: {tf[slow]:.3f} = "
+            f"{100 * of[slow]:.0f}% of the others' median{slowest} (threshold: of the others' "
+            f"median, FAIL below {fail_:.0%}, WARN below {warn:.0%}: {why}{peak_rule})")
 
     at = "/".join(f"{s >> 20} MiB" if s >= 2**20 else f"{s >> 10} KiB" for s in sizes_b)
     within = {n: ranks[m[0]]["intra"] for n, m in nodes.items() if ranks[m[0]]["intra"]}
@@ -224,78 +282,113 @@ def report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> int:
     for check, meas in (("bandwidth within nodes", within), ("bandwidth across nodes", across)):
         inside = "within" in check
         if not meas:
-            verdict("OK", check, f"n/a ({'one rank per node' if inside else 'one node'})")
+            alone = "one rank per node" if inside else "one node"
+            verdict("OK", check, f"n/a ({alone})")
             continue
-        worst = min(meas, key=lambda n: meas[n]["all-reduce"][-1])  # the slowest node: by its largest all-reduce
+        # the slowest node: by its largest all-reduce
+        worst = min(meas, key=lambda n: meas[n]["all-reduce"][-1])
         big = meas[worst]["all-reduce"][-1]
+        fail_below = 0  # GB/s
+        warn_below = 0
         if not gpu:
-            fail_below, warn_below, rule = 0, 0, "none on CPU (gloo): no line rate to compare with"
+            rule = "none on CPU (gloo): no line rate to compare with"
         elif inside:
-            fail_below, warn_below, rule = 0, 50, "WARN below 50 GB/s, less than PCIe 5 x16's 64: no NVLink/xGMI"
-        else:  # busbw across nodes is about the node's NIC rate: NCCL runs a ring per NIC (rail), and GPU nodes
-            # have one NIC per GPU. The per-GPU figures and where they come from: docs/slurm.md#preflight.
-            g = min(len(m) for m in nodes.values())  # the node with the fewest GPUs (and NICs) sets the pace
-            fail_below, warn_below, rule = 2.5 * g, 20 * g, (
-                f"per GPU x {g} GPUs per node, FAIL below 2.5 GB/s: NCCL over TCP sockets, not EFA/InfiniBand; WARN "
-                "below 20 GB/s: 8 x 400 Gbit/s nodes (H100, EFA or NDR InfiniBand) reach about 45 GB/s per GPU, "
-                "8 x 200 Gbit/s HDR nodes about 23; below it a rail is down, NCCL sees fewer NICs or no GPUDirect "
-                "RDMA, or the nodes have fewer NICs than GPUs")
-        level = "FAIL" if big < fail_below else "WARN" if big < warn_below else "OK"
-        rates = "; ".join(f"{op} {' '.join(f'{v:.2f}' for v in meas[worst][op])} GB/s" for op in meas[worst])
-        verdict(level, check, f"{'slowest node ' if inside else ''}{worst}: busbw at {at}: {rates} "
-                f"(threshold, at the largest size: {rule})")
+            warn_below = 50
+            rule = "WARN below 50 GB/s, less than PCIe 5 x16's 64: no NVLink/xGMI"
+        else:
+            # busbw across nodes is about the node's NIC rate: NCCL runs a ring per NIC (rail), and
+            # GPU nodes have one NIC per GPU. The per-GPU figures and where they come from:
+            # docs/slurm.md#preflight. The node with the fewest GPUs (and NICs) sets the pace.
+            g = min(len(m) for m in nodes.values())
+            fail_below = 2.5 * g
+            warn_below = 20 * g
+            rule = (f"per GPU x {g} GPUs per node, FAIL below 2.5 GB/s: NCCL over TCP sockets, not "
+                    "EFA/InfiniBand; WARN below 20 GB/s: 8 x 400 Gbit/s nodes (H100, EFA or NDR "
+                    "InfiniBand) reach about 45 GB/s per GPU, 8 x 200 Gbit/s HDR nodes about 23; "
+                    "below it a rail is down, NCCL sees fewer NICs or no GPUDirect RDMA, or the "
+                    "nodes have fewer NICs than GPUs")
+        per_op = [f"{op} {' '.join(f'{v:.2f}' for v in gbs)} GB/s"
+                  for op, gbs in meas[worst].items()]
+        rates = "; ".join(per_op)
+        where = "slowest node " if inside else ""
+        text = f"{where}{worst}: busbw at {at}: {rates} (threshold, at the largest size: {rule})"
+        verdict(level(big, warn_below, fail_below), check, text)
 
-    level, text = ranks[0]["manifest"]
-    verdict(level, "data manifest", text)
+    manifest_level, text = ranks[0]["manifest"]  # rank 0's, from data_check.rank0_manifest
+    verdict(manifest_level, "data manifest", text)
+    from_mirror = ""
+    if cfg.data.mirror:
+        from_mirror = f", from the data mirror {cfg.data.mirror} where it holds the file"
     for _, _, name in data_check.configured(cfg):
         errors = {}
         for x in ranks:  # a node's first error: its ranks checked a share each
             if x["data"].get(name) and not errors.get(x["node"]):
                 errors[x["node"]] = x["data"][name]
-        read = "its first example reads in the task's layout" if name.startswith("eval task") else \
-            "its local files match rank 0's and the first document reads"
-        from_mirror = f", from the data mirror {cfg.data.mirror} where it holds the file" * bool(cfg.data.mirror)
-        verdict("FAIL" if errors else "OK", name,
-                f"unreadable on node(s) {', '.join(errors)}: {next(iter(errors.values()))}" if errors
-                else f"{read} on every node ({len(nodes)}){from_mirror}")
+        read = "its local files match rank 0's and the first document reads"
+        if name.startswith("eval task"):
+            read = "its first example reads in the task's layout"
+        if errors:
+            first = next(iter(errors.values()))
+            verdict("FAIL", name, f"unreadable on node(s) {', '.join(errors)}: {first}")
+        else:
+            verdict("OK", name, f"{read} on every node ({len(nodes)}){from_mirror}")
 
     bad = {i: x["dump"] for i, x in enumerate(ranks) if x["dump"]}
     unshared = [i for i, x in enumerate(ranks) if not x["shared"]]
     if bad:
-        text = f"rank {min(bad)} on {ranks[min(bad)]['node']} (of {len(bad)} ranks): {bad[min(bad)]}"
+        first = min(bad)
+        text = f"rank {first} on {ranks[first]['node']} (of {len(bad)} ranks): {bad[first]}"
     elif unshared:
         text = f"ranks {unshared} do not see the file rank 0 wrote: not a shared filesystem"
     else:
         text = f"writable from every rank, and shared: rank 0's file seen by all {len(ranks)}"
     verdict("FAIL" if bad or unshared else "OK", f"dump folder {cfg.job.dump_folder}", text)
 
-    free, c = min((x["free"] for x in ranks if x["free"] is not None), default=0), cfg.checkpoint
-    done = checkpoint.checkpoints(os.path.join(cfg.job.dump_folder, c.folder))  # a resume goes on after the newest
-    saves = {s for s in range(c.interval, cfg.training.steps + 1, c.interval)} | {cfg.training.steps}  # as train.py
-    left = len([s for s in saves if s > (done[-1] if done else 0)])
-    # on disk at most: every one (keep_latest_k = 0), else k kept and the next being written (checkpoint.py deletes
-    # the old only then); those in the folder already need no new space, a save still to come needs one
-    on_disk = len(done) + left if not c.keep_latest_k else min(c.keep_latest_k + 1, len(done) + left)
-    need = c.enable * max(on_disk - len(done), min(left, 1))
-    kept = (f"keep_latest_k = {c.keep_latest_k}: {c.keep_latest_k} kept and the next one being written"
-            if c.keep_latest_k else f"keep_latest_k = 0 keeps every one: training.steps {cfg.training.steps} / "
-            f"interval {c.interval}") + f", {len(done)} already in the folder" * bool(done)
-    verdict("FAIL" if free < need * ckpt else "WARN" if free < (need + 1) * ckpt else "OK", "free space",
-            f"{free / gib:.1f} GiB for {need} more checkpoint(s) of {ckpt / gib:.2f} GiB ({kept}; bench.py memory's "
-            "fp32 weights + AdamW moments; threshold: FAIL below them, WARN below one more: a stop signal's save)"
-            if c.enable else f"{free / gib:.1f} GiB; n/a (checkpoint.enable = false)")
+    c = cfg.checkpoint
+    steps = cfg.training.steps
+    free = min((x["free"] for x in ranks if x["free"] is not None), default=0)
+    # a resume goes on after the newest
+    done = checkpoint.checkpoints(os.path.join(cfg.job.dump_folder, c.folder))
+    saves = set(range(c.interval, steps + 1, c.interval)) | {steps}  # as train.py saves
+    newest = done[-1] if done else 0
+    left = len([s for s in saves if s > newest])
+    # on disk at most: every one (keep_latest_k = 0), else k kept and the next being written
+    # (checkpoint.py deletes the old only then); those in the folder already need no new space, a
+    # save still to come needs one
+    on_disk = len(done) + left
+    if c.keep_latest_k:
+        on_disk = min(c.keep_latest_k + 1, on_disk)
+    need = max(on_disk - len(done), min(left, 1)) if c.enable else 0
+    k = c.keep_latest_k
+    if k:
+        kept = f"keep_latest_k = {k}: {k} kept and the next one being written"
+    else:
+        kept = f"keep_latest_k = 0 keeps every one: training.steps {steps} / interval {c.interval}"
+    if done:
+        kept += f", {len(done)} already in the folder"
+    space = f"{free / gib:.1f} GiB"
+    if c.enable:
+        text = (f"{space} for {need} more checkpoint(s) of {ckpt / gib:.2f} GiB ({kept}; bench.py "
+                "memory's fp32 weights + AdamW moments; threshold: FAIL below them, WARN below one "
+                "more: a stop signal's save)")
+    else:
+        text = f"{space}; n/a (checkpoint.enable = false)"
+    verdict(level(free, (need + 1) * ckpt, need * ckpt), "free space", text)
 
     shas = {}
     for i, x in enumerate(ranks):
         shas.setdefault(x["tokenizer"], []).append(i)
     if len(shas) > 1:
-        text = "; ".join(f"ranks {v} (node {ranks[v[0]]['node']}): {k[:16]}" for k, v in shas.items())
+        per_sha = [f"ranks {v} (node {ranks[v[0]]['node']}): {k[:16]}" for k, v in shas.items()]
+        text = "; ".join(per_sha)
     else:
         text = f"sha256 {ranks[0]['tokenizer'][:16]} on all {len(ranks)} ranks"
-    verdict("FAIL" if len(shas) > 1 or "missing" in ranks[0]["tokenizer"] else "OK",
-            f"tokenizer {cfg.model.tokenizer_path}", text + " (threshold: present, and one sha256 on every rank)")
-    print(f"preflight: {levels.count('FAIL')} FAIL, {levels.count('WARN')} WARN of {len(levels)} checks "
-          f"in {seconds:.1f} s")
+    text += " (threshold: present, and one sha256 on every rank)"
+    differ = len(shas) > 1
+    missing = "missing" in ranks[0]["tokenizer"]
+    verdict("FAIL" if differ or missing else "OK", f"tokenizer {cfg.model.tokenizer_path}", text)
+    print(f"preflight: {levels.count('FAIL')} FAIL, {levels.count('WARN')} WARN of {len(levels)} "
+          f"checks in {seconds:.1f} s")
     return 1 if "FAIL" in levels else 0
 
 
@@ -303,14 +396,18 @@ def main(argv: list):
     p = argparse.ArgumentParser(prog="preflight.py", description=__doc__.split("\n")[0],
                                 epilog="python preflight.py WHAT --help lists its options")
     sub = p.add_subparsers(dest="what", required=True, metavar="WHAT")
-    doc = ("launched like train.py (torchrun, srun): devices, bandwidth, data, dump folder, tokenizer on every node; "
-           "exit 1 on a FAIL")
-    job = sub.add_parser("check", help=doc, description=doc, epilog="Other --section.key value arguments set "
-                         "train.py's config (python train.py --help lists them).")
-    job.add_argument("--config", action="append", help="train.py's TOML config (e.g. configs/llama3_8b.toml)")
-    dryrun.arguments(sub.add_parser("dryrun", help=dryrun.HELP, description=dryrun.HELP, epilog=dryrun.EPILOG))
+    doc = ("launched like train.py (torchrun, srun): devices, bandwidth, data, dump folder, "
+           "tokenizer on every node; exit 1 on a FAIL")
+    epilog = ("Other --section.key value arguments set train.py's config (python train.py --help "
+              "lists them).")
+    job = sub.add_parser("check", help=doc, description=doc, epilog=epilog)
+    config_help = "train.py's TOML config (e.g. configs/llama3_8b.toml)"
+    job.add_argument("--config", action="append", help=config_help)
+    dry = sub.add_parser("dryrun", help=dryrun.HELP, description=dryrun.HELP, epilog=dryrun.EPILOG)
+    dryrun.arguments(dry)
     a, rest = p.parse_known_args(argv)
-    rest = [arg for path in a.config or [] for arg in ("--config", path)] + rest  # train.py refuses two
+    configs = [arg for path in a.config or [] for arg in ("--config", path)]  # train.py refuses two
+    rest = configs + rest
     if a.what == "dryrun":  # one CPU process, no GPU: dryrun.py
         sys.exit(dryrun.run(a.world_size, rest))
     try:
