@@ -1,7 +1,8 @@
-"""The ranks of one job, and what they tell each other: the process group and the (dp_replicate, dp_shard, tp)
-mesh with every group's wait bounded; one rank's error raised on every rank (agree); rank 0's reading handed to the
-others through the job's c10d store (a reading may outlast a collective's timeout); and the one line for a rank
-that stopped answering (lost_rank). train.py, dryrun.py and preflight.py start alike through init_distributed.
+"""The ranks of one job, and what they tell each other: the process group and the (dp_replicate,
+dp_shard, tp) mesh with every group's wait bounded; one rank's error raised on every rank (agree);
+rank 0's reading handed to the others through the job's c10d store (a reading may outlast a
+collective's timeout); and the one line for a rank that stopped answering (lost_rank). train.py,
+dryrun.py and preflight.py start alike through init_distributed.
 """
 
 import os
@@ -16,31 +17,40 @@ from torch.distributed.device_mesh import init_device_mesh
 from config import ConfigError
 from sources import DataError
 
-HERE = os.path.dirname(os.path.abspath(__file__))  # frames of this trainer's files, in lost_rank's line
+# this trainer's folder: its files' frames are the ones lost_rank's line names
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def lost_rank(e: BaseException) -> str:
-    """One line for a collective another rank never joined (gloo's timeout, or the peer gone), naming where this rank
-    waited; '' for anything else. NCCL's watchdog ends a rank itself, with its own lines."""
+    """One line for a collective another rank never joined (gloo's timeout, or the peer gone),
+    naming where this rank waited; '' for anything else. NCCL's watchdog ends a rank itself, with
+    its own lines."""
     text = str(e).replace("\n", " ")
     waited = re.search(r"Timed out waiting (\d+)ms", text)
-    gone = re.search(r"Connection (closed|reset) by peer", text)  # reset: the peer was killed (SIGKILL, lost node)
+    # reset: the peer was killed (SIGKILL, lost node)
+    gone = re.search(r"Connection (closed|reset) by peer", text)
     if not isinstance(e, RuntimeError) or not (waited or gone):
         return ""
-    ours = [f for f in traceback.extract_tb(e.__traceback__) if os.path.dirname(os.path.abspath(f.filename)) == HERE]
-    where = f" in {ours[-1].name} ({os.path.basename(ours[-1].filename)}:{ours[-1].lineno})" if ours else ""
+    frames = traceback.extract_tb(e.__traceback__)
+    ours = [f for f in frames if os.path.dirname(os.path.abspath(f.filename)) == HERE]
+    where = ""
+    if ours:
+        last = ours[-1]  # the innermost frame of our files
+        where = f" in {last.name} ({os.path.basename(last.filename)}:{last.lineno})"
     rank = os.environ.get("RANK", "0")
     if waited:
-        return (f"rank {rank}: a collective{where} waited {int(waited[1]) / 1000:g} s (comm.init_timeout_seconds) for "
-                "a rank that never joined it: a rank stopped (crashed, froze, ran out of memory, lost its node); its "
-                "log or its node's says which. Raise the timeout only if a step can take longer than that")
-    return (f"rank {rank}: a collective{where} lost its connection to another rank, which ended: that rank's own "
-            "error line or traceback says why")
+        seconds = int(waited[1]) / 1000
+        return (f"rank {rank}: a collective{where} waited {seconds:g} s "
+                "(comm.init_timeout_seconds) for a rank that never joined it: a rank stopped "
+                "(crashed, froze, ran out of memory, lost its node); its log or its node's says "
+                "which. Raise the timeout only if a step can take longer than that")
+    return (f"rank {rank}: a collective{where} lost its connection to another rank, which ended: "
+            "that rank's own error line or traceback says why")
 
 
 def agree(error: str, device) -> None:
-    """Every rank learns whether any rank failed (error non-empty), and all raise that rank's one line, so
-    no rank is left waiting in a collective for one that has stopped."""
+    """Every rank learns whether any rank failed (error non-empty), and all raise that rank's one
+    line, so no rank is left waiting in a collective for one that has stopped."""
     flag = torch.tensor(int(bool(error)), device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag:
@@ -50,11 +60,14 @@ def agree(error: str, device) -> None:
 
 
 def agree_on_reads(error: str, rank: int, wait: float) -> None:
-    """agree() after every rank read on its own (a read's retries may outlast a collective's timeout): in the job's
-    store, rank 0 waits up to `wait` s (data.resolve_timeout_seconds) for every rank's outcome, and every rank raises
-    rank 0's verdict, the first rank's error, or that a rank never answered."""
-    store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
-    key = f"checked_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"  # a restarted job's store keeps old keys
+    """agree() after every rank read on its own (a read's retries may outlast a collective's
+    timeout): in the job's store, rank 0 waits up to `wait` s (data.resolve_timeout_seconds) for
+    every rank's outcome, and every rank raises rank 0's verdict, the first rank's error, or that a
+    rank never answered."""
+    store = dist.distributed_c10d._get_default_store()
+    world = dist.get_world_size()
+    # a restarted job's store keeps old keys
+    key = f"checked_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
     store.set(f"{key}/{rank}", error)
     if rank == 0:
         keys = [f"{key}/{r}" for r in range(world)]
@@ -63,79 +76,103 @@ def agree_on_reads(error: str, rank: int, wait: float) -> None:
             verdict = next((e for e in store.multi_get(keys) if e), b"").decode()
         except RuntimeError:  # c10d's DistStoreError
             late = [r for r in range(world) if not store.check([keys[r]])]
-            verdict = (f"rank 0 waited data.resolve_timeout_seconds = {wait:g} s for rank {late[0]} (of {len(late)} "
-                       "late) to read the next document of its sources: a slow or rate-limited Hub? Raise it")
+            verdict = (f"rank 0 waited data.resolve_timeout_seconds = {wait:g} s for rank "
+                       f"{late[0]} (of {len(late)} late) to read the next document of its sources: "
+                       "a slow or rate-limited Hub? Raise it")
         store.set(f"{key}/verdict", verdict)
     try:  # rank 0's own reading, then its wait for the others
         store.wait([f"{key}/verdict"], timedelta(seconds=2 * wait))
     except RuntimeError as e:
-        raise DataError(f"rank {rank} waited 2 x data.resolve_timeout_seconds = {2 * wait:g} s for rank 0 to read "
-                        "the next document of its sources and hear from every rank: raise it") from e
+        raise DataError(f"rank {rank} waited 2 x data.resolve_timeout_seconds = {2 * wait:g} s for "
+                        "rank 0 to read the next document of its sources and hear from every rank: "
+                        "raise it") from e
     if verdict := store.get(f"{key}/verdict").decode():
         raise DataError(verdict)
 
 
-
-
 def wait_for_rank0(store, key: str, rank: int, wait: float, what: str):
-    """Where rank 0 reads alone (`what`), the others wait for it in the job's c10d store, up to `wait` s (what that
-    reading may take), not in a collective (comm.init_timeout_seconds, for ranks that are all working). Rank 0 calls
-    it when done; what it last put under `key`/doing is the waiting ranks' line if they give up."""
+    """Where rank 0 reads alone (`what`), the others wait for it in the job's c10d store, up to
+    `wait` s (what that reading may take), not in a collective (comm.init_timeout_seconds, for ranks
+    that are all working). Rank 0 calls it when done; what it last put under `key`/doing is the
+    waiting ranks' line if they give up."""
     if rank == 0:
         return store.set(key, "done")
     try:
         store.wait([key], timedelta(seconds=wait))
     except RuntimeError as e:  # c10d's DistStoreError
-        doing = store.get(f"{key}/doing").decode() if store.check([f"{key}/doing"]) else "starting"
-        raise DataError(f"rank {rank} waited data.resolve_timeout_seconds = {wait:g} s for rank 0 to read {what} "
-                        f"alone, and it was still {doing}: a slow or rate-limited Hub? Raise it") from e
+        doing = "starting"  # rank 0 put no line there yet
+        if store.check([f"{key}/doing"]):
+            doing = store.get(f"{key}/doing").decode()
+        raise DataError(f"rank {rank} waited data.resolve_timeout_seconds = {wait:g} s for rank 0 "
+                        f"to read {what} alone, and it was still {doing}: a slow or rate-limited "
+                        "Hub? Raise it") from e
 
 
 def from_rank0(t: torch.Tensor, device) -> torch.Tensor:
-    """Rank 0's 1-D tensor on every rank (the others pass any tensor of its dtype): its length, then its data."""
+    """Rank 0's 1-D tensor on every rank (the others pass any tensor of its dtype): its length, then
+    its data."""
     n = torch.tensor(len(t), device=device)
     dist.broadcast(n, src=0)
-    out = t.to(device) if dist.get_rank() == 0 else torch.empty(int(n), dtype=t.dtype, device=device)
+    if dist.get_rank() == 0:
+        out = t.to(device)
+    else:
+        out = torch.empty(int(n), dtype=t.dtype, device=device)
     dist.broadcast(out, src=0)
     return out.cpu()
 
 
 def attempt_store(timeout: timedelta) -> dict:
-    """After `torchrun --max-restarts` restarted the ranks, a store of their own: torchrun's store keeps the failed
-    attempt's keys, so a rank of this one could read a dead rank's gloo address (connection refused)."""
+    """After `torchrun --max-restarts` restarted the ranks, a store of their own: torchrun's store
+    keeps the failed attempt's keys, so a rank of this one could read a dead rank's gloo address
+    (connection refused)."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    host = os.environ["MASTER_ADDR"]
+    port = int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     return {"store": dist.PrefixStore(f"attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
             "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def init_distributed(cfg, sizes: dict, fake_rank: int = -1):  # cfg: train.py's Config
-    """This rank's device (its GPU, else the CPU), the process group and the (dp_replicate, dp_shard, tp) mesh;
-    preflight.py check starts alike. dryrun.py's fake_rank: that rank of a "fake" group of the job's size, on CPU."""
+    """This rank's device (its GPU, else the CPU), the process group and the (dp_replicate,
+    dp_shard, tp) mesh; preflight.py check starts alike. dryrun.py's fake_rank: that rank of a
+    "fake" group of the job's size, on CPU."""
     if torch.cuda.is_available() and fake_rank < 0:
-        device, backend = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))), "nccl"
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        backend = "nccl"
         torch.cuda.set_device(device)
     else:
-        device, backend = torch.device("cpu"), "gloo" if fake_rank < 0 else "fake"
+        device = torch.device("cpu")
+        backend = "gloo" if fake_rank < 0 else "fake"
     timeout = timedelta(seconds=cfg.comm.init_timeout_seconds)
-    if "RANK" in os.environ and fake_rank < 0:  # torchrun / srun
-        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
-                                **attempt_store(timeout))
-    else:  # plain `python train.py`: a one-process group, no ports needed; dryrun.py: one rank of the job
-        rank, world = (fake_rank, sizes["dp"] * cfg.parallelism.tensor_parallel_degree) if fake_rank >= 0 else (0, 1)
-        dist.init_process_group(backend, store=dist.HashStore(), rank=rank, world_size=world, timeout=timeout)
     p = cfg.parallelism
-    mesh = init_device_mesh(device.type, (p.data_parallel_replicate_degree, sizes["dp_shard"],
-                                          p.tensor_parallel_degree), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    if "RANK" in os.environ and fake_rank < 0:  # torchrun / srun
+        device_id = device if backend == "nccl" else None
+        restarted = attempt_store(timeout)  # a restarted attempt's own store, else {}
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id, **restarted)
+    else:
+        # plain `python train.py`: one process, no ports needed; dryrun.py: one rank of the job
+        rank = 0
+        world = 1
+        if fake_rank >= 0:
+            rank = fake_rank
+            world = sizes["dp"] * p.tensor_parallel_degree
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    shape = (p.data_parallel_replicate_degree, sizes["dp_shard"], p.tensor_parallel_degree)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     if p.tensor_parallel_degree > 1:
-        # The gradient norm is a sum over FSDP and TP shards: with this mesh DTensor does it in one all-reduce,
-        # not one per dimension in sequence (which can differ between ranks, and which it warns about).
+        # The gradient norm is a sum over FSDP and TP shards: with this mesh DTensor does it in one
+        # all-reduce, not one per dimension in sequence (which can differ between ranks, and which
+        # it warns about).
         mesh["dp_shard", "tp"]._flatten()
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")  # all ranks that see different data (main's dp group)
-    # The mesh's subgroups get the backend's default timeout (NCCL 10 min, gloo 30 min), not the one above: set it
-    # on every group, so a rank that freezes ends the job after init_timeout_seconds whichever group waits for it.
-    for group in list(dist.distributed_c10d._world.pg_map) if backend != "fake" else []:  # (set_timeout: torch 2.15)
-        (getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout)(timeout, group)
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")  # all ranks that see different data (main's dp)
+    # The mesh's subgroups get the backend's default timeout (NCCL 10 min, gloo 30 min), not the one
+    # above: set it on every group, so a rank that freezes ends the job after init_timeout_seconds
+    # whichever group waits for it. (set_timeout: torch 2.15)
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    for group in list(dist.distributed_c10d._world.pg_map) if backend != "fake" else []:
+        set_timeout(timeout, group)
     return device, mesh
