@@ -1,24 +1,30 @@
-"""torchtitan's DCP checkpoints, read as ours: its model tensors sit at the top level under Meta's names
-(`tok_embeddings.weight`, `layers.0.attention.wq.weight`, ...), beside `optimizer.*`, `lr_scheduler.*`,
-`dataloader.*` and `train_state.*` in a full save; its last save may hold the model alone. Ours keep `model.*`.
-checkpoint.py loads either layout for `initial_load_path`; checkpoint_convert.py converts from and to it.
+"""torchtitan's DCP checkpoints, read as ours: its model tensors sit at the top level under Meta's
+names (`tok_embeddings.weight`, `layers.0.attention.wq.weight`, ...), beside `optimizer.*`,
+`lr_scheduler.*`, `dataloader.*` and `train_state.*` in a full save; its last save may hold the
+model alone. Ours keep `model.*`. checkpoint.py loads either layout for `initial_load_path`;
+checkpoint_convert.py converts from and to it.
 """
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import set_model_state_dict
+from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
 from float8 import plain
 
-TITAN_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")  # a full torchtitan save, beside the model
+# a full torchtitan save, beside the model
+TITAN_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # torchtitan's optimizer keys, as ours
 
 
 def model_prefix(keys) -> str:
-    """How a DCP checkpoint names its model tensors: "model." + Meta's name (ours), or Meta's name alone
-    (torchtitan's: its model sits at the top level, beside optimizer.*, lr_scheduler.* and the rest)."""
+    """How a DCP checkpoint names its model tensors: "model." + Meta's name (ours), or Meta's name
+    alone (torchtitan's: its model sits at the top level, beside optimizer.*, lr_scheduler.* and the
+    rest)."""
     titan = "tok_embeddings.weight" in keys and not any(k.startswith("model.") for k in keys)
     return "" if titan else "model."
 
@@ -31,9 +37,9 @@ def model_keys(keys) -> dict:
 
 
 class PlainLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner (flat keys), but what was pickled (torchtitan's step and lr schedule: ints) is read with
-    weights_only=True, as everything else here, into `values`: dcp.load hands the planner a copy of the state
-    dict, so that copy's non-tensor entries never reach the caller's."""
+    """DCP's planner (flat keys), but what was pickled (torchtitan's step and lr schedule: ints) is
+    read with weights_only=True, as everything else here, into `values`: dcp.load hands the planner
+    a copy of the state dict, so that copy's non-tensor entries never reach the caller's."""
 
     def __init__(self):
         super().__init__(flatten_state_dict=False)
@@ -44,10 +50,11 @@ class PlainLoadPlanner(DefaultLoadPlanner):
 
 
 def load_torchtitan(path: str, model, optimizer=None, scheduler=None) -> int:
-    """Loads a torchtitan checkpoint's model into `model`; with an `optimizer` (a full save) also its AdamW
-    moments (the same flattened keys as ours) and its lr schedule's position into `scheduler`. Returns its step
-    (0 for the weights alone). Its data position is its own loader's and cannot carry over; its token count is
-    one rank's, so a run continued from it counts tokens from 0."""
+    """Loads a torchtitan checkpoint's model into `model`; with an `optimizer` (a full save) also
+    its AdamW moments (the same flattened keys as ours) and its lr schedule's position into
+    `scheduler`. Returns its step (0 for the weights alone). Its data position is its own loader's
+    and cannot carry over; its token count is one rank's, so a run continued from it counts tokens
+    from 0."""
     weights = {k: plain(v) for k, v in get_model_state_dict(model).items()}
     state = dict(weights)
     if optimizer is not None:
@@ -62,12 +69,13 @@ def load_torchtitan(path: str, model, optimizer=None, scheduler=None) -> int:
         return 0
     saved = {k.removeprefix("optimizer."): state[k] for k in moments}
     set_optimizer_state_dict(model, optimizer, {**opt, **saved}, options=FLAT)
-    position = int(planner.values["lr_scheduler.last_epoch"])  # torchtitan steps it once per step too
-    # Our schedule at its position (torchtitan's own lr curve differs slightly: its warmup reaches the
-    # peak one step earlier), so the lr continues rather than restarting warm-up.
+    # torchtitan steps it once per step too
+    position = int(planner.values["lr_scheduler.last_epoch"])
+    # Our schedule at its position (torchtitan's own lr curve differs slightly: its warmup reaches
+    # the peak one step earlier), so the lr continues rather than restarting warm-up.
     lrs = [base * f(position) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    scheduler.load_state_dict({**scheduler.state_dict(), "last_epoch": position,
-                               "_step_count": position + 1, "_last_lr": lrs})
+    at = {"last_epoch": position, "_step_count": position + 1, "_last_lr": lrs}
+    scheduler.load_state_dict({**scheduler.state_dict(), **at})
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
     return int(planner.values["train_state.step"])
