@@ -1,16 +1,18 @@
-"""Downstream accuracy in the training loop: multiple-choice tasks scored as lm-evaluation-harness scores them
-(0-shot, its prompts, its answer keys), so a number here is the number `lm_eval --model hf` gives for the same
-weights exported with `checkpoint_convert.py dcp2hf`. train.py calls check() with the config, read_once() at start-up
-(which reads [validation]'s held-out windows and load()s the tasks on rank 0 and hands both to every rank: a missing
-or malformed task is one error line then, not a crash at step N), evaluate() every [eval] freq steps and validate()
-(held-out loss) every [validation] freq steps.
+"""Downstream accuracy in the training loop: multiple-choice tasks scored as lm-evaluation-harness
+scores them (0-shot, its prompts, its answer keys), so a number here is the number
+`lm_eval --model hf` gives for the same weights exported with `checkpoint_convert.py dcp2hf`.
+train.py calls check() with the config, read_once() at start-up (which reads [validation]'s
+held-out windows and load()s the tasks on rank 0 and hands both to every rank: a missing or
+malformed task is one error line then, not a crash at step N), evaluate() every [eval] freq steps
+and validate() (held-out loss) every [validation] freq steps.
 
-Scoring (lm_eval/api/task.py and models/huggingface.py, v0.4): an example's context is the task's prompt, each
-choice is scored as the continuation " " + choice, by the sum of its tokens' log-probabilities given BOS + context
-(the text is tokenized whole and split at the context's length, as lm-eval does). acc: the choice with the
-highest sum is the answer; acc_norm: the highest sum per character of the choice. Ties go to the first choice.
+Scoring (lm_eval/api/task.py and models/huggingface.py, v0.4): an example's context is the task's
+prompt, each choice is scored as the continuation " " + choice, by the sum of its tokens'
+log-probabilities given BOS + context (the text is tokenized whole and split at the context's
+length, as lm-eval does). acc: the choice with the highest sum is the answer; acc_norm: the highest
+sum per character of the choice. Ties go to the first choice.
 
-To add a task: one entry in TASKS (where its data is, which split, the prompt, the choices, the answer).
+To add a task: one entry in TASKS (where its data is, its split, prompt, choices and answer).
 """
 
 import contextlib
@@ -41,24 +43,25 @@ from sources import RETRY_DELAYS, DataError, DataSource, HubFile, retry_or_raise
 
 @dataclass(frozen=True)
 class Task:
-    """One multiple-choice task as lm-evaluation-harness defines it (lm_eval/tasks/<name>/*.yaml)."""
+    """One multiple-choice task as lm-evaluation-harness defines it (lm_eval/tasks/NAME/*.yaml)."""
     path: str  # the Hub dataset lm-eval reads
     config: Optional[str]  # its config (dataset_name), if any
     split: str  # the split lm-eval scores (test_split, else validation_split)
     context: Callable[[dict], str]  # example -> the prompt (doc_to_text)
-    choices: Callable[[dict], list]  # example -> the answers (doc_to_choice), each scored after a space
+    choices: Callable[[dict], list]  # example -> the answers (doc_to_choice), scored after a space
     answer: Callable[[dict], int]  # example -> the index of the right answer (doc_to_target)
 
 
 def hellaswag_text(text: str) -> str:
-    """lm-eval's hellaswag preprocess: WikiHow's [title]/[header] markers out, double spaces single."""
+    """lm-eval's hellaswag preprocess: WikiHow's [title]/[header] markers out, double spaces one."""
     text = text.strip().replace(" [title]", ". ")
     return re.sub(r"\[.*?\]", "", text).replace("  ", " ")
 
 
 def arc(config: str) -> Task:
     return Task("allenai/ai2_arc", config, "test", lambda d: f"Question: {d['question']}\nAnswer:",
-                lambda d: list(d["choices"]["text"]), lambda d: list(d["choices"]["label"]).index(d["answerKey"]))
+                lambda d: list(d["choices"]["text"]),
+                lambda d: list(d["choices"]["label"]).index(d["answerKey"]))
 
 
 TASKS = {
@@ -103,17 +106,20 @@ def check(cfg) -> None:
     if len(set(names)) < len(names):
         raise ConfigError(f"eval.tasks names a task twice ({', '.join(names)}): one table per task")
     if e.enable and not names:
-        raise ConfigError('eval.enable is set but eval.tasks is empty; add [[eval.tasks]] tables (name = "hellaswag")')
+        raise ConfigError("eval.enable is set but eval.tasks is empty; add [[eval.tasks]] tables "
+                          '(name = "hellaswag")')
 
 
 def sources(e: Eval) -> list:
-    """The enabled tasks' data as sources of the run's data manifest (pinned with the validation sources, when
-    first used: a resume may add a task)."""
-    return [DataSource(name=t.name, path=t.path or TASKS[t.name].path, config=TASKS[t.name].config, text_column="",
-                       split=TASKS[t.name].split, revision=t.revision) for t in e.tasks] if e.enable else []
+    """The enabled tasks' data as sources of the run's data manifest (pinned with the validation
+    sources, when first used: a resume may add a task)."""
+    tasks = e.tasks if e.enable else []
+    return [DataSource(name=t.name, path=t.path or TASKS[t.name].path, config=TASKS[t.name].config,
+                       text_column="", split=TASKS[t.name].split, revision=t.revision) for t in tasks]
 
 
-def read_examples(src: DataSource, manifest: dict, limit: int, timeout: float, budget: float = math.inf) -> list:
+def read_examples(src: DataSource, manifest: dict, limit: int, timeout: float,
+                  budget: float = math.inf) -> list:
     """The first `limit` (-1: all) rows of the task's split, whole, from the files the manifest pinned. A read waits
     `timeout` seconds for a byte; a file's retries stop within `budget` seconds ([comm] init_timeout_seconds)."""
     rows = []
@@ -130,7 +136,7 @@ def read_examples(src: DataSource, manifest: dict, limit: int, timeout: float, b
                         f = fsspec.compression.compr[compression](f, mode="rb") if compression else f
                         part = [json.loads(line) for line in f if line.strip()]
                 break
-            except Exception as e:  # a next try the Hub does not answer fails within one request's `timeout`
+            except Exception as e:  # a next try the Hub ignores fails within one request's `timeout`
                 retry_or_raise(src.name, src.path, f"reading {path}", e, failures, started, budget, timeout)
         rows += part
         if 0 <= limit <= len(rows):
@@ -138,30 +144,35 @@ def read_examples(src: DataSource, manifest: dict, limit: int, timeout: float, b
     return rows
 
 
-def load(e: Eval, tokenizer, max_seq_len: int, manifest: dict, timeout: float, budget: float = math.inf) -> dict:
-    """Per task: its examples as scoring requests, the same on every rank. A request is (tokens, n): BOS + context
-    + continuation, the last n of which are the choice's; a choice's log-likelihood is the sum over those n.
-    `timeout`, `budget`: read_examples'."""
+def load(e: Eval, tokenizer, max_seq_len: int, manifest: dict, timeout: float,
+         budget: float = math.inf) -> dict:
+    """Per task: its examples as scoring requests, the same on every rank. A request is (tokens, n):
+    BOS + context + continuation, the last n of which are the choice's; a choice's log-likelihood is
+    the sum over those n. `timeout`, `budget`: read_examples'."""
     tasks = {}
     for src in sources(e):
-        task, requests, examples = TASKS[src.name], [], []
+        task = TASKS[src.name]
+        requests = []  # (tokens, n) per choice of each example
+        examples = []  # (choices, answer, each choice's characters) per example
         rows = read_examples(src, manifest, e.limit, timeout, budget)
         for i, row in enumerate(rows):
             try:
-                context, choices, answer = task.context(row), task.choices(row), task.answer(row)
+                context = task.context(row)
+                choices = task.choices(row)
+                answer = task.answer(row)
                 if not 0 <= answer < len(choices) or not all(isinstance(c, str) for c in choices):
                     raise ValueError(f"answer {answer} of {len(choices)} choices")
             except (KeyError, TypeError, ValueError, AttributeError, IndexError) as bad:
-                raise DataError(f"eval task {src.name!r}: example {i} of {src.path} is not in the task's layout "
-                                f"({type(bad).__name__}: {str(bad)[:200]}); point [[eval.tasks]] path at a copy of "
-                                f"{task.path}".replace("\n", " "))
-            # lm-eval moves the context's trailing spaces to the continuation, encodes context + continuation
-            # whole and takes the tokens after the context's own encoding as the continuation's.
+                raise DataError(f"eval task {src.name!r}: example {i} of {src.path} is not in the "
+                                f"task's layout ({type(bad).__name__}: {str(bad)[:200]}); point "
+                                f"[[eval.tasks]] path at a copy of {task.path}".replace("\n", " "))
+            # lm-eval moves the context's trailing spaces to the continuation, encodes both whole
+            # and takes the tokens after the context's own encoding as the continuation's.
             context_ids = tokenizer.encode(context.rstrip(), bos=True, eos=False)
             for choice in choices:
                 ids = tokenizer.encode(context + " " + choice, bos=True, eos=False)
                 n = len(ids) - len(context_ids)  # the choice's tokens
-                ids = ids[-(max_seq_len + 1):]  # longer than the model's window: the last tokens, as lm-eval keeps
+                ids = ids[-(max_seq_len + 1):]  # past the model's window: the last, as lm-eval keeps
                 requests.append((ids, min(n, len(ids) - 1)))
             examples.append((len(choices), answer, [len(c) for c in choices]))
         if not examples:
@@ -172,26 +183,28 @@ def load(e: Eval, tokenizer, max_seq_len: int, manifest: dict, timeout: float, b
 
 @torch.no_grad()
 def evaluate(model, tasks: dict, batch: int, device, dp_group, tp: int) -> dict:
-    """acc and acc_norm per task. Requests are split over the data-parallel ranks (TP ranks of a replica share
-    theirs), each rank runs the same number of forwards (FSDP's collectives), and one all-reduce sums the
-    log-likelihoods, so every layout scores the same."""
+    """acc and acc_norm per task. Requests are split over the data-parallel ranks (TP ranks of a
+    replica share theirs), each rank runs the same number of forwards (FSDP's collectives), and one
+    all-reduce sums the log-likelihoods, so every layout scores the same."""
     model.eval()
-    rank, dp = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+    rank = dist.get_rank(dp_group)
+    dp = dist.get_world_size(dp_group)
     result = {"eval_acc": {}, "eval_acc_norm": {}, "eval_examples": {}}
     for name, (requests, examples) in tasks.items():
-        # One row length per task (a multiple of 64 and of tp: sequence parallelism splits it): few compiled shapes.
+        # One row length per task (a multiple of 64 and tp, which SP splits): few compiled shapes.
         width = -(-max(len(ids) - 1 for ids, _ in requests) // (64 * tp)) * 64 * tp
         mine = list(range(rank, len(requests), dp))
         lls = torch.zeros(len(requests), dtype=torch.float64, device=device)
-        for b in range(0, -(-len(requests) // dp), batch):  # every rank: ceil(requests / dp) rows, in batches
+        for b in range(0, -(-len(requests) // dp), batch):  # every rank: ceil(requests / dp) rows
             rows = mine[b:b + batch]
             inputs = torch.zeros(batch, width, dtype=torch.long)
-            labels = torch.full((batch, width), -100, dtype=torch.long)  # (batch, width): the choices' tokens only
+            labels = torch.full((batch, width), -100, dtype=torch.long)  # the choices' tokens only
             for r, i in enumerate(rows):
                 ids, n = requests[i]
                 inputs[r, :len(ids) - 1] = torch.tensor(ids[:-1])
                 labels[r, len(ids) - 1 - n:len(ids) - 1] = torch.tensor(ids[-n:])
-            inputs, labels = inputs.to(device), labels.to(device)
+            inputs = inputs.to(device)
+            labels = labels.to(device)
             with loss_parallel() if tp > 1 else contextlib.nullcontext():
                 nll = F.cross_entropy(model(inputs).flatten(0, 1).float(), labels.flatten(), reduction="none")
             nll = nll.full_tensor() if isinstance(nll, DTensor) else nll
@@ -199,7 +212,7 @@ def evaluate(model, tasks: dict, batch: int, device, dp_group, tp: int) -> dict:
         dist.all_reduce(lls, group=dp_group)
         acc = norm = 0
         for ll, (n, answer, chars) in zip(lls.cpu().split([n for n, _, _ in examples]), examples):
-            acc += int(ll.argmax()) == answer  # argmax: the first of equal maxima, as numpy's in lm-eval
+            acc += int(ll.argmax()) == answer  # the first of equal maxima, as numpy's in lm-eval
             norm += int((ll / torch.tensor(chars, dtype=torch.float64)).argmax()) == answer
         result["eval_acc"][name] = acc / len(examples)
         result["eval_acc_norm"][name] = norm / len(examples)
@@ -208,40 +221,44 @@ def evaluate(model, tasks: dict, batch: int, device, dp_group, tp: int) -> dict:
     return result
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Read once per job, and [validation]'s held-out loss
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def read_once(cfg, tokenizer, max_seq_len: int, manifest: dict, device) -> tuple:
     """[validation]'s held-out windows ({source: (sequences, seq_len + 1) tokens}) and [eval]'s requests (load()),
     the same on every rank of the job (`cfg`: train.py's config): rank 0 alone reads and tokenizes them and hands
     them over in three broadcasts, so 2,048 ranks read the Hub once, not 2,048 times. A source or task that cannot
     be read is rank 0's one line, raised on every rank."""
-    v, seq_len, windows, head = cfg.validation, cfg.training.seq_len, [], {}
+    v = cfg.validation
+    seq_len = cfg.training.seq_len
+    windows = []  # rank 0's: one (sequences, seq_len + 1) tensor per held-out source
+    head = {}  # rank 0's: the windows' counts and the tasks, or its error
     store = dist.distributed_c10d._get_default_store()
-    key = f"read_once_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"  # a restarted job's store keeps old keys
-    limits = cfg.data.hub_timeout_seconds, cfg.comm.init_timeout_seconds  # a request's wait, a file's retries
+    key = f"read_once_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"  # a restart keeps old keys
+    limits = cfg.data.hub_timeout_seconds, cfg.comm.init_timeout_seconds  # a request's, a file's
     if dist.get_rank() == 0:
         try:
             for src in v.sources if v.enable else []:
                 store.set(f"{key}/doing", f"reading the held-out windows of {src.name!r}")
                 sequences = None if v.sequences == -1 else v.sequences
-                windows.append(torch.tensor(heldout_windows(src, tokenizer, seq_len, sequences, manifest, *limits),
-                                            dtype=torch.int32))  # (sequences, seq_len + 1)
+                held = heldout_windows(src, tokenizer, seq_len, sequences, manifest, *limits)
+                windows.append(torch.tensor(held, dtype=torch.int32))  # (sequences, seq_len + 1)
             store.set(f"{key}/doing", f"reading the eval tasks {[t.name for t in sources(cfg.eval)]}")
             tasks = load(cfg.eval, tokenizer, max_seq_len, manifest, *limits)
             head = {"counts": [len(w) for w in windows], "tasks": tasks}
         except DataError as e:
             head = {"error": str(e)}
-    # The others wait in the store while rank 0 reads (its retries may outlast a collective), not in the broadcasts
-    wait_for_rank0(store, key, dist.get_rank(), cfg.data.resolve_timeout_seconds, "the held-out windows and eval tasks")
+    # The others wait in the store while rank 0 reads (retries may outlast a collective)
+    what = "the held-out windows and eval tasks"
+    wait_for_rank0(store, key, dist.get_rank(), cfg.data.resolve_timeout_seconds, what)
     # JSON, not pickle: what a rank receives is data, never code
-    head = json.loads(from_rank0(torch.frombuffer(bytearray(json.dumps(head).encode()), dtype=torch.uint8),
-                                 device).numpy().tobytes())
+    sent = torch.frombuffer(bytearray(json.dumps(head).encode()), dtype=torch.uint8)
+    head = json.loads(from_rank0(sent, device).numpy().tobytes())
     if "error" in head:
         raise DataError(head["error"])
-    flat = from_rank0(torch.cat([w.flatten() for w in windows]) if windows else torch.zeros(0, dtype=torch.int32),
-                      device)
+    empty = torch.zeros(0, dtype=torch.int32)  # no held-out source, or not rank 0
+    flat = from_rank0(torch.cat([w.flatten() for w in windows]) if windows else empty, device)
     names = [src.name for src in v.sources] if v.enable else []
     return dict(zip(names, flat.view(-1, seq_len + 1).split(head["counts"]))), head["tasks"]
 
@@ -253,10 +270,12 @@ def heldout_share(windows: dict, batch: int, dp_rank: int, dp: int, ignore: Call
     heldout = {}
     for name, rows in windows.items():
         n = -(-len(rows) // (dp * batch)) * batch  # rows per rank, whole batches
-        mine, seq_len = rows[dp_rank::dp].long(), rows.shape[1] - 1  # (rows, seq_len + 1)
+        mine = rows[dp_rank::dp].long()  # (rows, seq_len + 1)
+        seq_len = rows.shape[1] - 1
         inputs = torch.zeros(n, seq_len, dtype=torch.long)
         labels = torch.full((n, seq_len), -100, dtype=torch.long)
-        inputs[:len(mine)], labels[:len(mine)] = mine[:, :-1], ignore(mine[:, 1:])
+        inputs[:len(mine)] = mine[:, :-1]
+        labels[:len(mine)] = ignore(mine[:, 1:])
         heldout[name] = (inputs, labels)
     return heldout
 
@@ -265,15 +284,17 @@ def heldout_share(windows: dict, batch: int, dp_rank: int, dp: int, ignore: Call
 def validate(model, heldout: dict, batch: int, device, dp_group, tp: int) -> dict:
     """Mean held-out loss per source and overall (per token), and the tokens evaluated."""
     model.eval()
-    sums = torch.zeros(len(heldout), 2, dtype=torch.float64, device=device)  # per source: loss sum, tokens
+    sums = torch.zeros(len(heldout), 2, dtype=torch.float64, device=device)  # loss sum, tokens
     for i, (inputs, labels) in enumerate(heldout.values()):
         for b in range(0, len(inputs), batch):
-            x, y = inputs[b:b + batch].to(device), labels[b:b + batch].to(device)
+            x = inputs[b:b + batch].to(device)
+            y = labels[b:b + batch].to(device)
             with loss_parallel() if tp > 1 else contextlib.nullcontext():
-                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")  # -100 is ignored
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")  # -100: ignored
             sums[i, 0] += loss.full_tensor() if isinstance(loss, DTensor) else loss
             sums[i, 1] += (y != -100).sum()
     dist.all_reduce(sums, group=dp_group)
     model.train()
-    return {"validation_loss": (sums[:, 0].sum() / sums[:, 1].sum()).item(), "validation_tokens": int(sums[:, 1].sum()),
+    loss = (sums[:, 0].sum() / sums[:, 1].sum()).item()
+    return {"validation_loss": loss, "validation_tokens": int(sums[:, 1].sum()),
             "validation_source_loss": {name: (s[0] / s[1]).item() for name, s in zip(heldout, sums)}}
