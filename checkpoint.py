@@ -113,7 +113,8 @@ class Checkpointer:
 
     def resume(self):
         """(step, tokens_seen): from the newest complete step-N (or load_step), else initial_load_path."""
-        cfg, done = self.cfg, [checkpoints(self.folder, warn=True) if self.cfg.enable and self.rank == 0 else []]
+        cfg = self.cfg
+        done = [checkpoints(self.folder, warn=True) if cfg.enable and self.rank == 0 else []]
         dist.broadcast_object_list(done, src=0)  # rank 0 lists, every rank loads what it chose: NFS listings can differ
         done = done[0]
         if cfg.load_step >= 0 and cfg.load_step not in done:
@@ -155,7 +156,8 @@ class Checkpointer:
     def agreed_metadata(self, path: str) -> dict:
         """metadata(path) as rank 0 finds it, on every rank: a node's view of a shared filesystem can be stale, so
         rank 0 alone checks it, and every rank stops with rank 0's line, or with that of a rank that cannot read it."""
-        error, meta = "", None
+        error = ""  # this rank's line, if it cannot read the metadata
+        meta = None
         try:
             reader = dcp.FileSystemReader(path)
             meta = self.metadata(path) if self.rank == 0 else reader.read_metadata().state_dict_metadata
@@ -171,7 +173,8 @@ class Checkpointer:
         return meta
 
     def load(self, path: str, model_only: bool):
-        meta, rank_key = self.agreed_metadata(path), f"rank{self.rank}"
+        meta = self.agreed_metadata(path)
+        rank_key = f"rank{self.rank}"  # this rank's RNG state in the checkpoint
         if model_prefix(meta) == "":  # torchtitan's layout
             if not model_only and "train_state.step" not in meta:
                 raise CheckpointError(f"{path} is a model-only torchtitan save (its last_save_model_only export): "
@@ -216,7 +219,8 @@ class Checkpointer:
         self.loader.load_state_dict({s: json_from(state["data"][f"stream{s}"]) for s in self.loader.stream_ids})
         if "rng" in state:
             torch.set_rng_state(state["rng"][rank_key])
-        step, steps = int(train["step"]), int(train.get("steps", self.steps))
+        step = int(train["step"])
+        steps = int(train.get("steps", self.steps))  # the run's training.steps, as saved
         logger.info(f"resumed from {path} at step {step}")
         saved = json_from(train["notes"]) if "notes" in train else {}  # older checkpoints have none
         if changed := [f"{k} {saved[k]!r} -> {v!r}" for k, v in self.notes.items() if k in saved and saved[k] != v]:
@@ -232,7 +236,8 @@ class Checkpointer:
             self.finish()
         if self.group is None:  # every rank saves at the same step: a collective
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.save_timeout_seconds))
-        t0, tmp = time.perf_counter(), os.path.join(self.folder, f".step-{step}.tmp")
+        t0 = time.perf_counter()
+        tmp = os.path.join(self.folder, f".step-{step}.tmp")
         if self.rank == 0:  # clear leftovers of crashed saves
             os.makedirs(self.folder, exist_ok=True)
             for d in [d for d in os.listdir(self.folder) if re.fullmatch(r"\.step-\d+\.tmp", d)]:
@@ -314,7 +319,8 @@ class Checkpointer:
 
     def put_in_place(self, step: int):
         """Rank 0's part of a commit: params.json, then the one rename."""
-        tmp, final = os.path.join(self.folder, f".step-{step}.tmp"), os.path.join(self.folder, f"step-{step}")
+        tmp = os.path.join(self.folder, f".step-{step}.tmp")
+        final = os.path.join(self.folder, f"step-{step}")
         with open(os.path.join(tmp, "params.json"), "w") as f:  # what checkpoint_convert.py needs
             json.dump(self.model.args.params(), f, indent=2)
         shutil.rmtree(final, ignore_errors=True)
