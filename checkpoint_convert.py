@@ -95,7 +95,8 @@ def load_meta(dir: str):
     if len(shards) > 1:
         # Merge one layer at a time, reopening the mmaps in between: dropping them releases the pages
         # already copied, so peak memory is the merged model plus one layer, not twice the model.
-        want, merged = expected_shapes(args), {}
+        want = expected_shapes(args)
+        merged = {}  # the merged tensors so far
         for _, keys in itertools.groupby(shards[0], lambda k: re.match(r"layers\.\d+|[^.]+", k)[0]):
             shards = shards or open_shards()
             for k in keys:
@@ -236,7 +237,8 @@ def args_from_hf(c: dict, path: str) -> ModelArgs:
         raise ConvertError(f"{path}: rope {rope} is not Llama 3's (model.py hardcodes {LLAMA31_ROPE})")
     # HF stores the FFN width, Meta a rule for it: round up to a multiple of the width itself (after
     # scaling down where the width is under Meta's 8/3 * dim). Biases would show as unexpected tensors.
-    dim, width = c["hidden_size"], c["intermediate_size"]
+    dim = c["hidden_size"]
+    width = c["intermediate_size"]  # the feed-forward's hidden width
     theta = c.get("rope_theta") or rope.get("rope_theta", 10000.0)  # HF's default
     return model_args(dict(dim=dim, n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
                            n_kv_heads=c.get("num_key_value_heads"), vocab_size=c["vocab_size"],
@@ -303,7 +305,8 @@ def find_tokenizer(dcp_dir: str, given) -> str:
     """--tokenizer_path, else the run's: the trainer writes <dump_folder>/config.toml and its checkpoints to
     <dump_folder>/<checkpoint.folder>/step-N; else train.py's default. A relative path is tried from here,
     then from the repo (where train.py runs)."""
-    path, step = DEFAULT_TOKENIZER if given is None else given, os.path.realpath(dcp_dir)
+    path = DEFAULT_TOKENIZER if given is None else given
+    step = os.path.realpath(dcp_dir)
     dump = ckpt_folder = os.path.dirname(step)
     trainer_step = given is None and re.fullmatch(r"step-\d+", os.path.basename(step))
     while trainer_step and dump != os.path.dirname(dump):
