@@ -1,15 +1,16 @@
-"""Train Llama 3 with FSDP2 (+ optional tensor parallelism), from one CPU process to thousands of GPUs.
+r"""Train Llama 3 with FSDP2 (+ optional tensor parallelism): one CPU process to thousands of GPUs.
 
     python train.py --config configs/debug_model.toml                          # 1 process (CPU ok)
     torchrun --standalone --nproc_per_node 2 train.py --config configs/debug_model.toml
     torchrun --nproc_per_node 8 train.py --config configs/llama3_8b.toml --training.steps 100
-    torchrun --nproc_per_node 8 train.py --config configs/llama3_8b.toml --parallelism.tensor_parallel_degree 2
+    torchrun --nproc_per_node 8 train.py \
+        --config configs/llama3_8b.toml --parallelism.tensor_parallel_degree 2
     sbatch --nodes 4 slurm/multinode.sbatch                                     # see README
     python train.py --help                                                      # every config key
 
 Config precedence: --section.key value on the command line > the TOML file > the defaults below.
-One flat main(cfg), top to bottom: config, mesh, model, parallelize, optimizer, data, checkpoint, loop.
-What the files beside it do: the README's table.
+One flat main(cfg), top to bottom: config, mesh, model, parallelize, optimizer, data, checkpoint,
+loop. What the files beside it do: the README's table.
 """
 
 import contextlib
@@ -33,8 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
-from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.parallel import SequenceParallel, loss_parallel, parallelize_module
 
 import config
 import evals
@@ -50,11 +51,13 @@ from model import Transformer, flavors, keyed_normal_
 from sources import DataError, DataSource
 
 logger = logging.getLogger("train")
-LEFT_OPEN = []  # main()'s checkpointer and metrics logger: an error exit (below main) closes them first
+# main()'s checkpointer and metrics logger: an error exit (below main) closes them first
+LEFT_OPEN = []
 
 
 # -------------------------------------------------------------------------------------------------
-# Config: each field is `name: type = default  # one-line doc` (the doc is what --help prints; config.py reads them)
+# Config: each field is `name: type = default  # one-line doc` (the doc is what --help prints;
+# config.py reads it, or a comment line just above a field whose doc is long)
 # -------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -70,7 +73,7 @@ class Model:
     n_layers: int = 0  # 0: the flavor's; N: the flavor's width with N blocks (e.g. an 8B-wide model on one GPU)
     tokenizer_path: str = "assets/tokenizer/tokenizer.model"  # Llama 3 tokenizer.model (tiktoken); sets vocab_size
     attn_mask_type: str = "causal"  # causal, or block_causal: attention stays inside each document (Llama 3's recipe)
-    converters: list = field(default_factory=list)  # ["float8"]: the blocks' Linear layers train in float8 with torchao (H100 and newer; see [float8])
+    converters: list = field(default_factory=list)  # ["float8"]: the blocks' Linear layers train in float8 (torchao; H100+; [float8])
 
 
 @dataclass
@@ -157,11 +160,12 @@ class Data:
     seed: int = 1234  # seeds the file order of every source (a new order each epoch)
     num_streams: int = 0  # logical data streams (a multiple of the DP degree); 0: the DP degree
     num_workers: int = 0  # loader processes per rank that read and tokenize ahead; 0: in the training process
-    manifest: str = ""  # a manifest from `download_data.py --manifest PATH`; empty: dump_folder/data_manifest.json, made at the first start
+    manifest: str = ""  # from `download_data.py --manifest PATH`; empty: dump_folder/data_manifest.json, made at the first start
     mirror: str = ""  # a folder from `download_data.py --to DIR`: the pinned Hub files it holds are read there, checked
     hub_timeout_seconds: float = 60.0  # a Hub read that gets no byte for this long is retried from where it was
     resolve_timeout_seconds: int = 1800  # the other ranks wait this long for rank 0 to resolve the sources (first start)
-    sources: list[DataSource] = field(default_factory=list)  # [[data.sources]] tables: name, path, config, data_files, split, revision, text_column, weight
+    # [[data.sources]] tables: name, path, config, data_files, split, revision, text_column, weight
+    sources: list[DataSource] = field(default_factory=list)
 
 
 @dataclass
@@ -170,9 +174,11 @@ class Validation:
     freq: int = 500  # steps between rounds
     sequences: int = 64  # held-out windows per source: its first N, the same set on every layout and resume; -1: all
     local_batch_size: int = 8  # sequences per data-parallel rank per batch
-    sources: list[DataSource] = field(default_factory=list)  # [[validation.sources]] tables, keys as in [[data.sources]] (weight unused)
-    RENAMED: ClassVar[dict] = {"steps": "sequences = N, the first N windows of each source on every layout (steps x "
-                                        "local_batch_size x data-parallel ranks gives the old set)"}
+    sources: list[DataSource] = field(default_factory=list)  # [[validation.sources]]: keys as in [[data.sources]] (weight unused)
+    # a key that was renamed: its error names the successor
+    RENAMED: ClassVar[dict] = {
+        "steps": "sequences = N, the first N windows of each source on every layout "
+                 "(steps x local_batch_size x data-parallel ranks gives the old set)"}
 
 
 @dataclass
@@ -192,6 +198,7 @@ class Config:
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)
     eval: evals.Eval = field(default_factory=evals.Eval)  # evals.py: downstream tasks, the section and its rules
+
 
 
 class RunError(RuntimeError):
