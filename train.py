@@ -206,24 +206,28 @@ class RunError(RuntimeError):
 
 
 def load_config(argv) -> Config:
-    """Defaults, then the TOML file (--config), then --section.key value overrides (config.py parses)."""
+    """Defaults, then the TOML file (--config), then --section.key overrides (config.py parses)."""
     return config.load(Config, argv, __doc__)
 
 
 def flavor_args(cfg: Config, vocab_size: int = 0, bos_id=None):
-    """The flavor's ModelArgs with [model]'s settings, and the tokenizer's vocab_size and BOS when given."""
+    """The flavor's ModelArgs with [model]'s settings, the tokenizer's vocab and BOS if given."""
     args = flavors[cfg.model.flavor]
-    return dataclasses.replace(args, n_layers=cfg.model.n_layers or args.n_layers, bos_id=bos_id,
-                               vocab_size=vocab_size or args.vocab_size, attn_mask_type=cfg.model.attn_mask_type)
+    n_layers = cfg.model.n_layers or args.n_layers  # 0: the flavor's
+    vocab_size = vocab_size or args.vocab_size  # 0: the flavor's
+    return dataclasses.replace(args, n_layers=n_layers, bos_id=bos_id, vocab_size=vocab_size,
+                               attn_mask_type=cfg.model.attn_mask_type)
 
 
-LLAMA3_BOS = 128000  # <|begin_of_text|> of Meta's tokenizer: model_args' BOS when the file is not on this machine
+# <|begin_of_text|> of Meta's tokenizer: model_args' BOS when the file is not on this machine
+LLAMA3_BOS = 128000
 
 
 def model_args(cfg: Config, tokenizer=None):
-    """The model this config trains: the flavor's shapes with the tokenizer's vocabulary and BOS (train.py's rule).
-    Programs that plan or measure a run (bench.py, the dry run, preflight) build theirs here too, so they count
-    the vocabulary the run will have; on a machine without the tokenizer file they get Llama 3's."""
+    """The model this config trains: the flavor's shapes with the tokenizer's vocabulary and BOS
+    (train.py's rule). Programs that plan or measure a run (bench.py, the dry run, preflight) build
+    theirs here too, so they count the vocabulary the run will have; on a machine without the
+    tokenizer file they get Llama 3's."""
     if tokenizer is None and os.path.exists(cfg.model.tokenizer_path):
         tokenizer = Tokenizer(cfg.model.tokenizer_path)
     if tokenizer is None:
@@ -232,38 +236,50 @@ def model_args(cfg: Config, tokenizer=None):
 
 
 def validate(cfg: Config, world_size: int) -> dict:
-    """Reject configs that cannot work, before any process group or model exists. Returns derived sizes."""
-    t, p, v = cfg.training, cfg.parallelism, cfg.validation
+    """Reject configs that cannot work, before any process group or model exists. Returns the
+    derived sizes."""
+    t = cfg.training
+    p = cfg.parallelism
+    v = cfg.validation
     if cfg.model.flavor not in flavors:
         raise unknown("model.flavor", cfg.model.flavor, flavors)
-    pos, nonneg, prob = (lambda x: x >= 1, ">= 1"), (lambda x: x >= 0, ">= 0"), (lambda x: 0 <= x < 1, "in [0, 1)")
-    minus1_or, positive = (lambda x: x == -1 or x >= 1, "-1 or >= 1"), (lambda x: 0 < x < math.inf, "a positive number")
+    # a rule: (check, what the value must be)
+    pos = (lambda x: x >= 1, ">= 1")
+    nonneg = (lambda x: x >= 0, ">= 0")
+    prob = (lambda x: 0 <= x < 1, "in [0, 1)")
+    minus1_or = (lambda x: x == -1 or x >= 1, "-1 or >= 1")
+    positive = (lambda x: 0 < x < math.inf, "a positive number")
 
     def one_of(*names):
         return lambda x: x in names, f"one of {', '.join(names)}"
 
-    rules = {  # key: (check, what it must be); NaN fails every comparison, so it is caught too
-        "training.steps": pos, "training.local_batch_size": pos, "training.seq_len": pos, "metrics.log_freq": pos,
-        "checkpoint.interval": pos, "checkpoint.save_timeout_seconds": pos,
+    ac_option = (lambda x: x == "op" or (x.isdigit() and int(x) > 0), "'op' or a positive integer")
+    rules = {  # key: its rule, checked in order; NaN fails every comparison, so it is caught too
+        "training.steps": pos, "training.local_batch_size": pos, "training.seq_len": pos,
+        "metrics.log_freq": pos, "checkpoint.interval": pos, "checkpoint.save_timeout_seconds": pos,
         "parallelism.tensor_parallel_degree": pos, "comm.init_timeout_seconds": pos,
-        "parallelism.data_parallel_replicate_degree": pos, "parallelism.data_parallel_shard_degree": minus1_or,
+        "parallelism.data_parallel_replicate_degree": pos,
+        "parallelism.data_parallel_shard_degree": minus1_or,
         "training.global_batch_size": minus1_or, "optimizer.lr": positive, "optimizer.eps": positive,
-        "optimizer.beta1": prob, "optimizer.beta2": prob, "optimizer.weight_decay": nonneg, "training.max_norm": nonneg,
-        "lr_scheduler.warmup_steps": nonneg, "lr_scheduler.min_lr_factor": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+        "optimizer.beta1": prob, "optimizer.beta2": prob, "optimizer.weight_decay": nonneg,
+        "training.max_norm": nonneg, "lr_scheduler.warmup_steps": nonneg,
+        "lr_scheduler.min_lr_factor": (lambda x: 0 <= x <= 1, "in [0, 1]"),
         "lr_scheduler.decay_ratio": (lambda x: x == -1 or 0 < x <= 1, "-1 or in (0, 1]"),
         "checkpoint.keep_latest_k": nonneg, "checkpoint.load_step": (lambda x: x >= -1, "-1 or >= 0"),
-        "metrics.peak_tflops": nonneg, "data.num_streams": nonneg, "data.num_workers": nonneg, "model.n_layers": nonneg,
-        "data.hub_timeout_seconds": positive, "data.resolve_timeout_seconds": pos,
-        "validation.freq": pos, "validation.sequences": minus1_or, "validation.local_batch_size": pos,
+        "metrics.peak_tflops": nonneg, "data.num_streams": nonneg, "data.num_workers": nonneg,
+        "model.n_layers": nonneg, "data.hub_timeout_seconds": positive,
+        "data.resolve_timeout_seconds": pos, "validation.freq": pos,
+        "validation.sequences": minus1_or, "validation.local_batch_size": pos,
         "activation_checkpoint.mode": one_of("none", "full", "selective"),
         "model.attn_mask_type": one_of("causal", "block_causal"),
         "lr_scheduler.decay_type": one_of("linear", "cosine", "sqrt"),
         "training.mixed_precision_param": one_of("bfloat16", "float32"),
-        "training.mixed_precision_reduce": one_of("bfloat16", "float32"), "optimizer.name": one_of("AdamW"),
+        "training.mixed_precision_reduce": one_of("bfloat16", "float32"),
+        "optimizer.name": one_of("AdamW"),
         "model.converters": (lambda x: set(x) <= {"float8"}, '[] or ["float8"]'),
-        "checkpoint.async_mode": one_of("disabled", "async"), "checkpoint.export_dtype": one_of("float32", "bfloat16"),
-        "activation_checkpoint.selective_ac_option": (lambda x: x == "op" or (x.isdigit() and int(x) > 0),
-                                                      "'op' or a positive integer"),
+        "checkpoint.async_mode": one_of("disabled", "async"),
+        "checkpoint.export_dtype": one_of("float32", "bfloat16"),
+        "activation_checkpoint.selective_ac_option": ac_option,
     }
     for key, (ok, allowed) in rules.items():
         value = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
@@ -275,67 +291,85 @@ def validate(cfg: Config, world_size: int) -> dict:
     if t.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {t.seq_len} exceeds the {cfg.model.flavor} model's "
                           f"max_seq_len {args.max_seq_len}")
-    tp, rep = p.tensor_parallel_degree, p.data_parallel_replicate_degree
-    shard = p.data_parallel_shard_degree if p.data_parallel_shard_degree != -1 else world_size // (tp * rep)
+    tp = p.tensor_parallel_degree
+    rep = p.data_parallel_replicate_degree
+    shard = p.data_parallel_shard_degree
+    if shard == -1:  # whatever is left of the world size
+        shard = world_size // (tp * rep)
     if shard < 1 or rep * shard * tp != world_size:
-        raise ConfigError(f"parallelism: data_parallel_replicate_degree {rep} x data_parallel_shard_degree "
-                          f"{p.data_parallel_shard_degree} x tensor_parallel_degree {tp} must equal the "
-                          f"world size {world_size}")
+        raise ConfigError(f"parallelism: data_parallel_replicate_degree {rep} "
+                          f"x data_parallel_shard_degree {p.data_parallel_shard_degree} "
+                          f"x tensor_parallel_degree {tp} must equal the world size {world_size}")
     if args.n_heads % tp or args.n_kv_heads % tp:
-        raise ConfigError(f"parallelism.tensor_parallel_degree = {tp} must divide the {cfg.model.flavor} "
-                          f"model's n_heads {args.n_heads} and n_kv_heads {args.n_kv_heads}")
+        raise ConfigError(f"parallelism.tensor_parallel_degree = {tp} must divide "
+                          f"the {cfg.model.flavor} model's n_heads {args.n_heads} "
+                          f"and n_kv_heads {args.n_kv_heads}")
     if tp > 1 and t.seq_len % tp:
-        raise ConfigError(f"training.seq_len = {t.seq_len} must be divisible by tensor_parallel_degree {tp} "
-                          "(sequence parallelism splits it)")
+        raise ConfigError(f"training.seq_len = {t.seq_len} must be divisible by "
+                          f"tensor_parallel_degree {tp} (sequence parallelism splits it)")
     dp = rep * shard
     gbs = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
     if gbs % (t.local_batch_size * dp):
-        raise ConfigError(f"training.global_batch_size = {gbs} must be a multiple of local_batch_size "
-                          f"{t.local_batch_size} x data-parallel degree {dp}")
+        raise ConfigError(f"training.global_batch_size = {gbs} must be a multiple of "
+                          f"local_batch_size {t.local_batch_size} x data-parallel degree {dp}")
     if sum(s.weight for s in cfg.data.sources) <= 0:
-        raise ConfigError("data.sources is empty or its weights sum to 0: add [[data.sources]] with a weight > 0")
+        raise ConfigError("data.sources is empty or its weights sum to 0: "
+                          "add [[data.sources]] with a weight > 0")
     if v.enable and not v.sources:
-        raise ConfigError("validation.enable is set but validation.sources is empty; add [[validation.sources]] tables")
-    # While one rank waits up to hub_timeout_seconds for a Hub read, the others wait in a collective: it must fit there
-    hub = [s.name for s in cfg.data.sources + (v.sources if v.enable else []) + evals.sources(cfg.eval)
-           if not os.path.isdir(s.path)]  # not a local folder: a Hub dataset id
+        raise ConfigError("validation.enable is set but validation.sources is empty; "
+                          "add [[validation.sources]] tables")
+    # While one rank waits up to hub_timeout_seconds for a Hub read, the others wait in a
+    # collective: it must fit there
+    in_use = cfg.data.sources + (v.sources if v.enable else []) + evals.sources(cfg.eval)
+    hub = [s.name for s in in_use if not os.path.isdir(s.path)]  # not a local folder: a Hub id
     if hub and not cfg.data.hub_timeout_seconds < cfg.comm.init_timeout_seconds:
-        raise ConfigError(f"data.hub_timeout_seconds = {cfg.data.hub_timeout_seconds:g} must be below "
-                          f"comm.init_timeout_seconds = {cfg.comm.init_timeout_seconds} (source {hub[0]!r} is on the "
-                          "Hub): one read that waits that long outlasts the other ranks' wait in a collective")
+        raise ConfigError(f"data.hub_timeout_seconds = {cfg.data.hub_timeout_seconds:g} "
+                          f"must be below comm.init_timeout_seconds = "
+                          f"{cfg.comm.init_timeout_seconds} (source {hub[0]!r} is on the Hub): "
+                          "one read that waits that long outlasts the other ranks' wait "
+                          "in a collective")
     streams = cfg.data.num_streams or dp
     if streams % dp or t.local_batch_size % (streams // dp):
-        raise ConfigError(f"data.num_streams = {streams} must be a multiple of the data-parallel degree {dp} "
-                          f"and divide into local_batch_size {t.local_batch_size} per rank")
-    return {"dp_shard": shard, "dp": dp, "global_batch_size": gbs, "grad_accum": gbs // (t.local_batch_size * dp)}
+        raise ConfigError(f"data.num_streams = {streams} must be a multiple of the data-parallel "
+                          f"degree {dp} and divide into local_batch_size {t.local_batch_size} "
+                          "per rank")
+    grad_accum = gbs // (t.local_batch_size * dp)  # micro-batches per optimizer step
+    return {"dp_shard": shard, "dp": dp, "global_batch_size": gbs, "grad_accum": grad_accum}
 
 
-# A resume must keep every key of these sections (a new hyperparameter is checked with no edit here)...
+# A resume must keep every key of these sections (a new hyperparameter is checked, no edit here)...
+
 RESUME_CHECKED = ("model", "training", "optimizer", "lr_scheduler", "data")
-# ...except these, which a resume may change: how long and how fast to train, clipping, precision (float8
-# included: the weights are the same), the layout's batch split, workers, and where the tokenizer, the data
-# manifest and its mirror live (their sha256 is checked). The other sections (job, parallelism, checkpoint,
-# activation_checkpoint, compile, float8, metrics, comm, validation, eval) may always change.
+# ...except these, which a resume may change: how long and how fast to train, clipping, precision
+# (float8 included: the weights are the same), the layout's batch split, workers, and where the
+# tokenizer, the data manifest and its mirror live (their sha256 is checked). The other sections
+# (job, parallelism, checkpoint, activation_checkpoint, compile, float8, metrics, comm, validation,
+# eval) may always change.
 RESUME_MAY_CHANGE = {
-    "training.steps", "training.local_batch_size", "training.max_norm", "training.seed", "training.deterministic",
-    "training.mixed_precision_param", "training.mixed_precision_reduce", "optimizer.lr", "lr_scheduler.warmup_steps",
-    "lr_scheduler.decay_ratio", "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor", "model.tokenizer_path",
-    "model.converters", "data.num_workers", "data.manifest", "data.mirror", "data.hub_timeout_seconds",
-    "data.resolve_timeout_seconds",
+    "training.steps", "training.local_batch_size", "training.max_norm", "training.seed",
+    "training.deterministic", "training.mixed_precision_param", "training.mixed_precision_reduce",
+    "optimizer.lr", "lr_scheduler.warmup_steps", "lr_scheduler.decay_ratio",
+    "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor", "model.tokenizer_path",
+    "model.converters", "data.num_workers", "data.manifest", "data.mirror",
+    "data.hub_timeout_seconds", "data.resolve_timeout_seconds",
 }
 
 
 def run_keys(cfg: Config, model_args, sizes: dict, manifest: dict) -> dict:
-    """What a resume must not change (RESUME_CHECKED less RESUME_MAY_CHANGE), with derived values where the config
-    leaves a choice to the layout: a run may resume on more or fewer GPUs if the global batch and num_streams stay.
-    A checkpoint is checked on the keys it holds (older ones hold fewer)."""
-    keys = {f"{sec}.{k}": v for sec in RESUME_CHECKED for k, v in dataclasses.asdict(getattr(cfg, sec)).items()
-            if f"{sec}.{k}" not in RESUME_MAY_CHANGE}
+    """What a resume must not change (RESUME_CHECKED less RESUME_MAY_CHANGE), with derived values
+    where the config leaves a choice to the layout: a run may resume on more or fewer GPUs if the
+    global batch and num_streams stay. A checkpoint is checked on the keys it holds (older ones hold
+    fewer)."""
+    sections = {f"{sec}.{k}": v for sec in RESUME_CHECKED
+                for k, v in dataclasses.asdict(getattr(cfg, sec)).items()}
+    keys = {key: v for key, v in sections.items() if key not in RESUME_MAY_CHANGE}
     with open(cfg.model.tokenizer_path, "rb") as f:
         keys["model.tokenizer_sha256"] = hashlib.sha256(f.read()).hexdigest()
-    keys.update({"model.n_layers": model_args.n_layers, "training.global_batch_size": sizes["global_batch_size"],
-                 "data.num_streams": cfg.data.num_streams or sizes["dp"],
-                 "data.sources_sha256": manifest_sha256(manifest)})
+    # the values the layout would otherwise choose
+    keys["model.n_layers"] = model_args.n_layers
+    keys["training.global_batch_size"] = sizes["global_batch_size"]
+    keys["data.num_streams"] = cfg.data.num_streams or sizes["dp"]
+    keys["data.sources_sha256"] = manifest_sha256(manifest)
     return keys
 
 
