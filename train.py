@@ -200,7 +200,6 @@ class Config:
     eval: evals.Eval = field(default_factory=evals.Eval)  # evals.py: downstream tasks, the section and its rules
 
 
-
 class RunError(RuntimeError):
     """The run had to stop (a non-finite loss or gradient norm): one line, exit 3."""
 
@@ -338,7 +337,6 @@ def validate(cfg: Config, world_size: int) -> dict:
 
 
 # A resume must keep every key of these sections (a new hyperparameter is checked, no edit here)...
-
 RESUME_CHECKED = ("model", "training", "optimizer", "lr_scheduler", "data")
 # ...except these, which a resume may change: how long and how fast to train, clipping, precision
 # (float8 included: the weights are the same), the layout's batch split, workers, and where the
@@ -378,35 +376,43 @@ def run_keys(cfg: Config, model_args, sizes: dict, manifest: dict) -> dict:
 # -------------------------------------------------------------------------------------------------
 
 def parallelize(model: Transformer, mesh, cfg: Config):
-    """torchtitan's order: tensor parallel, activation checkpointing, compile, then FSDP2 (which must wrap
-    the modules the steps before produced). Each step takes only what it needs."""
+    """torchtitan's order: tensor parallel, activation checkpointing, compile, then FSDP2 (which
+    must wrap the modules the steps before produced). Each step takes only what it needs."""
+    ac = cfg.activation_checkpoint
     if mesh["tp"].size() > 1:
-        apply_tp(model, mesh["tp"], float8.tp_styles(model, mesh.device_type, cfg.float8.recipe_name))
-    if cfg.activation_checkpoint.mode != "none":
-        apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+        styles = float8.tp_styles(model, mesh.device_type, cfg.float8.recipe_name)
+        apply_tp(model, mesh["tp"], styles)
+    if ac.mode != "none":
+        apply_ac(model, ac.mode, ac.selective_ac_option)
     if cfg.compile.enable:
         apply_compile(model)
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    param_dtype = dtypes[cfg.training.mixed_precision_param]
+    reduce_dtype = dtypes[cfg.training.mixed_precision_reduce]
     # HSDP: shard within dp_shard, replicate across dp_replicate.
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
-    apply_fsdp(model, dp_mesh, dtypes[cfg.training.mixed_precision_param], dtypes[cfg.training.mixed_precision_reduce])
+    hsdp = mesh["dp_replicate"].size() > 1
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
+    apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype)
 
 
 def apply_tp(model: Transformer, tp_mesh, float8_styles=None):
-    """The tensor-parallel plan, keyed by Meta's weight names, with sequence parallel between blocks:
-    activations are sharded on seq (Shard(1)) for norms and residual adds, gathered before attention and
-    the FFN, and reduce-scattered after wo and w2. float8_styles: torchao's (float8.tp_styles)."""
+    """The tensor-parallel plan, keyed by Meta's weight names, with sequence parallel between
+    blocks: activations are sharded on seq (Shard(1)) for norms and residual adds, gathered before
+    attention and the FFN, and reduce-scattered after wo and w2. float8_styles: torchao's
+    (float8.tp_styles)."""
     col, row, prepare = float8_styles or (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
     root_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        # Logits stay sharded on the vocab (loss parallel): no rank ever holds (tokens x vocab) whole.
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        # Logits stay sharded on the vocab (loss parallel): no rank holds (tokens x vocab) whole.
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                  use_local_output=False),
     }
     block_plan = {
         "attention_norm": SequenceParallel(),
         # (x, freqs_cis, mask): the mask (None, or one for the whole sequence) stays as it is
-        "attention": prepare(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
+        "attention": prepare(input_layouts=(Shard(1), None, None),
+                             desired_input_layouts=(Replicate(), None, None)),
         "attention.wq": col(),
         "attention.wk": col(),
         "attention.wv": col(),
@@ -423,10 +429,12 @@ def apply_tp(model: Transformer, tp_mesh, float8_styles=None):
     replicate_unplanned(model, tp_mesh)
 
 
-# Selective AC keeps these ops' outputs (expensive to recompute) and recomputes the cheap elementwise rest.
+# Selective AC keeps these ops' outputs (expensive to recompute) and recomputes the cheap
+# elementwise rest.
 AC_SAVE = {
     torch.ops.aten.mm.default,
-    torch.ops.aten.max.default,  # float8's amax reductions (torchtitan keeps them too): recomputing one costs a pass
+    # float8's amax reductions (torchtitan keeps them too): recomputing one costs a pass
+    torch.ops.aten.max.default,
     torch.ops.aten._scaled_mm.default,  # float8 matmuls on a GPU
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
@@ -437,8 +445,8 @@ AC_SAVE = {
 
 
 def apply_ac(model: Transformer, mode: str, selective_ac_option: str):
-    """Activation checkpointing per block: "full", or "selective" with option "op" (keep AC_SAVE's outputs)
-    or N (full AC on every Nth block)."""
+    """Activation checkpointing per block: "full", or "selective" with option "op" (keep AC_SAVE's
+    outputs) or N (full AC on every Nth block)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -448,7 +456,8 @@ def apply_ac(model: Transformer, mode: str, selective_ac_option: str):
     for i, block in enumerate(model.layers):
         if mode == "selective" and selective_ac_option == "op":
             context_fn = partial(create_selective_checkpoint_contexts, policy)
-            model.layers[i] = checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
+            model.layers[i] = checkpoint_wrapper(block, context_fn=context_fn,
+                                                 preserve_rng_state=False)
         elif mode == "full" or i % int(selective_ac_option) == 0:
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
@@ -461,33 +470,39 @@ def apply_compile(model: Transformer):
 
 def apply_fsdp(model: Transformer, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype):
     """FSDP2 per block, then the root (embeddings, final norm, output)."""
-    scalar = next((n for n, q in model.named_parameters() if q.ndim == 0), None)  # fully_shard splits dim 0
+    # fully_shard splits dim 0
+    scalar = next((n for n, q in model.named_parameters() if q.ndim == 0), None)
     if scalar:
-        raise ConfigError(f"parameter {scalar} has shape (): FSDP2 cannot shard a scalar; give it shape (1,)")
+        raise ConfigError(f"parameter {scalar} has shape (): FSDP2 cannot shard a scalar; "
+                          "give it shape (1,)")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for i, block in enumerate(model.layers):
         # The last block's parameters are needed again right away by backward: don't free them.
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(model.layers) - 1)
+        last = i == len(model.layers) - 1
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=not last)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
 def replicate_unplanned(model: torch.nn.Module, tp_mesh):
-    """Parameters the TP plan does not name (a q/k norm, a gate) become replicated on the TP mesh (clip_grad_norm_
-    needs one mesh). Each TP rank computes on its own share of the activations, so the gradients are summed over
-    TP ranks: right for per-token modules anywhere except on the inputs gathered for wq/wk/wv and w1/w3."""
+    """Parameters the TP plan does not name (a q/k norm, a gate) become replicated on the TP mesh
+    (clip_grad_norm_ needs one mesh). Each TP rank computes on its own share of the activations, so
+    the gradients are summed over TP ranks: right for per-token modules anywhere except on the
+    inputs gathered for wq/wk/wv and w1/w3."""
     for name, module in model.named_modules():
         own = [n for n, q in module.named_parameters(recurse=False) if not isinstance(q, DTensor)]
         if not own:
             continue
         if module._forward_pre_hooks or module._forward_hooks:  # already given a style by the plan
-            raise ConfigError(f"tensor parallel: parameter {name}.{own[0]} is not in the TP plan and its module "
-                              "has a TP style; add it to the plan in train.parallelize")
+            raise ConfigError(f"tensor parallel: parameter {name}.{own[0]} is not in the TP plan "
+                              "and its module has a TP style; "
+                              "add it to the plan in train.parallelize")
         parallelize_module(module, tp_mesh, SequenceParallel(sequence_dim=0, use_local_output=True))
 
 
 def layout_independent_normal(seed: int):
-    """An init fill for model.init_weights whose values depend on (seed, weight name, position) only,
-    so 1 process, FSDP and TP start from identical weights. Each rank fills only its own shard."""
+    """An init fill for model.init_weights whose values depend on (seed, weight name, position)
+    only, so 1 process, FSDP and TP start from identical weights. Each rank fills only its own
+    shard."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     def fill(name: str, w: torch.Tensor, std: float):
