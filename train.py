@@ -259,12 +259,14 @@ def validate(cfg: Config, world_size: int) -> dict:
         "parallelism.tensor_parallel_degree": pos, "comm.init_timeout_seconds": pos,
         "parallelism.data_parallel_replicate_degree": pos,
         "parallelism.data_parallel_shard_degree": minus1_or,
-        "training.global_batch_size": minus1_or, "optimizer.lr": positive, "optimizer.eps": positive,
-        "optimizer.beta1": prob, "optimizer.beta2": prob, "optimizer.weight_decay": nonneg,
+        "training.global_batch_size": minus1_or, "optimizer.lr": positive,
+        "optimizer.eps": positive, "optimizer.beta1": prob, "optimizer.beta2": prob,
+        "optimizer.weight_decay": nonneg,
         "training.max_norm": nonneg, "lr_scheduler.warmup_steps": nonneg,
         "lr_scheduler.min_lr_factor": (lambda x: 0 <= x <= 1, "in [0, 1]"),
         "lr_scheduler.decay_ratio": (lambda x: x == -1 or 0 < x <= 1, "-1 or in (0, 1]"),
-        "checkpoint.keep_latest_k": nonneg, "checkpoint.load_step": (lambda x: x >= -1, "-1 or >= 0"),
+        "checkpoint.keep_latest_k": nonneg,
+        "checkpoint.load_step": (lambda x: x >= -1, "-1 or >= 0"),
         "metrics.peak_tflops": nonneg, "data.num_streams": nonneg, "data.num_workers": nonneg,
         "model.n_layers": nonneg, "data.hub_timeout_seconds": positive,
         "data.resolve_timeout_seconds": pos, "validation.freq": pos,
@@ -517,42 +519,54 @@ def layout_independent_normal(seed: int):
 
 
 # -------------------------------------------------------------------------------------------------
-# Optimizer, lr schedule, the loss (validation and evals: evals.py; where the numbers go: metrics.py)
+# Optimizer, lr schedule, the loss (validation, evals: evals.py; where the numbers go: metrics.py)
 # -------------------------------------------------------------------------------------------------
 
 def build_optimizer(model, cfg: Config, device: torch.device):
     """The optimizer and its lr schedule. Checkpointing saves whatever state the optimizer keeps."""
     o = cfg.optimizer
-    # fused: one kernel per step on CUDA and CPU alike (on the debug model's CPU step ~10x faster than foreach)
+    # fused: one kernel per step on CUDA and CPU alike (on the debug model's CPU step ~10x faster
+    # than foreach)
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   weight_decay=o.weight_decay, fused=True)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
+    return optimizer, scheduler
 
 
-def forward_backward(model, inputs, labels, global_tokens: torch.Tensor, dp: int, tp: int) -> torch.Tensor:
-    """One micro-batch: forward, loss, backward. The loss is this micro-batch's share of the global batch's mean:
-    its summed cross-entropy over the positions that count (label != -100) divided by global_tokens, those of the
-    whole global batch (every micro-batch on every dp rank). So 1 process, FSDP, TP and accumulation give the same
-    loss. Returns the share (detached, plain) for the log. The place to change the objective (z-loss, another
-    loss): the loop around it only accumulates, clips and steps."""
+def forward_backward(model, inputs, labels, global_tokens: torch.Tensor, dp: int,
+                     tp: int) -> torch.Tensor:
+    """One micro-batch: forward, loss, backward. The loss is this micro-batch's share of the global
+    batch's mean: its summed cross-entropy over the positions that count (label != -100) divided by
+    global_tokens, those of the whole global batch (every micro-batch on every dp rank). So 1
+    process, FSDP, TP and accumulation give the same loss. Returns the share (detached, plain) for
+    the log. The place to change the objective (z-loss, another loss): the loop around it only
+    accumulates, clips and steps."""
     with loss_parallel() if tp > 1 else contextlib.nullcontext():
         logits = model(inputs)  # (local_batch_size, seq_len, vocab_size), vocab-sharded under TP
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / global_tokens
+        summed = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        loss = summed / global_tokens
         del logits
-        (loss * dp).backward()  # FSDP averages the gradients over the dp ranks: undo its division by dp
-    return loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()  # replicated over TP
+        # FSDP averages the gradients over the dp ranks: undo its division by dp
+        (loss * dp).backward()
+    loss = loss.detach()
+    return loss.to_local() if isinstance(loss, DTensor) else loss  # replicated over TP
 
 
 def ignore_boundaries(labels: torch.Tensor, args) -> torch.Tensor:
-    """Labels with the positions that carry no signal set to -100 (ignored by the loss). Under block_causal
-    that is each position whose label is a document's BOS: the token before it is the previous document's
-    last one, and the mask hides everything of the new document from it. Causal keeps every position."""
-    return labels.masked_fill(labels == args.bos_id, -100) if args.attn_mask_type == "block_causal" else labels
+    """Labels with the positions that carry no signal set to -100 (ignored by the loss). Under
+    block_causal that is each position whose label is a document's BOS: the token before it is the
+    previous document's last one, and the mask hides everything of the new document from it. Causal
+    keeps every position."""
+    if args.attn_mask_type != "block_causal":
+        return labels
+    return labels.masked_fill(labels == args.bos_id, -100)
 
 
 def lr_factor(step: int, cfg: Config) -> float:
-    """Multiplier on the peak lr at optimizer step `step` (0-based): warmup, stable, decay to min_lr_factor."""
-    s, total = cfg.lr_scheduler, cfg.training.steps
+    """Multiplier on the peak lr at optimizer step `step` (0-based): warmup, stable, decay to
+    min_lr_factor."""
+    s = cfg.lr_scheduler
+    total = cfg.training.steps
     warmup = min(s.warmup_steps, total)
     if step < warmup:
         return (step + 1) / (warmup + 1)
@@ -571,9 +585,11 @@ def lr_factor(step: int, cfg: Config) -> float:
 # -------------------------------------------------------------------------------------------------
 
 def open_dump_folder(cfg: Config, rank: int, device):
-    """Every rank checks that the dump folder is usable. Rank 0 returns an flock on it, held for the whole run (the OS
-    releases it however the process ends): a second job pointed here stops before it touches config or checkpoints."""
-    error, lock = "", None
+    """Every rank checks that the dump folder is usable. Rank 0 returns an flock on it, held for the
+    whole run (the OS releases it however the process ends): a second job pointed here stops before
+    it touches config or checkpoints."""
+    error = ""  # this rank's one line, if the folder cannot be used
+    lock = None  # rank 0's
     try:
         os.makedirs(cfg.job.dump_folder, exist_ok=True)
         if not os.access(cfg.job.dump_folder, os.W_OK):
@@ -582,8 +598,8 @@ def open_dump_folder(cfg: Config, rank: int, device):
             lock = open(os.path.join(cfg.job.dump_folder, ".lock"), "a")
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        error = (f"job.dump_folder = {cfg.job.dump_folder!r} is in use by another run (its .lock is held); "
-                 "wait for that run to end or choose another dump_folder")
+        error = (f"job.dump_folder = {cfg.job.dump_folder!r} is in use by another run "
+                 "(its .lock is held); wait for that run to end or choose another dump_folder")
     except OSError as e:
         error = f"job.dump_folder = {cfg.job.dump_folder!r} cannot be used: {e}"
     agree(error, device)
@@ -594,18 +610,28 @@ def open_dump_folder(cfg: Config, rank: int, device):
 
 
 def share_manifest(cfg: Config, rank: int, device) -> dict:
-    """The files of every source: rank 0 alone resolves them (or reads the run's pinned manifest), every rank
-    gets them through the job's store (data_manifest.shared_manifest). Then each node checks the local files
-    in use once, split over its ranks (a node-local copy may differ)."""
-    held_out = (cfg.validation.sources if cfg.validation.enable else []) + evals.sources(cfg.eval)  # in use
+    """The files of every source: rank 0 alone resolves them (or reads the run's pinned manifest),
+    every rank gets them through the job's store (data_manifest.shared_manifest). Then each node
+    checks the local files in use once, split over its ranks (a node-local copy may differ)."""
+    validation = cfg.validation.sources if cfg.validation.enable else []
+    held_out = validation + evals.sources(cfg.eval)  # in use
     if rank == 0:
-        logger.info("data manifest: rank 0 reads or makes it; the others wait up to data.resolve_timeout_seconds")
-    make = partial(pinned_manifest, cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, held_out,
-                   cfg.data.hub_timeout_seconds, cfg.comm.init_timeout_seconds)  # a request's wait, the retries' budget
-    manifest = shared_manifest(dist.distributed_c10d._get_default_store(), rank, cfg.data.resolve_timeout_seconds, make)
-    local = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        logger.info("data manifest: rank 0 reads or makes it; "
+                    "the others wait up to data.resolve_timeout_seconds")
+    hub_wait = cfg.data.hub_timeout_seconds  # a request's wait
+    budget = cfg.comm.init_timeout_seconds  # the retries' budget
+    make = partial(pinned_manifest, cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources,
+                   held_out, hub_wait, budget)
+    store = dist.distributed_c10d._get_default_store()
+    manifest = shared_manifest(store, rank, cfg.data.resolve_timeout_seconds, make)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     in_use = [*cfg.data.sources, *held_out]
-    agree(manifest if isinstance(manifest, str) else verify_manifest(manifest, *local, in_use), device)
+    if isinstance(manifest, str):  # rank 0's one line
+        error = manifest
+    else:
+        error = verify_manifest(manifest, local_rank, local_world, in_use)
+    agree(error, device)
     return manifest
 
 
