@@ -51,8 +51,7 @@ from model import Transformer, flavors, keyed_normal_
 from sources import DataError, DataSource
 
 logger = logging.getLogger("train")
-# main()'s checkpointer and metrics logger: an error exit (below main) closes them first
-LEFT_OPEN = []
+LEFT_OPEN = []  # main()'s checkpointer and metrics logger: an error exit closes them first
 
 
 # -------------------------------------------------------------------------------------------------
@@ -218,15 +217,13 @@ def flavor_args(cfg: Config, vocab_size: int = 0, bos_id=None):
                                attn_mask_type=cfg.model.attn_mask_type)
 
 
-# <|begin_of_text|> of Meta's tokenizer: model_args' BOS when the file is not on this machine
-LLAMA3_BOS = 128000
+LLAMA3_BOS = 128000  # Meta's <|begin_of_text|>: model_args' BOS when the tokenizer file is absent
 
 
 def model_args(cfg: Config, tokenizer=None):
     """The model this config trains: the flavor's shapes with the tokenizer's vocabulary and BOS
     (train.py's rule). Programs that plan or measure a run (bench.py, the dry run, preflight) build
-    theirs here too, so they count the vocabulary the run will have; on a machine without the
-    tokenizer file they get Llama 3's."""
+    theirs here too, so they count the run's vocabulary; without the tokenizer file, Llama 3's."""
     if tokenizer is None and os.path.exists(cfg.model.tokenizer_path):
         tokenizer = Tokenizer(cfg.model.tokenizer_path)
     if tokenizer is None:
@@ -235,8 +232,7 @@ def model_args(cfg: Config, tokenizer=None):
 
 
 def validate(cfg: Config, world_size: int) -> dict:
-    """Reject configs that cannot work, before any process group or model exists. Returns the
-    derived sizes."""
+    """Reject configs that cannot work, before a process group or model exists; return the sizes."""
     t = cfg.training
     p = cfg.parallelism
     v = cfg.validation
@@ -319,8 +315,7 @@ def validate(cfg: Config, world_size: int) -> dict:
     if v.enable and not v.sources:
         raise ConfigError("validation.enable is set but validation.sources is empty; "
                           "add [[validation.sources]] tables")
-    # While one rank waits up to hub_timeout_seconds for a Hub read, the others wait in a
-    # collective: it must fit there
+    # One Hub read's wait (hub_timeout_seconds) must fit in the other ranks' wait in a collective
     in_use = cfg.data.sources + (v.sources if v.enable else []) + evals.sources(cfg.eval)
     hub = [s.name for s in in_use if not os.path.isdir(s.path)]  # not a local folder: a Hub id
     if hub and not cfg.data.hub_timeout_seconds < cfg.comm.init_timeout_seconds:
@@ -358,8 +353,7 @@ RESUME_MAY_CHANGE = {
 def run_keys(cfg: Config, model_args, sizes: dict, manifest: dict) -> dict:
     """What a resume must not change (RESUME_CHECKED less RESUME_MAY_CHANGE), with derived values
     where the config leaves a choice to the layout: a run may resume on more or fewer GPUs if the
-    global batch and num_streams stay. A checkpoint is checked on the keys it holds (older ones hold
-    fewer)."""
+    global batch and num_streams stay. A checkpoint is checked on the keys it holds (old: fewer)."""
     sections = {f"{sec}.{k}": v for sec in RESUME_CHECKED
                 for k, v in dataclasses.asdict(getattr(cfg, sec)).items()}
     keys = {key: v for key, v in sections.items() if key not in RESUME_MAY_CHANGE}
@@ -371,6 +365,18 @@ def run_keys(cfg: Config, model_args, sizes: dict, manifest: dict) -> dict:
     keys["data.num_streams"] = cfg.data.num_streams or sizes["dp"]
     keys["data.sources_sha256"] = manifest_sha256(manifest)
     return keys
+
+
+def run_summary(cfg: Config, model: Transformer, world_size: int, sizes: dict) -> str:
+    """The start-up log line: the model, its size and vocabulary, the layout, the config's file."""
+    p = cfg.parallelism
+    description = cfg.job.description + ": " if cfg.job.description else ""
+    return (f"{description}model {cfg.model.flavor} "
+            f"({model.num_params():,} parameters, vocab {model.args.vocab_size:,}), "
+            f"world {world_size} = dp_replicate {p.data_parallel_replicate_degree} "
+            f"x dp_shard {sizes['dp_shard']} x tp {p.tensor_parallel_degree}, "
+            f"grad accumulation {sizes['grad_accum']}; "
+            f"config in {os.path.join(cfg.job.dump_folder, 'config.toml')}")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -400,8 +406,7 @@ def parallelize(model: Transformer, mesh, cfg: Config):
 def apply_tp(model: Transformer, tp_mesh, float8_styles=None):
     """The tensor-parallel plan, keyed by Meta's weight names, with sequence parallel between
     blocks: activations are sharded on seq (Shard(1)) for norms and residual adds, gathered before
-    attention and the FFN, and reduce-scattered after wo and w2. float8_styles: torchao's
-    (float8.tp_styles)."""
+    attention and the FFN, reduce-scattered after wo and w2. float8_styles: float8.tp_styles'."""
     col, row, prepare = float8_styles or (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
     root_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -431,12 +436,10 @@ def apply_tp(model: Transformer, tp_mesh, float8_styles=None):
     replicate_unplanned(model, tp_mesh)
 
 
-# Selective AC keeps these ops' outputs (expensive to recompute) and recomputes the cheap
-# elementwise rest.
+# Selective AC keeps these ops' outputs (costly to recompute), recomputes the cheap elementwise rest
 AC_SAVE = {
     torch.ops.aten.mm.default,
-    # float8's amax reductions (torchtitan keeps them too): recomputing one costs a pass
-    torch.ops.aten.max.default,
+    torch.ops.aten.max.default,  # float8's amaxes (torchtitan keeps them): recomputing costs a pass
     torch.ops.aten._scaled_mm.default,  # float8 matmuls on a GPU
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
@@ -472,9 +475,8 @@ def apply_compile(model: Transformer):
 
 def apply_fsdp(model: Transformer, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype):
     """FSDP2 per block, then the root (embeddings, final norm, output)."""
-    # fully_shard splits dim 0
     scalar = next((n for n, q in model.named_parameters() if q.ndim == 0), None)
-    if scalar:
+    if scalar:  # fully_shard splits dim 0
         raise ConfigError(f"parameter {scalar} has shape (): FSDP2 cannot shard a scalar; "
                           "give it shape (1,)")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -487,9 +489,9 @@ def apply_fsdp(model: Transformer, dp_mesh, param_dtype: torch.dtype, reduce_dty
 
 def replicate_unplanned(model: torch.nn.Module, tp_mesh):
     """Parameters the TP plan does not name (a q/k norm, a gate) become replicated on the TP mesh
-    (clip_grad_norm_ needs one mesh). Each TP rank computes on its own share of the activations, so
-    the gradients are summed over TP ranks: right for per-token modules anywhere except on the
-    inputs gathered for wq/wk/wv and w1/w3."""
+    (clip_grad_norm_ needs one mesh). Each TP rank computes on its share of the activations, so the
+    gradients are summed over TP ranks: right for per-token modules anywhere except on the inputs
+    gathered for wq/wk/wv and w1/w3."""
     for name, module in model.named_modules():
         own = [n for n, q in module.named_parameters(recurse=False) if not isinstance(q, DTensor)]
         if not own:
@@ -503,8 +505,7 @@ def replicate_unplanned(model: torch.nn.Module, tp_mesh):
 
 def layout_independent_normal(seed: int):
     """An init fill for model.init_weights whose values depend on (seed, weight name, position)
-    only, so 1 process, FSDP and TP start from identical weights. Each rank fills only its own
-    shard."""
+    only, so 1 process, FSDP and TP start from identical weights. Each rank fills its own shard."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     def fill(name: str, w: torch.Tensor, std: float):
@@ -519,28 +520,46 @@ def layout_independent_normal(seed: int):
 
 
 # -------------------------------------------------------------------------------------------------
-# Optimizer, lr schedule, the loss (validation, evals: evals.py; where the numbers go: metrics.py)
+# Optimizer, lr schedule, the data loader, the loss (validation and evals: evals.py; where the
+# numbers go: metrics.py)
 # -------------------------------------------------------------------------------------------------
 
 def build_optimizer(model, cfg: Config, device: torch.device):
     """The optimizer and its lr schedule. Checkpointing saves whatever state the optimizer keeps."""
     o = cfg.optimizer
-    # fused: one kernel per step on CUDA and CPU alike (on the debug model's CPU step ~10x faster
-    # than foreach)
+    # fused: one kernel per step on CUDA and CPU (the debug model's CPU step: ~10x foreach's speed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   weight_decay=o.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
     return optimizer, scheduler
 
 
+def build_loader(cfg: Config, tokenizer, dp_rank: int, dp: int, manifest: dict) -> DataLoader:
+    """This dp rank's batches: its own streams of [data]'s mixture (TP ranks read the same)."""
+    return DataLoader(cfg.data.sources, tokenizer, cfg.training.seq_len,
+                      cfg.training.local_batch_size, dp_rank, dp, cfg.data.num_streams,
+                      cfg.data.seed, cfg.data.num_workers, manifest, cfg.data.hub_timeout_seconds,
+                      cfg.comm.init_timeout_seconds)
+
+
+def next_batch(loader: DataLoader, cfg: Config) -> tuple:
+    """(inputs, labels, error): the loader's next batch and "", or after a DataError zeros and its
+    line, so this rank keeps in step with the other ranks' collectives (all stop after the step)."""
+    try:
+        inputs, labels = next(loader)
+    except DataError as e:
+        zeros = torch.zeros(cfg.training.local_batch_size, cfg.training.seq_len, dtype=torch.long)
+        return zeros, zeros, str(e)
+    return inputs, labels, ""
+
+
 def forward_backward(model, inputs, labels, global_tokens: torch.Tensor, dp: int,
                      tp: int) -> torch.Tensor:
     """One micro-batch: forward, loss, backward. The loss is this micro-batch's share of the global
     batch's mean: its summed cross-entropy over the positions that count (label != -100) divided by
-    global_tokens, those of the whole global batch (every micro-batch on every dp rank). So 1
+    global_tokens, those of the whole global batch (every micro-batch on every dp rank), so 1
     process, FSDP, TP and accumulation give the same loss. Returns the share (detached, plain) for
-    the log. The place to change the objective (z-loss, another loss): the loop around it only
-    accumulates, clips and steps."""
+    the log. The place to change the objective (z-loss...): the loop only accumulates and steps."""
     with loss_parallel() if tp > 1 else contextlib.nullcontext():
         logits = model(inputs)  # (local_batch_size, seq_len, vocab_size), vocab-sharded under TP
         summed = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
@@ -554,17 +573,15 @@ def forward_backward(model, inputs, labels, global_tokens: torch.Tensor, dp: int
 
 def ignore_boundaries(labels: torch.Tensor, args) -> torch.Tensor:
     """Labels with the positions that carry no signal set to -100 (ignored by the loss). Under
-    block_causal that is each position whose label is a document's BOS: the token before it is the
-    previous document's last one, and the mask hides everything of the new document from it. Causal
-    keeps every position."""
+    block_causal: each position whose label is a document's BOS (the token before it is the last of
+    the previous document, and the mask hides the new one from it). Causal keeps every position."""
     if args.attn_mask_type != "block_causal":
         return labels
     return labels.masked_fill(labels == args.bos_id, -100)
 
 
 def lr_factor(step: int, cfg: Config) -> float:
-    """Multiplier on the peak lr at optimizer step `step` (0-based): warmup, stable, decay to
-    min_lr_factor."""
+    """The peak lr's multiplier at step `step` (0-based): warmup, stable, decay to min_lr_factor."""
     s = cfg.lr_scheduler
     total = cfg.training.steps
     warmup = min(s.warmup_steps, total)
@@ -581,7 +598,8 @@ def lr_factor(step: int, cfg: Config) -> float:
 
 
 # -------------------------------------------------------------------------------------------------
-# Every rank alike: the dump folder, the data manifest (distributed.py: the process group, agree)
+# Every rank alike: the dump folder, the data manifest, the sources' first reads, preemption,
+# each step's agreement (distributed.py: the process group, agree)
 # -------------------------------------------------------------------------------------------------
 
 def open_dump_folder(cfg: Config, rank: int, device):
@@ -613,8 +631,7 @@ def share_manifest(cfg: Config, rank: int, device) -> dict:
     """The files of every source: rank 0 alone resolves them (or reads the run's pinned manifest),
     every rank gets them through the job's store (data_manifest.shared_manifest). Then each node
     checks the local files in use once, split over its ranks (a node-local copy may differ)."""
-    validation = cfg.validation.sources if cfg.validation.enable else []
-    held_out = validation + evals.sources(cfg.eval)  # in use
+    held_out = (cfg.validation.sources if cfg.validation.enable else []) + evals.sources(cfg.eval)
     if rank == 0:
         logger.info("data manifest: rank 0 reads or makes it; "
                     "the others wait up to data.resolve_timeout_seconds")
@@ -635,37 +652,69 @@ def share_manifest(cfg: Config, rank: int, device) -> dict:
     return manifest
 
 
-# -------------------------------------------------------------------------------------------------
-# main
-# -------------------------------------------------------------------------------------------------
+def check_sources(loader: DataLoader, rank: int, wait: float):
+    """Every rank opens every source where it resumes: a bad one stops all ranks alike before the
+    first step. `wait` (data.resolve_timeout_seconds): rank 0's wait for every rank's outcome."""
+    error = ""
+    try:
+        loader.check()
+    except DataError as e:
+        error = str(e)
+    agree_on_reads(error, rank, wait)
 
-def main(cfg: Config):
-    # --- 1. config: validated before any process group or model exists, on every rank alike ------------
-    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    sizes = validate(cfg, world_size)
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s",
-                        stream=sys.stdout, force=True)
-    # Preemption (Slurm's warning signal, or a plain kill): finish the step, save, exit 0. Installed before the slow
-    # start-up, so an early signal is not lost; under torchrun the launcher's death reaches each rank as SIGTERM.
+
+def stop_on_signals() -> threading.Event:
+    """Preemption (Slurm's warning signal, or a plain kill): the event is set; the loop finishes the
+    step, saves and exits 0. Under torchrun the launcher's death reaches each rank as SIGTERM."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, lambda signum, frame: stop.set())
     if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    return stop
+
+
+def agree_on_step(stop: threading.Event, data_error: str, checkpointer: Checkpointer,
+                  grad_norm: torch.Tensor, loss_sum: torch.Tensor, device) -> list:
+    """[stopping, data_failed, save_running, diverged], alike on every rank: all must agree, at the
+    same step, to stop (a signal or a data error), that an async save is complete and that the step
+    is finite, or the saves would deadlock. One tiny all-reduce per step (the loop's one host sync),
+    before optimizer.step(), so a non-finite step or a bad batch never reaches the weights."""
+    saving = checkpointer.pending is not None and not checkpointer.pending[0].done()
+    flags = torch.tensor([stop.is_set(), bool(data_error), saving], device=device)
+    not_finite = ~torch.isfinite(grad_norm.reshape(1)) | ~torch.isfinite(loss_sum.reshape(1))
+    flags = torch.cat([flags, not_finite]).int()
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return flags.tolist()
+
+
+# -------------------------------------------------------------------------------------------------
+# main
+# -------------------------------------------------------------------------------------------------
+
+def main(cfg: Config):
+    # --- 1. config: validated before any process group or model exists, on every rank alike -----
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    sizes = validate(cfg, world_size)
+    level = logging.INFO if rank == 0 else logging.WARNING  # rank 0 logs; the others only warn
+    logging.basicConfig(level=level, format="%(message)s", stream=sys.stdout, force=True)
+    stop = stop_on_signals()  # before the slow start-up, so an early signal is not lost
     tokenizer = Tokenizer(cfg.model.tokenizer_path)
 
-    # --- 2. device, process group, mesh, dump folder ----------------------------------------------------
+    # --- 2. device, process group, mesh, dump folder ---------------------------------------------
     device, mesh = init_distributed(cfg, sizes)
     lock = open_dump_folder(cfg, rank, device)  # noqa: F841 (held open until the process ends)
     if cfg.job.print_config:
         logger.info(to_toml(cfg))
-    p = cfg.parallelism
-    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")  # made in init_distributed: all ranks that see other data
-    dp_rank, dp = dp_mesh.get_local_rank(), dp_mesh.size()
+    # made in init_distributed: all ranks that see other data
+    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    dp_rank = dp_mesh.get_local_rank()
+    dp = dp_mesh.size()
     torch.use_deterministic_algorithms(cfg.training.deterministic)
     torch.manual_seed(cfg.training.seed)
 
-    # --- 3. model: on the meta device, so no rank ever holds the full unsharded weights ---------------------
+    # --- 3. model: on the meta device, so no rank ever holds the full unsharded weights ----------
     with torch.device("meta"):
         model = Transformer(model_args(cfg, tokenizer))  # the vocabulary follows the tokenizer
     args = model.args
@@ -673,130 +722,131 @@ def main(cfg: Config):
     # attention counted as full, as in the PaLM/torchtitan MFU convention).
     flops_per_token = (6 * model.num_params(exclude_embedding=True)
                        + 12 * args.n_layers * args.dim * cfg.training.seq_len)
-    logger.info(f"{cfg.job.description + ': ' if cfg.job.description else ''}model {cfg.model.flavor} "
-                f"({model.num_params():,} parameters, vocab {args.vocab_size:,}), world {world_size} = "
-                f"dp_replicate {p.data_parallel_replicate_degree} x dp_shard {sizes['dp_shard']} x tp "
-                f"{p.tensor_parallel_degree}, grad accumulation {sizes['grad_accum']}; config in "
-                f"{os.path.join(cfg.job.dump_folder, 'config.toml')}")
+    logger.info(run_summary(cfg, model, world_size, sizes))
 
-    # --- 4. parallelize, then materialise this rank's shards --------------------------------------------------
+    # --- 4. parallelize, then materialise this rank's shards -------------------------------------
     float8_scales = float8.convert(model, cfg, device)
     parallelize(model, mesh, cfg)
     model.to_empty(device=device)
     model.init_weights(normal_=layout_independent_normal(cfg.training.seed), buffer_device=device)
     model.train()
 
-    # --- 5. optimizer, lr schedule, data (each dp rank reads its own streams; TP ranks the same ones) ----------
+    # --- 5. optimizer, lr schedule, data (each dp rank reads its own streams; TP ranks the same) -
     optimizer, scheduler = build_optimizer(model, cfg, device)
-    manifest = {**share_manifest(cfg, rank, device), "mirror": cfg.data.mirror}  # the same files, maybe read there
-    loader = DataLoader(cfg.data.sources, tokenizer, cfg.training.seq_len, cfg.training.local_batch_size,
-                        dp_rank, dp, cfg.data.num_streams, cfg.data.seed, cfg.data.num_workers, manifest,
-                        cfg.data.hub_timeout_seconds, cfg.comm.init_timeout_seconds)
+    # the same files, maybe read there
+    manifest = {**share_manifest(cfg, rank, device), "mirror": cfg.data.mirror}
+    loader = build_loader(cfg, tokenizer, dp_rank, dp, manifest)
 
-    # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path -----------
-    checkpointer = Checkpointer(cfg.checkpoint, os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder),
-                                run_keys(cfg, args, sizes, manifest), cfg.training.steps, model, optimizer,
-                                scheduler, loader, {"model.converters": cfg.model.converters})  # float8 on/off: logged
+    # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path --
+    folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+    notes = {"model.converters": cfg.model.converters}  # float8 on/off: logged
+    checkpointer = Checkpointer(cfg.checkpoint, folder, run_keys(cfg, args, sizes, manifest),
+                                cfg.training.steps, model, optimizer, scheduler, loader, notes)
     step, tokens_seen = checkpointer.resume()
-    error = ""
-    try:  # every rank opens every source where it resumes: a bad one stops all ranks alike before step 1
-        loader.check()
-    except DataError as e:
-        error = str(e)
-    agree_on_reads(error, rank, cfg.data.resolve_timeout_seconds)
+    check_sources(loader, rank, cfg.data.resolve_timeout_seconds)  # before step 1, all alike
     windows, tasks = evals.read_once(cfg, tokenizer, args.max_seq_len, manifest, device)
     heldout = evals.heldout_share(windows, cfg.validation.local_batch_size, dp_rank, dp,
                                   partial(ignore_boundaries, args=args))
     if step >= cfg.training.steps:
-        logger.info(f"the run is at step {step} of training.steps = {cfg.training.steps}: nothing left to do "
-                    "(raise --training.steps to train further)")
+        logger.info(f"the run is at step {step} of training.steps = {cfg.training.steps}: "
+                    "nothing left to do (raise --training.steps to train further)")
 
-    # --- 7. training loop ---------------------------------------------------------------------------------
+    # --- 7. training loop ------------------------------------------------------------------------
     metrics = MetricsLogger(cfg, rank)
-    LEFT_OPEN[:] = [checkpointer, metrics]  # an error exit finishes a pending save and flushes the logs first
-    peak, grad_accum, tp = peak_tflops(device, cfg.metrics.peak_tflops), sizes["grad_accum"], p.tensor_parallel_degree
+    LEFT_OPEN[:] = [checkpointer, metrics]  # an error exit finishes their save and logs first
+    peak = peak_tflops(device, cfg.metrics.peak_tflops)  # per device, for MFU; 0: unknown
+    grad_accum = sizes["grad_accum"]
+    tp = cfg.parallelism.tensor_parallel_degree
     tokens_per_step = sizes["global_batch_size"] * cfg.training.seq_len
     params = [q for q in model.parameters() if q.requires_grad]
     memory_stats(device)  # reset the GPU peak so the first log covers training only
     peak_gib = peak_allocated = 0.0  # the largest figures logged, reported at the end
-    log_t0, log_steps, data_time = time.perf_counter(), 0, 0.0
+    log_t0 = time.perf_counter()  # the steps since the last training log: when they began,
+    log_steps = 0  # how many
+    data_time = 0.0  # and their seconds waiting for batches
     loss_sum = torch.zeros((), device=device)  # summed on the device; read at log time only
-    counted_sum = torch.zeros((), device=device)  # positions whose loss counted, over the logged steps
+    counted_sum = torch.zeros((), device=device)  # positions whose loss counted, logged steps
 
     while step < cfg.training.steps:
         step += 1
         optimizer.zero_grad(set_to_none=True)
-        data_error, batches = "", []
-        for _ in range(grad_accum):  # every micro-batch first: the loss divides by the global batch's count
+        data_error = ""  # this rank's first failed read of the step
+        batches = []  # every micro-batch first: the loss divides by the global batch's count
+        for _ in range(grad_accum):
             t0 = time.perf_counter()
-            try:
-                inputs, labels = next(loader)  # (local_batch_size, seq_len) each
-            except DataError as e:  # keep in step with the other ranks' collectives; all stop below
-                data_error = data_error or str(e)
-                inputs = labels = torch.zeros(cfg.training.local_batch_size, cfg.training.seq_len, dtype=torch.long)
+            inputs, labels, error = next_batch(loader, cfg)  # (local_batch_size, seq_len) each
+            data_error = data_error or error
             data_time += time.perf_counter() - t0
             batches.append((inputs.to(device, non_blocking=True),
                             ignore_boundaries(labels, args).to(device, non_blocking=True)))
         counted = sum((y != -100).sum() for _, y in batches).float()
-        dist.all_reduce(counted, group=dp_mesh.get_group())  # over the global batch (TP ranks hold the same)
+        # over the global batch (TP ranks hold the same)
+        dist.all_reduce(counted, group=dp_mesh.get_group())
         counted_sum += counted
         for inputs, labels in batches:
             loss_sum += forward_backward(model, inputs, labels, counted.clamp(min=1), dp, tp)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.training.max_norm or math.inf, foreach=True)
+        max_norm = cfg.training.max_norm or math.inf  # 0: no clipping
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
 
-        # Every rank must agree, at the same step, to stop (a signal or a data error), that an async save is complete
-        # and that the step is finite, or the saves below would deadlock: one tiny all-reduce per step (the loop's one
-        # host sync), before optimizer.step() so that a non-finite step or a bad batch never reaches the weights.
-        saving = checkpointer.pending is not None and not checkpointer.pending[0].done()
-        flags = torch.tensor([stop.is_set(), bool(data_error), saving], device=device)
-        flags = torch.cat([flags, ~torch.isfinite(grad_norm.reshape(1)) | ~torch.isfinite(loss_sum.reshape(1))]).int()
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stopping, data_failed, save_running, diverged = flags.tolist()
+        # one all-reduce: every rank stops, saves or fails at the same step
+        flags = agree_on_step(stop, data_error, checkpointer, grad_norm, loss_sum, device)
+        stopping, data_failed, save_running, diverged = flags
         if data_failed:
             agree(data_error, device)
         if diverged:
-            if checkpointer.pending is not None:  # an earlier step's save is good: in place before the exit
+            if checkpointer.pending is not None:  # an earlier step's save is good: finish it
                 checkpointer.finish()
             raise RunError(f"step {step}: the loss or the gradient norm is not finite (grad_norm "
                            f"{grad_norm.item():.4g}); nothing was saved from this step. "
                            f"Last good checkpoint: {checkpointer.newest()}")
         lr = scheduler.get_last_lr()[0]  # the lr this step used
         optimizer.step()
-        if float8_scales:  # every float8 weight's scale in one all-reduce, for the next step's float8 all-gathers
+        # every float8 weight's scale in one all-reduce, for the next step's float8 all-gathers
+        if float8_scales:
             float8_scales(model)
         scheduler.step()
         tokens_seen += tokens_per_step
-        log_steps, last = log_steps + 1, step == cfg.training.steps
+        log_steps += 1
+        last = step == cfg.training.steps
 
         if step % cfg.metrics.log_freq == 0 or step == 1 or last:
-            sums = torch.tensor([*loader.source_tokens().values(), 0.0], dtype=torch.float64, device=device)
+            source_tokens = loader.source_tokens().values()
+            sums = torch.tensor([*source_tokens, 0.0], dtype=torch.float64, device=device)
             sums[-1] = loss_sum
-            dist.all_reduce(sums, group=dp_mesh.get_group())  # tokens per source, and the loss, over dp ranks
+            # tokens per source, and the loss, over dp ranks
+            dist.all_reduce(sums, group=dp_mesh.get_group())
             dt = time.perf_counter() - log_t0
             tps = log_steps * tokens_per_step / dt / world_size
+            mfu = 100 * flops_per_token * tps / 1e12 / peak if peak else None
             mem_gib, mem_pct, allocated = memory_stats(device)
-            peak_gib, peak_allocated = max(peak_gib, mem_gib), max(peak_allocated, allocated or 0.0)
-            metrics.log({"step": step, "loss": sums[-1].item() / log_steps, "grad_norm": grad_norm.item(),
-                         "lr": lr, "memory_gib": mem_gib, "memory_pct": mem_pct, "memory_allocated_gib": allocated,
-                         "tps": tps, "tflops": flops_per_token * tps / 1e12,
-                         "mfu": 100 * flops_per_token * tps / 1e12 / peak if peak else None,
+            peak_gib = max(peak_gib, mem_gib)
+            peak_allocated = max(peak_allocated, allocated or 0.0)
+            per_source = dict(zip(loader.names, [int(x) for x in sums[:-1].tolist()]))
+            loss_tokens_pct = 100 * counted_sum.item() / (log_steps * tokens_per_step)
+            metrics.log({"step": step, "loss": sums[-1].item() / log_steps,
+                         "grad_norm": grad_norm.item(), "lr": lr, "memory_gib": mem_gib,
+                         "memory_pct": mem_pct, "memory_allocated_gib": allocated, "tps": tps,
+                         "tflops": flops_per_token * tps / 1e12, "mfu": mfu,
                          "data_wait_pct": 100 * data_time / dt, "tokens_seen": tokens_seen,
-                         "source_tokens": dict(zip(loader.names, [int(x) for x in sums[:-1].tolist()])),
-                         "loss_tokens": int(counted_sum.item()), "loss_tokens_pct": 100 * counted_sum.item()
-                         / (log_steps * tokens_per_step)})
+                         "source_tokens": per_source, "loss_tokens": int(counted_sum.item()),
+                         "loss_tokens_pct": loss_tokens_pct})
             loss_sum.zero_()
             counted_sum.zero_()
-            log_t0, log_steps, data_time = time.perf_counter(), 0, 0.0
+            log_t0 = time.perf_counter()
+            log_steps = 0
+            data_time = 0.0
 
         if cfg.validation.enable and (step % cfg.validation.freq == 0 or last):
             t0 = time.perf_counter()
-            result = evals.validate(model, heldout, cfg.validation.local_batch_size, device, dp_mesh.get_group(), tp)
+            result = evals.validate(model, heldout, cfg.validation.local_batch_size, device,
+                                    dp_mesh.get_group(), tp)
             metrics.log({"step": step, **result, "validation_seconds": time.perf_counter() - t0})
             log_t0 += time.perf_counter() - t0  # the next training log's tps leaves the round out
         if cfg.eval.enable and (step % cfg.eval.freq == 0 or last):
             t0 = time.perf_counter()
-            result = evals.evaluate(model, tasks, cfg.eval.local_batch_size, device, dp_mesh.get_group(), tp)
+            result = evals.evaluate(model, tasks, cfg.eval.local_batch_size, device,
+                                    dp_mesh.get_group(), tp)
             metrics.log({"step": step, **result, "eval_seconds": time.perf_counter() - t0})
             log_t0 += time.perf_counter() - t0
 
@@ -808,11 +858,12 @@ def main(cfg: Config):
             logger.info(f"stopping at step {step} on signal")
             break
 
-    if peak_gib:
-        logger.info(f"memory: peak {peak_allocated:.2f} GiB allocated, {peak_gib:.2f} GiB reserved" if peak_allocated
-                    else f"memory: peak {peak_gib:.2f} GiB RSS")
-    # A second preemption signal during shutdown must not kill a rank that already saved (Python would
-    # restore the default, fatal, handler while exiting): ignore them from here on.
+    if peak_gib and peak_allocated:
+        logger.info(f"memory: peak {peak_allocated:.2f} GiB allocated, {peak_gib:.2f} GiB reserved")
+    elif peak_gib:
+        logger.info(f"memory: peak {peak_gib:.2f} GiB RSS")
+    # A second preemption signal during shutdown must not kill a rank that already saved (Python
+    # would restore the default, fatal, handler while exiting): ignore them from here on.
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     loader.close()
@@ -825,18 +876,20 @@ if __name__ == "__main__":
     try:
         main(load_config(sys.argv[1:]))
     except Exception as e:
-        line = str(e) if isinstance(e, (ConfigError, DataError, CheckpointError, RunError, SaveError)) else lost_rank(e)
+        expected = (ConfigError, DataError, CheckpointError, RunError, SaveError)  # one line each
+        line = str(e) if isinstance(e, expected) else lost_rank(e)
         if not line:
             raise  # a bug: its traceback
         print(f"error: {line}", file=sys.stderr, flush=True)
-        for held in LEFT_OPEN:  # an async save of an earlier step (it waits, bounded), TensorBoard's buffered events
+        # an async save of an earlier step (it waits, bounded), TensorBoard's buffered events
+        for held in LEFT_OPEN:
             with contextlib.suppress(Exception):
                 held.close()
         sys.stdout.flush()
-        # Then leave at once: a rank lingering in teardown gets torchrun's SIGTERM, a process group freed at interpreter
-        # shutdown can abort in gloo's threads. Loader workers exit when their rank is gone.
+        # Then leave at once: a rank lingering in teardown gets torchrun's SIGTERM, a process group
+        # freed at shutdown can abort in gloo's threads. Loader workers end when their rank is gone.
         os._exit(2 if isinstance(e, (ConfigError, DataError, CheckpointError)) else 3)
-    # main() closed the loader, the logs and the process group: skip tearing down torch's modules (0.7 s of every run)
+    # main() closed the loader, the logs and the process group: skip torch's teardown (0.7 s a run)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
