@@ -1,15 +1,16 @@
-"""Train Llama 3 with FSDP2 (+ optional tensor parallelism), from one CPU process to thousands of GPUs.
+r"""Train Llama 3 with FSDP2 (+ optional tensor parallelism): one CPU process to thousands of GPUs.
 
     python train.py --config configs/debug_model.toml                          # 1 process (CPU ok)
     torchrun --standalone --nproc_per_node 2 train.py --config configs/debug_model.toml
     torchrun --nproc_per_node 8 train.py --config configs/llama3_8b.toml --training.steps 100
-    torchrun --nproc_per_node 8 train.py --config configs/llama3_8b.toml --parallelism.tensor_parallel_degree 2
+    torchrun --nproc_per_node 8 train.py \
+        --config configs/llama3_8b.toml --parallelism.tensor_parallel_degree 2
     sbatch --nodes 4 slurm/multinode.sbatch                                     # see README
     python train.py --help                                                      # every config key
 
 Config precedence: --section.key value on the command line > the TOML file > the defaults below.
-One flat main(cfg), top to bottom: config, mesh, model, parallelize, optimizer, data, checkpoint, loop.
-What the files beside it do: the README's table.
+One flat main(cfg), top to bottom: config, mesh, model, parallelize, optimizer, data, checkpoint,
+loop. What the files beside it do: the README's table.
 """
 
 import contextlib
@@ -33,8 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
-from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.parallel import SequenceParallel, loss_parallel, parallelize_module
 
 import config
 import evals
@@ -50,11 +51,12 @@ from model import Transformer, flavors, keyed_normal_
 from sources import DataError, DataSource
 
 logger = logging.getLogger("train")
-LEFT_OPEN = []  # main()'s checkpointer and metrics logger: an error exit (below main) closes them first
+LEFT_OPEN = []  # main()'s checkpointer and metrics logger: an error exit closes them first
 
 
 # -------------------------------------------------------------------------------------------------
-# Config: each field is `name: type = default  # one-line doc` (the doc is what --help prints; config.py reads them)
+# Config: each field is `name: type = default  # one-line doc` (the doc is what --help prints;
+# config.py reads it, or a comment line just above a field whose doc is long)
 # -------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -70,7 +72,7 @@ class Model:
     n_layers: int = 0  # 0: the flavor's; N: the flavor's width with N blocks (e.g. an 8B-wide model on one GPU)
     tokenizer_path: str = "assets/tokenizer/tokenizer.model"  # Llama 3 tokenizer.model (tiktoken); sets vocab_size
     attn_mask_type: str = "causal"  # causal, or block_causal: attention stays inside each document (Llama 3's recipe)
-    converters: list = field(default_factory=list)  # ["float8"]: the blocks' Linear layers train in float8 with torchao (H100 and newer; see [float8])
+    converters: list = field(default_factory=list)  # ["float8"]: the blocks' Linear layers train in float8 (torchao; H100+; [float8])
 
 
 @dataclass
@@ -157,11 +159,12 @@ class Data:
     seed: int = 1234  # seeds the file order of every source (a new order each epoch)
     num_streams: int = 0  # logical data streams (a multiple of the DP degree); 0: the DP degree
     num_workers: int = 0  # loader processes per rank that read and tokenize ahead; 0: in the training process
-    manifest: str = ""  # a manifest from `download_data.py --manifest PATH`; empty: dump_folder/data_manifest.json, made at the first start
+    manifest: str = ""  # from `download_data.py --manifest PATH`; empty: dump_folder/data_manifest.json, made at the first start
     mirror: str = ""  # a folder from `download_data.py --to DIR`: the pinned Hub files it holds are read there, checked
     hub_timeout_seconds: float = 60.0  # a Hub read that gets no byte for this long is retried from where it was
     resolve_timeout_seconds: int = 1800  # the other ranks wait this long for rank 0 to resolve the sources (first start)
-    sources: list[DataSource] = field(default_factory=list)  # [[data.sources]] tables: name, path, config, data_files, split, revision, text_column, weight
+    # [[data.sources]] tables: name, path, config, data_files, split, revision, text_column, weight
+    sources: list[DataSource] = field(default_factory=list)
 
 
 @dataclass
@@ -170,9 +173,11 @@ class Validation:
     freq: int = 500  # steps between rounds
     sequences: int = 64  # held-out windows per source: its first N, the same set on every layout and resume; -1: all
     local_batch_size: int = 8  # sequences per data-parallel rank per batch
-    sources: list[DataSource] = field(default_factory=list)  # [[validation.sources]] tables, keys as in [[data.sources]] (weight unused)
-    RENAMED: ClassVar[dict] = {"steps": "sequences = N, the first N windows of each source on every layout (steps x "
-                                        "local_batch_size x data-parallel ranks gives the old set)"}
+    sources: list[DataSource] = field(default_factory=list)  # [[validation.sources]]: keys as in [[data.sources]] (weight unused)
+    # a key that was renamed: its error names the successor
+    RENAMED: ClassVar[dict] = {
+        "steps": "sequences = N, the first N windows of each source on every layout "
+                 "(steps x local_batch_size x data-parallel ranks gives the old set)"}
 
 
 @dataclass
@@ -199,24 +204,26 @@ class RunError(RuntimeError):
 
 
 def load_config(argv) -> Config:
-    """Defaults, then the TOML file (--config), then --section.key value overrides (config.py parses)."""
+    """Defaults, then the TOML file (--config), then --section.key overrides (config.py parses)."""
     return config.load(Config, argv, __doc__)
 
 
 def flavor_args(cfg: Config, vocab_size: int = 0, bos_id=None):
-    """The flavor's ModelArgs with [model]'s settings, and the tokenizer's vocab_size and BOS when given."""
+    """The flavor's ModelArgs with [model]'s settings, the tokenizer's vocab and BOS if given."""
     args = flavors[cfg.model.flavor]
-    return dataclasses.replace(args, n_layers=cfg.model.n_layers or args.n_layers, bos_id=bos_id,
-                               vocab_size=vocab_size or args.vocab_size, attn_mask_type=cfg.model.attn_mask_type)
+    n_layers = cfg.model.n_layers or args.n_layers  # 0: the flavor's
+    vocab_size = vocab_size or args.vocab_size  # 0: the flavor's
+    return dataclasses.replace(args, n_layers=n_layers, bos_id=bos_id, vocab_size=vocab_size,
+                               attn_mask_type=cfg.model.attn_mask_type)
 
 
-LLAMA3_BOS = 128000  # <|begin_of_text|> of Meta's tokenizer: model_args' BOS when the file is not on this machine
+LLAMA3_BOS = 128000  # Meta's <|begin_of_text|>: model_args' BOS when the tokenizer file is absent
 
 
 def model_args(cfg: Config, tokenizer=None):
-    """The model this config trains: the flavor's shapes with the tokenizer's vocabulary and BOS (train.py's rule).
-    Programs that plan or measure a run (bench.py, the dry run, preflight) build theirs here too, so they count
-    the vocabulary the run will have; on a machine without the tokenizer file they get Llama 3's."""
+    """The model this config trains: the flavor's shapes with the tokenizer's vocabulary and BOS
+    (train.py's rule). Programs that plan or measure a run (bench.py, the dry run, preflight) build
+    theirs here too, so they count the run's vocabulary; without the tokenizer file, Llama 3's."""
     if tokenizer is None and os.path.exists(cfg.model.tokenizer_path):
         tokenizer = Tokenizer(cfg.model.tokenizer_path)
     if tokenizer is None:
@@ -225,38 +232,51 @@ def model_args(cfg: Config, tokenizer=None):
 
 
 def validate(cfg: Config, world_size: int) -> dict:
-    """Reject configs that cannot work, before any process group or model exists. Returns derived sizes."""
-    t, p, v = cfg.training, cfg.parallelism, cfg.validation
+    """Reject configs that cannot work, before a process group or model exists; return the sizes."""
+    t = cfg.training
+    p = cfg.parallelism
+    v = cfg.validation
     if cfg.model.flavor not in flavors:
         raise unknown("model.flavor", cfg.model.flavor, flavors)
-    pos, nonneg, prob = (lambda x: x >= 1, ">= 1"), (lambda x: x >= 0, ">= 0"), (lambda x: 0 <= x < 1, "in [0, 1)")
-    minus1_or, positive = (lambda x: x == -1 or x >= 1, "-1 or >= 1"), (lambda x: 0 < x < math.inf, "a positive number")
+    # a rule: (check, what the value must be)
+    pos = (lambda x: x >= 1, ">= 1")
+    nonneg = (lambda x: x >= 0, ">= 0")
+    prob = (lambda x: 0 <= x < 1, "in [0, 1)")
+    minus1_or = (lambda x: x == -1 or x >= 1, "-1 or >= 1")
+    positive = (lambda x: 0 < x < math.inf, "a positive number")
 
     def one_of(*names):
         return lambda x: x in names, f"one of {', '.join(names)}"
 
-    rules = {  # key: (check, what it must be); NaN fails every comparison, so it is caught too
-        "training.steps": pos, "training.local_batch_size": pos, "training.seq_len": pos, "metrics.log_freq": pos,
-        "checkpoint.interval": pos, "checkpoint.save_timeout_seconds": pos,
+    ac_option = (lambda x: x == "op" or (x.isdigit() and int(x) > 0), "'op' or a positive integer")
+    rules = {  # key: its rule, checked in order; NaN fails every comparison, so it is caught too
+        "training.steps": pos, "training.local_batch_size": pos, "training.seq_len": pos,
+        "metrics.log_freq": pos, "checkpoint.interval": pos, "checkpoint.save_timeout_seconds": pos,
         "parallelism.tensor_parallel_degree": pos, "comm.init_timeout_seconds": pos,
-        "parallelism.data_parallel_replicate_degree": pos, "parallelism.data_parallel_shard_degree": minus1_or,
-        "training.global_batch_size": minus1_or, "optimizer.lr": positive, "optimizer.eps": positive,
-        "optimizer.beta1": prob, "optimizer.beta2": prob, "optimizer.weight_decay": nonneg, "training.max_norm": nonneg,
-        "lr_scheduler.warmup_steps": nonneg, "lr_scheduler.min_lr_factor": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+        "parallelism.data_parallel_replicate_degree": pos,
+        "parallelism.data_parallel_shard_degree": minus1_or,
+        "training.global_batch_size": minus1_or, "optimizer.lr": positive,
+        "optimizer.eps": positive, "optimizer.beta1": prob, "optimizer.beta2": prob,
+        "optimizer.weight_decay": nonneg,
+        "training.max_norm": nonneg, "lr_scheduler.warmup_steps": nonneg,
+        "lr_scheduler.min_lr_factor": (lambda x: 0 <= x <= 1, "in [0, 1]"),
         "lr_scheduler.decay_ratio": (lambda x: x == -1 or 0 < x <= 1, "-1 or in (0, 1]"),
-        "checkpoint.keep_latest_k": nonneg, "checkpoint.load_step": (lambda x: x >= -1, "-1 or >= 0"),
-        "metrics.peak_tflops": nonneg, "data.num_streams": nonneg, "data.num_workers": nonneg, "model.n_layers": nonneg,
-        "data.hub_timeout_seconds": positive, "data.resolve_timeout_seconds": pos,
-        "validation.freq": pos, "validation.sequences": minus1_or, "validation.local_batch_size": pos,
+        "checkpoint.keep_latest_k": nonneg,
+        "checkpoint.load_step": (lambda x: x >= -1, "-1 or >= 0"),
+        "metrics.peak_tflops": nonneg, "data.num_streams": nonneg, "data.num_workers": nonneg,
+        "model.n_layers": nonneg, "data.hub_timeout_seconds": positive,
+        "data.resolve_timeout_seconds": pos, "validation.freq": pos,
+        "validation.sequences": minus1_or, "validation.local_batch_size": pos,
         "activation_checkpoint.mode": one_of("none", "full", "selective"),
         "model.attn_mask_type": one_of("causal", "block_causal"),
         "lr_scheduler.decay_type": one_of("linear", "cosine", "sqrt"),
         "training.mixed_precision_param": one_of("bfloat16", "float32"),
-        "training.mixed_precision_reduce": one_of("bfloat16", "float32"), "optimizer.name": one_of("AdamW"),
+        "training.mixed_precision_reduce": one_of("bfloat16", "float32"),
+        "optimizer.name": one_of("AdamW"),
         "model.converters": (lambda x: set(x) <= {"float8"}, '[] or ["float8"]'),
-        "checkpoint.async_mode": one_of("disabled", "async"), "checkpoint.export_dtype": one_of("float32", "bfloat16"),
-        "activation_checkpoint.selective_ac_option": (lambda x: x == "op" or (x.isdigit() and int(x) > 0),
-                                                      "'op' or a positive integer"),
+        "checkpoint.async_mode": one_of("disabled", "async"),
+        "checkpoint.export_dtype": one_of("float32", "bfloat16"),
+        "activation_checkpoint.selective_ac_option": ac_option,
     }
     for key, (ok, allowed) in rules.items():
         value = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
@@ -268,68 +288,95 @@ def validate(cfg: Config, world_size: int) -> dict:
     if t.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {t.seq_len} exceeds the {cfg.model.flavor} model's "
                           f"max_seq_len {args.max_seq_len}")
-    tp, rep = p.tensor_parallel_degree, p.data_parallel_replicate_degree
-    shard = p.data_parallel_shard_degree if p.data_parallel_shard_degree != -1 else world_size // (tp * rep)
+    tp = p.tensor_parallel_degree
+    rep = p.data_parallel_replicate_degree
+    shard = p.data_parallel_shard_degree
+    if shard == -1:  # whatever is left of the world size
+        shard = world_size // (tp * rep)
     if shard < 1 or rep * shard * tp != world_size:
-        raise ConfigError(f"parallelism: data_parallel_replicate_degree {rep} x data_parallel_shard_degree "
-                          f"{p.data_parallel_shard_degree} x tensor_parallel_degree {tp} must equal the "
-                          f"world size {world_size}")
+        raise ConfigError(f"parallelism: data_parallel_replicate_degree {rep} "
+                          f"x data_parallel_shard_degree {p.data_parallel_shard_degree} "
+                          f"x tensor_parallel_degree {tp} must equal the world size {world_size}")
     if args.n_heads % tp or args.n_kv_heads % tp:
-        raise ConfigError(f"parallelism.tensor_parallel_degree = {tp} must divide the {cfg.model.flavor} "
-                          f"model's n_heads {args.n_heads} and n_kv_heads {args.n_kv_heads}")
+        raise ConfigError(f"parallelism.tensor_parallel_degree = {tp} must divide "
+                          f"the {cfg.model.flavor} model's n_heads {args.n_heads} "
+                          f"and n_kv_heads {args.n_kv_heads}")
     if tp > 1 and t.seq_len % tp:
-        raise ConfigError(f"training.seq_len = {t.seq_len} must be divisible by tensor_parallel_degree {tp} "
-                          "(sequence parallelism splits it)")
+        raise ConfigError(f"training.seq_len = {t.seq_len} must be divisible by "
+                          f"tensor_parallel_degree {tp} (sequence parallelism splits it)")
     dp = rep * shard
     gbs = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
     if gbs % (t.local_batch_size * dp):
-        raise ConfigError(f"training.global_batch_size = {gbs} must be a multiple of local_batch_size "
-                          f"{t.local_batch_size} x data-parallel degree {dp}")
+        raise ConfigError(f"training.global_batch_size = {gbs} must be a multiple of "
+                          f"local_batch_size {t.local_batch_size} x data-parallel degree {dp}")
     if sum(s.weight for s in cfg.data.sources) <= 0:
-        raise ConfigError("data.sources is empty or its weights sum to 0: add [[data.sources]] with a weight > 0")
+        raise ConfigError("data.sources is empty or its weights sum to 0: "
+                          "add [[data.sources]] with a weight > 0")
     if v.enable and not v.sources:
-        raise ConfigError("validation.enable is set but validation.sources is empty; add [[validation.sources]] tables")
-    # While one rank waits up to hub_timeout_seconds for a Hub read, the others wait in a collective: it must fit there
-    hub = [s.name for s in cfg.data.sources + (v.sources if v.enable else []) + evals.sources(cfg.eval)
-           if not os.path.isdir(s.path)]  # not a local folder: a Hub dataset id
+        raise ConfigError("validation.enable is set but validation.sources is empty; "
+                          "add [[validation.sources]] tables")
+    # One Hub read's wait (hub_timeout_seconds) must fit in the other ranks' wait in a collective
+    in_use = cfg.data.sources + (v.sources if v.enable else []) + evals.sources(cfg.eval)
+    hub = [s.name for s in in_use if not os.path.isdir(s.path)]  # not a local folder: a Hub id
     if hub and not cfg.data.hub_timeout_seconds < cfg.comm.init_timeout_seconds:
-        raise ConfigError(f"data.hub_timeout_seconds = {cfg.data.hub_timeout_seconds:g} must be below "
-                          f"comm.init_timeout_seconds = {cfg.comm.init_timeout_seconds} (source {hub[0]!r} is on the "
-                          "Hub): one read that waits that long outlasts the other ranks' wait in a collective")
+        raise ConfigError(f"data.hub_timeout_seconds = {cfg.data.hub_timeout_seconds:g} "
+                          f"must be below comm.init_timeout_seconds = "
+                          f"{cfg.comm.init_timeout_seconds} (source {hub[0]!r} is on the Hub): "
+                          "one read that waits that long outlasts the other ranks' wait "
+                          "in a collective")
     streams = cfg.data.num_streams or dp
     if streams % dp or t.local_batch_size % (streams // dp):
-        raise ConfigError(f"data.num_streams = {streams} must be a multiple of the data-parallel degree {dp} "
-                          f"and divide into local_batch_size {t.local_batch_size} per rank")
-    return {"dp_shard": shard, "dp": dp, "global_batch_size": gbs, "grad_accum": gbs // (t.local_batch_size * dp)}
+        raise ConfigError(f"data.num_streams = {streams} must be a multiple of the data-parallel "
+                          f"degree {dp} and divide into local_batch_size {t.local_batch_size} "
+                          "per rank")
+    grad_accum = gbs // (t.local_batch_size * dp)  # micro-batches per optimizer step
+    return {"dp_shard": shard, "dp": dp, "global_batch_size": gbs, "grad_accum": grad_accum}
 
 
-# A resume must keep every key of these sections (a new hyperparameter is checked with no edit here)...
+# A resume must keep every key of these sections (a new hyperparameter is checked, no edit here)...
 RESUME_CHECKED = ("model", "training", "optimizer", "lr_scheduler", "data")
-# ...except these, which a resume may change: how long and how fast to train, clipping, precision (float8
-# included: the weights are the same), the layout's batch split, workers, and where the tokenizer, the data
-# manifest and its mirror live (their sha256 is checked). The other sections (job, parallelism, checkpoint,
-# activation_checkpoint, compile, float8, metrics, comm, validation, eval) may always change.
+# ...except these, which a resume may change: how long and how fast to train, clipping, precision
+# (float8 included: the weights are the same), the layout's batch split, workers, and where the
+# tokenizer, the data manifest and its mirror live (their sha256 is checked). The other sections
+# (job, parallelism, checkpoint, activation_checkpoint, compile, float8, metrics, comm, validation,
+# eval) may always change.
 RESUME_MAY_CHANGE = {
-    "training.steps", "training.local_batch_size", "training.max_norm", "training.seed", "training.deterministic",
-    "training.mixed_precision_param", "training.mixed_precision_reduce", "optimizer.lr", "lr_scheduler.warmup_steps",
-    "lr_scheduler.decay_ratio", "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor", "model.tokenizer_path",
-    "model.converters", "data.num_workers", "data.manifest", "data.mirror", "data.hub_timeout_seconds",
-    "data.resolve_timeout_seconds",
+    "training.steps", "training.local_batch_size", "training.max_norm", "training.seed",
+    "training.deterministic", "training.mixed_precision_param", "training.mixed_precision_reduce",
+    "optimizer.lr", "lr_scheduler.warmup_steps", "lr_scheduler.decay_ratio",
+    "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor", "model.tokenizer_path",
+    "model.converters", "data.num_workers", "data.manifest", "data.mirror",
+    "data.hub_timeout_seconds", "data.resolve_timeout_seconds",
 }
 
 
 def run_keys(cfg: Config, model_args, sizes: dict, manifest: dict) -> dict:
-    """What a resume must not change (RESUME_CHECKED less RESUME_MAY_CHANGE), with derived values where the config
-    leaves a choice to the layout: a run may resume on more or fewer GPUs if the global batch and num_streams stay.
-    A checkpoint is checked on the keys it holds (older ones hold fewer)."""
-    keys = {f"{sec}.{k}": v for sec in RESUME_CHECKED for k, v in dataclasses.asdict(getattr(cfg, sec)).items()
-            if f"{sec}.{k}" not in RESUME_MAY_CHANGE}
+    """What a resume must not change (RESUME_CHECKED less RESUME_MAY_CHANGE), with derived values
+    where the config leaves a choice to the layout: a run may resume on more or fewer GPUs if the
+    global batch and num_streams stay. A checkpoint is checked on the keys it holds (old: fewer)."""
+    sections = {f"{sec}.{k}": v for sec in RESUME_CHECKED
+                for k, v in dataclasses.asdict(getattr(cfg, sec)).items()}
+    keys = {key: v for key, v in sections.items() if key not in RESUME_MAY_CHANGE}
     with open(cfg.model.tokenizer_path, "rb") as f:
         keys["model.tokenizer_sha256"] = hashlib.sha256(f.read()).hexdigest()
-    keys.update({"model.n_layers": model_args.n_layers, "training.global_batch_size": sizes["global_batch_size"],
-                 "data.num_streams": cfg.data.num_streams or sizes["dp"],
-                 "data.sources_sha256": manifest_sha256(manifest)})
+    # the values the layout would otherwise choose
+    keys["model.n_layers"] = model_args.n_layers
+    keys["training.global_batch_size"] = sizes["global_batch_size"]
+    keys["data.num_streams"] = cfg.data.num_streams or sizes["dp"]
+    keys["data.sources_sha256"] = manifest_sha256(manifest)
     return keys
+
+
+def run_summary(cfg: Config, model: Transformer, world_size: int, sizes: dict) -> str:
+    """The start-up log line: the model, its size and vocabulary, the layout, the config's file."""
+    p = cfg.parallelism
+    description = cfg.job.description + ": " if cfg.job.description else ""
+    return (f"{description}model {cfg.model.flavor} "
+            f"({model.num_params():,} parameters, vocab {model.args.vocab_size:,}), "
+            f"world {world_size} = dp_replicate {p.data_parallel_replicate_degree} "
+            f"x dp_shard {sizes['dp_shard']} x tp {p.tensor_parallel_degree}, "
+            f"grad accumulation {sizes['grad_accum']}; "
+            f"config in {os.path.join(cfg.job.dump_folder, 'config.toml')}")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -337,35 +384,42 @@ def run_keys(cfg: Config, model_args, sizes: dict, manifest: dict) -> dict:
 # -------------------------------------------------------------------------------------------------
 
 def parallelize(model: Transformer, mesh, cfg: Config):
-    """torchtitan's order: tensor parallel, activation checkpointing, compile, then FSDP2 (which must wrap
-    the modules the steps before produced). Each step takes only what it needs."""
+    """torchtitan's order: tensor parallel, activation checkpointing, compile, then FSDP2 (which
+    must wrap the modules the steps before produced). Each step takes only what it needs."""
+    ac = cfg.activation_checkpoint
     if mesh["tp"].size() > 1:
-        apply_tp(model, mesh["tp"], float8.tp_styles(model, mesh.device_type, cfg.float8.recipe_name))
-    if cfg.activation_checkpoint.mode != "none":
-        apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+        styles = float8.tp_styles(model, mesh.device_type, cfg.float8.recipe_name)
+        apply_tp(model, mesh["tp"], styles)
+    if ac.mode != "none":
+        apply_ac(model, ac.mode, ac.selective_ac_option)
     if cfg.compile.enable:
         apply_compile(model)
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    param_dtype = dtypes[cfg.training.mixed_precision_param]
+    reduce_dtype = dtypes[cfg.training.mixed_precision_reduce]
     # HSDP: shard within dp_shard, replicate across dp_replicate.
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
-    apply_fsdp(model, dp_mesh, dtypes[cfg.training.mixed_precision_param], dtypes[cfg.training.mixed_precision_reduce])
+    hsdp = mesh["dp_replicate"].size() > 1
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
+    apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype)
 
 
 def apply_tp(model: Transformer, tp_mesh, float8_styles=None):
-    """The tensor-parallel plan, keyed by Meta's weight names, with sequence parallel between blocks:
-    activations are sharded on seq (Shard(1)) for norms and residual adds, gathered before attention and
-    the FFN, and reduce-scattered after wo and w2. float8_styles: torchao's (float8.tp_styles)."""
+    """The tensor-parallel plan, keyed by Meta's weight names, with sequence parallel between
+    blocks: activations are sharded on seq (Shard(1)) for norms and residual adds, gathered before
+    attention and the FFN, reduce-scattered after wo and w2. float8_styles: float8.tp_styles'."""
     col, row, prepare = float8_styles or (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
     root_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        # Logits stay sharded on the vocab (loss parallel): no rank ever holds (tokens x vocab) whole.
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        # Logits stay sharded on the vocab (loss parallel): no rank holds (tokens x vocab) whole.
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                  use_local_output=False),
     }
     block_plan = {
         "attention_norm": SequenceParallel(),
         # (x, freqs_cis, mask): the mask (None, or one for the whole sequence) stays as it is
-        "attention": prepare(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
+        "attention": prepare(input_layouts=(Shard(1), None, None),
+                             desired_input_layouts=(Replicate(), None, None)),
         "attention.wq": col(),
         "attention.wk": col(),
         "attention.wv": col(),
@@ -382,10 +436,10 @@ def apply_tp(model: Transformer, tp_mesh, float8_styles=None):
     replicate_unplanned(model, tp_mesh)
 
 
-# Selective AC keeps these ops' outputs (expensive to recompute) and recomputes the cheap elementwise rest.
+# Selective AC keeps these ops' outputs (costly to recompute), recomputes the cheap elementwise rest
 AC_SAVE = {
     torch.ops.aten.mm.default,
-    torch.ops.aten.max.default,  # float8's amax reductions (torchtitan keeps them too): recomputing one costs a pass
+    torch.ops.aten.max.default,  # float8's amaxes (torchtitan keeps them): recomputing costs a pass
     torch.ops.aten._scaled_mm.default,  # float8 matmuls on a GPU
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
@@ -396,8 +450,8 @@ AC_SAVE = {
 
 
 def apply_ac(model: Transformer, mode: str, selective_ac_option: str):
-    """Activation checkpointing per block: "full", or "selective" with option "op" (keep AC_SAVE's outputs)
-    or N (full AC on every Nth block)."""
+    """Activation checkpointing per block: "full", or "selective" with option "op" (keep AC_SAVE's
+    outputs) or N (full AC on every Nth block)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -407,7 +461,8 @@ def apply_ac(model: Transformer, mode: str, selective_ac_option: str):
     for i, block in enumerate(model.layers):
         if mode == "selective" and selective_ac_option == "op":
             context_fn = partial(create_selective_checkpoint_contexts, policy)
-            model.layers[i] = checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
+            model.layers[i] = checkpoint_wrapper(block, context_fn=context_fn,
+                                                 preserve_rng_state=False)
         elif mode == "full" or i % int(selective_ac_option) == 0:
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
@@ -420,33 +475,37 @@ def apply_compile(model: Transformer):
 
 def apply_fsdp(model: Transformer, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype):
     """FSDP2 per block, then the root (embeddings, final norm, output)."""
-    scalar = next((n for n, q in model.named_parameters() if q.ndim == 0), None)  # fully_shard splits dim 0
-    if scalar:
-        raise ConfigError(f"parameter {scalar} has shape (): FSDP2 cannot shard a scalar; give it shape (1,)")
+    scalar = next((n for n, q in model.named_parameters() if q.ndim == 0), None)
+    if scalar:  # fully_shard splits dim 0
+        raise ConfigError(f"parameter {scalar} has shape (): FSDP2 cannot shard a scalar; "
+                          "give it shape (1,)")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for i, block in enumerate(model.layers):
         # The last block's parameters are needed again right away by backward: don't free them.
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(model.layers) - 1)
+        last = i == len(model.layers) - 1
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=not last)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
 def replicate_unplanned(model: torch.nn.Module, tp_mesh):
-    """Parameters the TP plan does not name (a q/k norm, a gate) become replicated on the TP mesh (clip_grad_norm_
-    needs one mesh). Each TP rank computes on its own share of the activations, so the gradients are summed over
-    TP ranks: right for per-token modules anywhere except on the inputs gathered for wq/wk/wv and w1/w3."""
+    """Parameters the TP plan does not name (a q/k norm, a gate) become replicated on the TP mesh
+    (clip_grad_norm_ needs one mesh). Each TP rank computes on its share of the activations, so the
+    gradients are summed over TP ranks: right for per-token modules anywhere except on the inputs
+    gathered for wq/wk/wv and w1/w3."""
     for name, module in model.named_modules():
         own = [n for n, q in module.named_parameters(recurse=False) if not isinstance(q, DTensor)]
         if not own:
             continue
         if module._forward_pre_hooks or module._forward_hooks:  # already given a style by the plan
-            raise ConfigError(f"tensor parallel: parameter {name}.{own[0]} is not in the TP plan and its module "
-                              "has a TP style; add it to the plan in train.parallelize")
+            raise ConfigError(f"tensor parallel: parameter {name}.{own[0]} is not in the TP plan "
+                              "and its module has a TP style; "
+                              "add it to the plan in train.parallelize")
         parallelize_module(module, tp_mesh, SequenceParallel(sequence_dim=0, use_local_output=True))
 
 
 def layout_independent_normal(seed: int):
-    """An init fill for model.init_weights whose values depend on (seed, weight name, position) only,
-    so 1 process, FSDP and TP start from identical weights. Each rank fills only its own shard."""
+    """An init fill for model.init_weights whose values depend on (seed, weight name, position)
+    only, so 1 process, FSDP and TP start from identical weights. Each rank fills its own shard."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     def fill(name: str, w: torch.Tensor, std: float):
@@ -461,42 +520,70 @@ def layout_independent_normal(seed: int):
 
 
 # -------------------------------------------------------------------------------------------------
-# Optimizer, lr schedule, the loss (validation and evals: evals.py; where the numbers go: metrics.py)
+# Optimizer, lr schedule, the data loader, the loss (validation and evals: evals.py; where the
+# numbers go: metrics.py)
 # -------------------------------------------------------------------------------------------------
 
 def build_optimizer(model, cfg: Config, device: torch.device):
     """The optimizer and its lr schedule. Checkpointing saves whatever state the optimizer keeps."""
     o = cfg.optimizer
-    # fused: one kernel per step on CUDA and CPU alike (on the debug model's CPU step ~10x faster than foreach)
+    # fused: one kernel per step on CUDA and CPU (the debug model's CPU step: ~10x foreach's speed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   weight_decay=o.weight_decay, fused=True)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
+    return optimizer, scheduler
 
 
-def forward_backward(model, inputs, labels, global_tokens: torch.Tensor, dp: int, tp: int) -> torch.Tensor:
-    """One micro-batch: forward, loss, backward. The loss is this micro-batch's share of the global batch's mean:
-    its summed cross-entropy over the positions that count (label != -100) divided by global_tokens, those of the
-    whole global batch (every micro-batch on every dp rank). So 1 process, FSDP, TP and accumulation give the same
-    loss. Returns the share (detached, plain) for the log. The place to change the objective (z-loss, another
-    loss): the loop around it only accumulates, clips and steps."""
+def build_loader(cfg: Config, tokenizer, dp_rank: int, dp: int, manifest: dict) -> DataLoader:
+    """This dp rank's batches: its own streams of [data]'s mixture (TP ranks read the same)."""
+    return DataLoader(cfg.data.sources, tokenizer, cfg.training.seq_len,
+                      cfg.training.local_batch_size, dp_rank, dp, cfg.data.num_streams,
+                      cfg.data.seed, cfg.data.num_workers, manifest, cfg.data.hub_timeout_seconds,
+                      cfg.comm.init_timeout_seconds)
+
+
+def next_batch(loader: DataLoader, cfg: Config) -> tuple:
+    """(inputs, labels, error): the loader's next batch and "", or after a DataError zeros and its
+    line, so this rank keeps in step with the other ranks' collectives (all stop after the step)."""
+    try:
+        inputs, labels = next(loader)
+    except DataError as e:
+        zeros = torch.zeros(cfg.training.local_batch_size, cfg.training.seq_len, dtype=torch.long)
+        return zeros, zeros, str(e)
+    return inputs, labels, ""
+
+
+def forward_backward(model, inputs, labels, global_tokens: torch.Tensor, dp: int,
+                     tp: int) -> torch.Tensor:
+    """One micro-batch: forward, loss, backward. The loss is this micro-batch's share of the global
+    batch's mean: its summed cross-entropy over the positions that count (label != -100) divided by
+    global_tokens, those of the whole global batch (every micro-batch on every dp rank), so 1
+    process, FSDP, TP and accumulation give the same loss. Returns the share (detached, plain) for
+    the log. The place to change the objective (z-loss...): the loop only accumulates and steps."""
     with loss_parallel() if tp > 1 else contextlib.nullcontext():
         logits = model(inputs)  # (local_batch_size, seq_len, vocab_size), vocab-sharded under TP
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / global_tokens
+        summed = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        loss = summed / global_tokens
         del logits
-        (loss * dp).backward()  # FSDP averages the gradients over the dp ranks: undo its division by dp
-    return loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()  # replicated over TP
+        # FSDP averages the gradients over the dp ranks: undo its division by dp
+        (loss * dp).backward()
+    loss = loss.detach()
+    return loss.to_local() if isinstance(loss, DTensor) else loss  # replicated over TP
 
 
 def ignore_boundaries(labels: torch.Tensor, args) -> torch.Tensor:
-    """Labels with the positions that carry no signal set to -100 (ignored by the loss). Under block_causal
-    that is each position whose label is a document's BOS: the token before it is the previous document's
-    last one, and the mask hides everything of the new document from it. Causal keeps every position."""
-    return labels.masked_fill(labels == args.bos_id, -100) if args.attn_mask_type == "block_causal" else labels
+    """Labels with the positions that carry no signal set to -100 (ignored by the loss). Under
+    block_causal: each position whose label is a document's BOS (the token before it is the last of
+    the previous document, and the mask hides the new one from it). Causal keeps every position."""
+    if args.attn_mask_type != "block_causal":
+        return labels
+    return labels.masked_fill(labels == args.bos_id, -100)
 
 
 def lr_factor(step: int, cfg: Config) -> float:
-    """Multiplier on the peak lr at optimizer step `step` (0-based): warmup, stable, decay to min_lr_factor."""
-    s, total = cfg.lr_scheduler, cfg.training.steps
+    """The peak lr's multiplier at step `step` (0-based): warmup, stable, decay to min_lr_factor."""
+    s = cfg.lr_scheduler
+    total = cfg.training.steps
     warmup = min(s.warmup_steps, total)
     if step < warmup:
         return (step + 1) / (warmup + 1)
@@ -511,13 +598,16 @@ def lr_factor(step: int, cfg: Config) -> float:
 
 
 # -------------------------------------------------------------------------------------------------
-# Every rank alike: the dump folder, the data manifest (distributed.py: the process group, agree)
+# Every rank alike: the dump folder, the data manifest, the sources' first reads, preemption,
+# each step's agreement (distributed.py: the process group, agree)
 # -------------------------------------------------------------------------------------------------
 
 def open_dump_folder(cfg: Config, rank: int, device):
-    """Every rank checks that the dump folder is usable. Rank 0 returns an flock on it, held for the whole run (the OS
-    releases it however the process ends): a second job pointed here stops before it touches config or checkpoints."""
-    error, lock = "", None
+    """Every rank checks that the dump folder is usable. Rank 0 returns an flock on it, held for the
+    whole run (the OS releases it however the process ends): a second job pointed here stops before
+    it touches config or checkpoints."""
+    error = ""  # this rank's one line, if the folder cannot be used
+    lock = None  # rank 0's
     try:
         os.makedirs(cfg.job.dump_folder, exist_ok=True)
         if not os.access(cfg.job.dump_folder, os.W_OK):
@@ -526,8 +616,8 @@ def open_dump_folder(cfg: Config, rank: int, device):
             lock = open(os.path.join(cfg.job.dump_folder, ".lock"), "a")
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        error = (f"job.dump_folder = {cfg.job.dump_folder!r} is in use by another run (its .lock is held); "
-                 "wait for that run to end or choose another dump_folder")
+        error = (f"job.dump_folder = {cfg.job.dump_folder!r} is in use by another run "
+                 "(its .lock is held); wait for that run to end or choose another dump_folder")
     except OSError as e:
         error = f"job.dump_folder = {cfg.job.dump_folder!r} cannot be used: {e}"
     agree(error, device)
@@ -538,19 +628,64 @@ def open_dump_folder(cfg: Config, rank: int, device):
 
 
 def share_manifest(cfg: Config, rank: int, device) -> dict:
-    """The files of every source: rank 0 alone resolves them (or reads the run's pinned manifest), every rank
-    gets them through the job's store (data_manifest.shared_manifest). Then each node checks the local files
-    in use once, split over its ranks (a node-local copy may differ)."""
-    held_out = (cfg.validation.sources if cfg.validation.enable else []) + evals.sources(cfg.eval)  # in use
+    """The files of every source: rank 0 alone resolves them (or reads the run's pinned manifest),
+    every rank gets them through the job's store (data_manifest.shared_manifest). Then each node
+    checks the local files in use once, split over its ranks (a node-local copy may differ)."""
+    held_out = (cfg.validation.sources if cfg.validation.enable else []) + evals.sources(cfg.eval)
     if rank == 0:
-        logger.info("data manifest: rank 0 reads or makes it; the others wait up to data.resolve_timeout_seconds")
-    make = partial(pinned_manifest, cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, held_out,
-                   cfg.data.hub_timeout_seconds, cfg.comm.init_timeout_seconds)  # a request's wait, the retries' budget
-    manifest = shared_manifest(dist.distributed_c10d._get_default_store(), rank, cfg.data.resolve_timeout_seconds, make)
-    local = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        logger.info("data manifest: rank 0 reads or makes it; "
+                    "the others wait up to data.resolve_timeout_seconds")
+    hub_wait = cfg.data.hub_timeout_seconds  # a request's wait
+    budget = cfg.comm.init_timeout_seconds  # the retries' budget
+    make = partial(pinned_manifest, cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources,
+                   held_out, hub_wait, budget)
+    store = dist.distributed_c10d._get_default_store()
+    manifest = shared_manifest(store, rank, cfg.data.resolve_timeout_seconds, make)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     in_use = [*cfg.data.sources, *held_out]
-    agree(manifest if isinstance(manifest, str) else verify_manifest(manifest, *local, in_use), device)
+    if isinstance(manifest, str):  # rank 0's one line
+        error = manifest
+    else:
+        error = verify_manifest(manifest, local_rank, local_world, in_use)
+    agree(error, device)
     return manifest
+
+
+def check_sources(loader: DataLoader, rank: int, wait: float):
+    """Every rank opens every source where it resumes: a bad one stops all ranks alike before the
+    first step. `wait` (data.resolve_timeout_seconds): rank 0's wait for every rank's outcome."""
+    error = ""
+    try:
+        loader.check()
+    except DataError as e:
+        error = str(e)
+    agree_on_reads(error, rank, wait)
+
+
+def stop_on_signals() -> threading.Event:
+    """Preemption (Slurm's warning signal, or a plain kill): the event is set; the loop finishes the
+    step, saves and exits 0. Under torchrun the launcher's death reaches each rank as SIGTERM."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    return stop
+
+
+def agree_on_step(stop: threading.Event, data_error: str, checkpointer: Checkpointer,
+                  grad_norm: torch.Tensor, loss_sum: torch.Tensor, device) -> list:
+    """[stopping, data_failed, save_running, diverged], alike on every rank: all must agree, at the
+    same step, to stop (a signal or a data error), that an async save is complete and that the step
+    is finite, or the saves would deadlock. One tiny all-reduce per step (the loop's one host sync),
+    before optimizer.step(), so a non-finite step or a bad batch never reaches the weights."""
+    saving = checkpointer.pending is not None and not checkpointer.pending[0].done()
+    flags = torch.tensor([stop.is_set(), bool(data_error), saving], device=device)
+    not_finite = ~torch.isfinite(grad_norm.reshape(1)) | ~torch.isfinite(loss_sum.reshape(1))
+    flags = torch.cat([flags, not_finite]).int()
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return flags.tolist()
 
 
 # -------------------------------------------------------------------------------------------------
@@ -558,32 +693,28 @@ def share_manifest(cfg: Config, rank: int, device) -> dict:
 # -------------------------------------------------------------------------------------------------
 
 def main(cfg: Config):
-    # --- 1. config: validated before any process group or model exists, on every rank alike ------------
-    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    # --- 1. config: validated before any process group or model exists, on every rank alike -----
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
     sizes = validate(cfg, world_size)
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s",
-                        stream=sys.stdout, force=True)
-    # Preemption (Slurm's warning signal, or a plain kill): finish the step, save, exit 0. Installed before the slow
-    # start-up, so an early signal is not lost; under torchrun the launcher's death reaches each rank as SIGTERM.
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, lambda signum, frame: stop.set())
-    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    level = logging.INFO if rank == 0 else logging.WARNING  # rank 0 logs; the others only warn
+    logging.basicConfig(level=level, format="%(message)s", stream=sys.stdout, force=True)
+    stop = stop_on_signals()  # before the slow start-up, so an early signal is not lost
     tokenizer = Tokenizer(cfg.model.tokenizer_path)
 
-    # --- 2. device, process group, mesh, dump folder ----------------------------------------------------
+    # --- 2. device, process group, mesh, dump folder ---------------------------------------------
     device, mesh = init_distributed(cfg, sizes)
     lock = open_dump_folder(cfg, rank, device)  # noqa: F841 (held open until the process ends)
     if cfg.job.print_config:
         logger.info(to_toml(cfg))
-    p = cfg.parallelism
-    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")  # made in init_distributed: all ranks that see other data
-    dp_rank, dp = dp_mesh.get_local_rank(), dp_mesh.size()
+    # made in init_distributed: all ranks that see other data
+    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    dp_rank = dp_mesh.get_local_rank()
+    dp = dp_mesh.size()
     torch.use_deterministic_algorithms(cfg.training.deterministic)
     torch.manual_seed(cfg.training.seed)
 
-    # --- 3. model: on the meta device, so no rank ever holds the full unsharded weights ---------------------
+    # --- 3. model: on the meta device, so no rank ever holds the full unsharded weights ----------
     with torch.device("meta"):
         model = Transformer(model_args(cfg, tokenizer))  # the vocabulary follows the tokenizer
     args = model.args
@@ -591,130 +722,131 @@ def main(cfg: Config):
     # attention counted as full, as in the PaLM/torchtitan MFU convention).
     flops_per_token = (6 * model.num_params(exclude_embedding=True)
                        + 12 * args.n_layers * args.dim * cfg.training.seq_len)
-    logger.info(f"{cfg.job.description + ': ' if cfg.job.description else ''}model {cfg.model.flavor} "
-                f"({model.num_params():,} parameters, vocab {args.vocab_size:,}), world {world_size} = "
-                f"dp_replicate {p.data_parallel_replicate_degree} x dp_shard {sizes['dp_shard']} x tp "
-                f"{p.tensor_parallel_degree}, grad accumulation {sizes['grad_accum']}; config in "
-                f"{os.path.join(cfg.job.dump_folder, 'config.toml')}")
+    logger.info(run_summary(cfg, model, world_size, sizes))
 
-    # --- 4. parallelize, then materialise this rank's shards --------------------------------------------------
+    # --- 4. parallelize, then materialise this rank's shards -------------------------------------
     float8_scales = float8.convert(model, cfg, device)
     parallelize(model, mesh, cfg)
     model.to_empty(device=device)
     model.init_weights(normal_=layout_independent_normal(cfg.training.seed), buffer_device=device)
     model.train()
 
-    # --- 5. optimizer, lr schedule, data (each dp rank reads its own streams; TP ranks the same ones) ----------
+    # --- 5. optimizer, lr schedule, data (each dp rank reads its own streams; TP ranks the same) -
     optimizer, scheduler = build_optimizer(model, cfg, device)
-    manifest = {**share_manifest(cfg, rank, device), "mirror": cfg.data.mirror}  # the same files, maybe read there
-    loader = DataLoader(cfg.data.sources, tokenizer, cfg.training.seq_len, cfg.training.local_batch_size,
-                        dp_rank, dp, cfg.data.num_streams, cfg.data.seed, cfg.data.num_workers, manifest,
-                        cfg.data.hub_timeout_seconds, cfg.comm.init_timeout_seconds)
+    # the same files, maybe read there
+    manifest = {**share_manifest(cfg, rank, device), "mirror": cfg.data.mirror}
+    loader = build_loader(cfg, tokenizer, dp_rank, dp, manifest)
 
-    # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path -----------
-    checkpointer = Checkpointer(cfg.checkpoint, os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder),
-                                run_keys(cfg, args, sizes, manifest), cfg.training.steps, model, optimizer,
-                                scheduler, loader, {"model.converters": cfg.model.converters})  # float8 on/off: logged
+    # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path --
+    folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+    notes = {"model.converters": cfg.model.converters}  # float8 on/off: logged
+    checkpointer = Checkpointer(cfg.checkpoint, folder, run_keys(cfg, args, sizes, manifest),
+                                cfg.training.steps, model, optimizer, scheduler, loader, notes)
     step, tokens_seen = checkpointer.resume()
-    error = ""
-    try:  # every rank opens every source where it resumes: a bad one stops all ranks alike before step 1
-        loader.check()
-    except DataError as e:
-        error = str(e)
-    agree_on_reads(error, rank, cfg.data.resolve_timeout_seconds)
+    check_sources(loader, rank, cfg.data.resolve_timeout_seconds)  # before step 1, all alike
     windows, tasks = evals.read_once(cfg, tokenizer, args.max_seq_len, manifest, device)
     heldout = evals.heldout_share(windows, cfg.validation.local_batch_size, dp_rank, dp,
                                   partial(ignore_boundaries, args=args))
     if step >= cfg.training.steps:
-        logger.info(f"the run is at step {step} of training.steps = {cfg.training.steps}: nothing left to do "
-                    "(raise --training.steps to train further)")
+        logger.info(f"the run is at step {step} of training.steps = {cfg.training.steps}: "
+                    "nothing left to do (raise --training.steps to train further)")
 
-    # --- 7. training loop ---------------------------------------------------------------------------------
+    # --- 7. training loop ------------------------------------------------------------------------
     metrics = MetricsLogger(cfg, rank)
-    LEFT_OPEN[:] = [checkpointer, metrics]  # an error exit finishes a pending save and flushes the logs first
-    peak, grad_accum, tp = peak_tflops(device, cfg.metrics.peak_tflops), sizes["grad_accum"], p.tensor_parallel_degree
+    LEFT_OPEN[:] = [checkpointer, metrics]  # an error exit finishes their save and logs first
+    peak = peak_tflops(device, cfg.metrics.peak_tflops)  # per device, for MFU; 0: unknown
+    grad_accum = sizes["grad_accum"]
+    tp = cfg.parallelism.tensor_parallel_degree
     tokens_per_step = sizes["global_batch_size"] * cfg.training.seq_len
     params = [q for q in model.parameters() if q.requires_grad]
     memory_stats(device)  # reset the GPU peak so the first log covers training only
     peak_gib = peak_allocated = 0.0  # the largest figures logged, reported at the end
-    log_t0, log_steps, data_time = time.perf_counter(), 0, 0.0
+    log_t0 = time.perf_counter()  # the steps since the last training log: when they began,
+    log_steps = 0  # how many
+    data_time = 0.0  # and their seconds waiting for batches
     loss_sum = torch.zeros((), device=device)  # summed on the device; read at log time only
-    counted_sum = torch.zeros((), device=device)  # positions whose loss counted, over the logged steps
+    counted_sum = torch.zeros((), device=device)  # positions whose loss counted, logged steps
 
     while step < cfg.training.steps:
         step += 1
         optimizer.zero_grad(set_to_none=True)
-        data_error, batches = "", []
-        for _ in range(grad_accum):  # every micro-batch first: the loss divides by the global batch's count
+        data_error = ""  # this rank's first failed read of the step
+        batches = []  # every micro-batch first: the loss divides by the global batch's count
+        for _ in range(grad_accum):
             t0 = time.perf_counter()
-            try:
-                inputs, labels = next(loader)  # (local_batch_size, seq_len) each
-            except DataError as e:  # keep in step with the other ranks' collectives; all stop below
-                data_error = data_error or str(e)
-                inputs = labels = torch.zeros(cfg.training.local_batch_size, cfg.training.seq_len, dtype=torch.long)
+            inputs, labels, error = next_batch(loader, cfg)  # (local_batch_size, seq_len) each
+            data_error = data_error or error
             data_time += time.perf_counter() - t0
             batches.append((inputs.to(device, non_blocking=True),
                             ignore_boundaries(labels, args).to(device, non_blocking=True)))
         counted = sum((y != -100).sum() for _, y in batches).float()
-        dist.all_reduce(counted, group=dp_mesh.get_group())  # over the global batch (TP ranks hold the same)
+        # over the global batch (TP ranks hold the same)
+        dist.all_reduce(counted, group=dp_mesh.get_group())
         counted_sum += counted
         for inputs, labels in batches:
             loss_sum += forward_backward(model, inputs, labels, counted.clamp(min=1), dp, tp)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.training.max_norm or math.inf, foreach=True)
+        max_norm = cfg.training.max_norm or math.inf  # 0: no clipping
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
 
-        # Every rank must agree, at the same step, to stop (a signal or a data error), that an async save is complete
-        # and that the step is finite, or the saves below would deadlock: one tiny all-reduce per step (the loop's one
-        # host sync), before optimizer.step() so that a non-finite step or a bad batch never reaches the weights.
-        saving = checkpointer.pending is not None and not checkpointer.pending[0].done()
-        flags = torch.tensor([stop.is_set(), bool(data_error), saving], device=device)
-        flags = torch.cat([flags, ~torch.isfinite(grad_norm.reshape(1)) | ~torch.isfinite(loss_sum.reshape(1))]).int()
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stopping, data_failed, save_running, diverged = flags.tolist()
+        # one all-reduce: every rank stops, saves or fails at the same step
+        flags = agree_on_step(stop, data_error, checkpointer, grad_norm, loss_sum, device)
+        stopping, data_failed, save_running, diverged = flags
         if data_failed:
             agree(data_error, device)
         if diverged:
-            if checkpointer.pending is not None:  # an earlier step's save is good: in place before the exit
+            if checkpointer.pending is not None:  # an earlier step's save is good: finish it
                 checkpointer.finish()
             raise RunError(f"step {step}: the loss or the gradient norm is not finite (grad_norm "
                            f"{grad_norm.item():.4g}); nothing was saved from this step. "
                            f"Last good checkpoint: {checkpointer.newest()}")
         lr = scheduler.get_last_lr()[0]  # the lr this step used
         optimizer.step()
-        if float8_scales:  # every float8 weight's scale in one all-reduce, for the next step's float8 all-gathers
+        # every float8 weight's scale in one all-reduce, for the next step's float8 all-gathers
+        if float8_scales:
             float8_scales(model)
         scheduler.step()
         tokens_seen += tokens_per_step
-        log_steps, last = log_steps + 1, step == cfg.training.steps
+        log_steps += 1
+        last = step == cfg.training.steps
 
         if step % cfg.metrics.log_freq == 0 or step == 1 or last:
-            sums = torch.tensor([*loader.source_tokens().values(), 0.0], dtype=torch.float64, device=device)
+            source_tokens = loader.source_tokens().values()
+            sums = torch.tensor([*source_tokens, 0.0], dtype=torch.float64, device=device)
             sums[-1] = loss_sum
-            dist.all_reduce(sums, group=dp_mesh.get_group())  # tokens per source, and the loss, over dp ranks
+            # tokens per source, and the loss, over dp ranks
+            dist.all_reduce(sums, group=dp_mesh.get_group())
             dt = time.perf_counter() - log_t0
             tps = log_steps * tokens_per_step / dt / world_size
+            mfu = 100 * flops_per_token * tps / 1e12 / peak if peak else None
             mem_gib, mem_pct, allocated = memory_stats(device)
-            peak_gib, peak_allocated = max(peak_gib, mem_gib), max(peak_allocated, allocated or 0.0)
-            metrics.log({"step": step, "loss": sums[-1].item() / log_steps, "grad_norm": grad_norm.item(),
-                         "lr": lr, "memory_gib": mem_gib, "memory_pct": mem_pct, "memory_allocated_gib": allocated,
-                         "tps": tps, "tflops": flops_per_token * tps / 1e12,
-                         "mfu": 100 * flops_per_token * tps / 1e12 / peak if peak else None,
+            peak_gib = max(peak_gib, mem_gib)
+            peak_allocated = max(peak_allocated, allocated or 0.0)
+            per_source = dict(zip(loader.names, [int(x) for x in sums[:-1].tolist()]))
+            loss_tokens_pct = 100 * counted_sum.item() / (log_steps * tokens_per_step)
+            metrics.log({"step": step, "loss": sums[-1].item() / log_steps,
+                         "grad_norm": grad_norm.item(), "lr": lr, "memory_gib": mem_gib,
+                         "memory_pct": mem_pct, "memory_allocated_gib": allocated, "tps": tps,
+                         "tflops": flops_per_token * tps / 1e12, "mfu": mfu,
                          "data_wait_pct": 100 * data_time / dt, "tokens_seen": tokens_seen,
-                         "source_tokens": dict(zip(loader.names, [int(x) for x in sums[:-1].tolist()])),
-                         "loss_tokens": int(counted_sum.item()), "loss_tokens_pct": 100 * counted_sum.item()
-                         / (log_steps * tokens_per_step)})
+                         "source_tokens": per_source, "loss_tokens": int(counted_sum.item()),
+                         "loss_tokens_pct": loss_tokens_pct})
             loss_sum.zero_()
             counted_sum.zero_()
-            log_t0, log_steps, data_time = time.perf_counter(), 0, 0.0
+            log_t0 = time.perf_counter()
+            log_steps = 0
+            data_time = 0.0
 
         if cfg.validation.enable and (step % cfg.validation.freq == 0 or last):
             t0 = time.perf_counter()
-            result = evals.validate(model, heldout, cfg.validation.local_batch_size, device, dp_mesh.get_group(), tp)
+            result = evals.validate(model, heldout, cfg.validation.local_batch_size, device,
+                                    dp_mesh.get_group(), tp)
             metrics.log({"step": step, **result, "validation_seconds": time.perf_counter() - t0})
             log_t0 += time.perf_counter() - t0  # the next training log's tps leaves the round out
         if cfg.eval.enable and (step % cfg.eval.freq == 0 or last):
             t0 = time.perf_counter()
-            result = evals.evaluate(model, tasks, cfg.eval.local_batch_size, device, dp_mesh.get_group(), tp)
+            result = evals.evaluate(model, tasks, cfg.eval.local_batch_size, device,
+                                    dp_mesh.get_group(), tp)
             metrics.log({"step": step, **result, "eval_seconds": time.perf_counter() - t0})
             log_t0 += time.perf_counter() - t0
 
@@ -726,11 +858,12 @@ def main(cfg: Config):
             logger.info(f"stopping at step {step} on signal")
             break
 
-    if peak_gib:
-        logger.info(f"memory: peak {peak_allocated:.2f} GiB allocated, {peak_gib:.2f} GiB reserved" if peak_allocated
-                    else f"memory: peak {peak_gib:.2f} GiB RSS")
-    # A second preemption signal during shutdown must not kill a rank that already saved (Python would
-    # restore the default, fatal, handler while exiting): ignore them from here on.
+    if peak_gib and peak_allocated:
+        logger.info(f"memory: peak {peak_allocated:.2f} GiB allocated, {peak_gib:.2f} GiB reserved")
+    elif peak_gib:
+        logger.info(f"memory: peak {peak_gib:.2f} GiB RSS")
+    # A second preemption signal during shutdown must not kill a rank that already saved (Python
+    # would restore the default, fatal, handler while exiting): ignore them from here on.
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     loader.close()
@@ -743,18 +876,20 @@ if __name__ == "__main__":
     try:
         main(load_config(sys.argv[1:]))
     except Exception as e:
-        line = str(e) if isinstance(e, (ConfigError, DataError, CheckpointError, RunError, SaveError)) else lost_rank(e)
+        expected = (ConfigError, DataError, CheckpointError, RunError, SaveError)  # one line each
+        line = str(e) if isinstance(e, expected) else lost_rank(e)
         if not line:
             raise  # a bug: its traceback
         print(f"error: {line}", file=sys.stderr, flush=True)
-        for held in LEFT_OPEN:  # an async save of an earlier step (it waits, bounded), TensorBoard's buffered events
+        # an async save of an earlier step (it waits, bounded), TensorBoard's buffered events
+        for held in LEFT_OPEN:
             with contextlib.suppress(Exception):
                 held.close()
         sys.stdout.flush()
-        # Then leave at once: a rank lingering in teardown gets torchrun's SIGTERM, a process group freed at interpreter
-        # shutdown can abort in gloo's threads. Loader workers exit when their rank is gone.
+        # Then leave at once: a rank lingering in teardown gets torchrun's SIGTERM, a process group
+        # freed at shutdown can abort in gloo's threads. Loader workers end when their rank is gone.
         os._exit(2 if isinstance(e, (ConfigError, DataError, CheckpointError)) else 3)
-    # main() closed the loader, the logs and the process group: skip tearing down torch's modules (0.7 s of every run)
+    # main() closed the loader, the logs and the process group: skip torch's teardown (0.7 s a run)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
