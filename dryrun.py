@@ -81,21 +81,36 @@ class LiveStorages(TorchDispatchMode):
 
     def __enter__(self):
         # FSDP2 frees and re-allocates its unsharded parameters by resizing their storage in place
-        self.resize, self.lock = torch.UntypedStorage.resize_, ShardingPropagator._fake_mode_lock
+        self.resize = torch.UntypedStorage.resize_
         torch.UntypedStorage.resize_ = lambda storage, n: (self.resize(storage, n), self.add(storage, n))[0]
         # DTensor infers an op's global shape by running it on global-shape fake tensors, under this lock (a
-        # nullcontext unless set): no memory of any rank, so not counted
-        ShardingPropagator._fake_mode_lock = Paused(self)
+        # nullcontext unless set): no memory of any rank, so not counted. torch 2.11 has no lock: there the
+        # method that holds those fake tensors is paused whole.
+        if hasattr(ShardingPropagator, "_fake_mode_lock"):
+            self.patched = ("_fake_mode_lock", ShardingPropagator._fake_mode_lock, Paused(self))
+        else:
+            infer = ShardingPropagator._propagate_tensor_meta_non_cached
+            self.patched = ("_propagate_tensor_meta_non_cached", infer, Paused(self)(infer))
+        setattr(ShardingPropagator, self.patched[0], self.patched[2])
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_, ShardingPropagator._fake_mode_lock = self.resize, self.lock
+        torch.UntypedStorage.resize_ = self.resize
+        setattr(ShardingPropagator, self.patched[0], self.patched[1])
         return super().__exit__(*exc)
 
 
 class Paused:
+    """A context (and, called on a function, a decorator) in which `counter` counts nothing."""
+
     def __init__(self, counter: LiveStorages):
         self.counter = counter
+
+    def __call__(self, fn):
+        def paused(*args, **kwargs):
+            with self:
+                return fn(*args, **kwargs)
+        return paused
 
     def __enter__(self):
         self.counter.paused += 1
