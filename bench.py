@@ -73,7 +73,7 @@ def run_command(cmd: list, timeout: float = None):
         out = proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        return None, proc.communicate()[0] + f"\nbench.py: stopped at {timeout:.0f} s, the end of its budget\n"
+        return None, proc.communicate()[0] + f"\nbench.py: stopped at {timeout:.0f} s, the end of its time\n"
     except KeyboardInterrupt:  # in its own session it did not see the Ctrl-C
         os.killpg(proc.pid, signal.SIGKILL)
         raise
@@ -278,15 +278,15 @@ GPU_SHAPES = {
     "cuda": {"small": "1B", "wide": "8B", "steps": 20, "warmup": 10,
              "flags": ["--training.seq_len", "8192", "--training.local_batch_size", "1",
                        "--training.mixed_precision_param", "bfloat16", "--compile.enable", "true"]},
-    "cpu": {"small": "debugmodel", "wide": "debugmodel", "steps": 4, "warmup": 2,
+    "cpu": {"small": "debugmodel", "wide": "debugmodel", "steps": 3, "warmup": 1,
             "flags": ["--training.seq_len", "64", "--training.local_batch_size", "2"]},
 }
 # One stream: a batch of 1 per step; lr 3e-4: the debug config's 3e-3 makes a wide model's loss spike.
 GPU_SHARED = ["--activation_checkpoint.mode", "selective", "--data.num_streams", "1", "--optimizer.lr", "3e-4"]
 CPU_CAPACITY = 80 * 2**20  # --device cpu: a pretend device, so the estimate picks the blocks as it does on a GPU
-# Seconds a step needs at most (guesses until a GPU run measures them): a step that no longer fits the
-# budget's remainder is skipped, so the whole command ends within --budget.
-STEP_SECONDS = {"cuda": {"self-test": 180, "1B": 60, "8B": 90}, "cpu": {"self-test": 60, "1B": 20, "8B": 20}}
+# Seconds a step needs (guesses until a GPU run measures them): a step that no longer fits the budget's
+# remainder is skipped, and one is stopped at the end of the budget or, on a GPU, at twice its time (a hang).
+STEP_SECONDS = {"cuda": {"self-test": 180, "1B": 60, "8B": 90}, "cpu": {"self-test": 60, "1B": 30, "8B": 30}}
 
 
 def gpu_plan(shape: dict, blocks: int) -> list:
@@ -348,7 +348,7 @@ def self_test(timeout: float) -> tuple:
     status, out = run_command(cmd, timeout)
     counts = re.findall(r"^=*\s*(\d+ [a-z]+\b.* in [\d.]+s\b.*?)\s*=*$", out, re.M)  # "8 passed, 1 failed in 95.2s"
     result = counts[-1] if counts else (out.strip().splitlines() or [""])[-1][:120]
-    verdict = {0: "passed", None: "stopped at the budget"}.get(status, "FAILED")
+    verdict = {0: "passed", None: f"stopped at {timeout:.0f} s"}.get(status, "FAILED")
     return [f"`pytest -m gpu` {verdict}: {result}"], out
 
 
@@ -359,54 +359,64 @@ def append(path: str, line: str):
         f.write(line + "\n")
 
 
+def summary_header(name: str, args, shared: list, shape: dict, blocks: int, capacity: int) -> list:
+    """summary.md's first lines: where and what ran, the settings every run shares, then the table's head."""
+    import torch
+    cuda = f", CUDA {torch.version.cuda}" if args.device == "cuda" else ""
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    timed = shape["steps"] - shape["warmup"]
+    return [f"# bench.py gpu: {name}", "",
+            f"torch {torch.__version__}{cuda}, Python {sys.version.split()[0]}, {when}, budget {args.budget:.0f} s.",
+            f"Command: `python bench.py {' '.join(sys.argv[1:])}`.",
+            f"Every run: `{' '.join(shared)}`, {shape['steps']} steps, the last {timed} timed.",
+            f"The {shape['wide']} width: {blocks} blocks fit {capacity / 2**30:.1f} GiB by the estimate "
+            f"({memory.FRAGMENTATION - 1:.0%} kept free).",
+            "Each step's output: `<step>.log` beside this file.", "",
+            "| step | what ran | tokens/s | TFLOP/s | MFU | peak memory GiB | peak allocated GiB | estimate GiB "
+            "| seconds |", "|---|---|---|---|---|---|---|---|---|"]
+
+
 def gpu(args, extra):
     """The GPU self-test, then tokens/s, MFU, peak memory and the estimate of each run of gpu_plan: each
     step appends its row to DIR/summary.md as it ends, and writes its output to DIR/<step>.log."""
-    import platform
-
-    import torch
     deadline = time.monotonic() + args.budget
-    if args.device == "cpu":
+    cuda = args.device == "cuda"
+    if not cuda:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # train.py and the tests take a GPU when they see one
     name, capacity = device_memory(args.device)
     shape = GPU_SHAPES[args.device]
     config = [] if "--config" in extra else ["--config", "configs/debug_model.toml"]  # the bundled data: offline
     shared = [*config, *shape["flags"], *GPU_SHARED, *extra]  # the user's --section.key last: they win
     blocks = blocks_that_fit([*shared, "--model.flavor", shape["wide"]], capacity)
-    plan = [step for step in gpu_plan(shape, blocks) if not args.only or step[0] in args.only]
-    unknown = sorted(set(args.only or []) - {step for step, _, _ in gpu_plan(shape, blocks)})
+    plan = gpu_plan(shape, blocks)
+    unknown = sorted(set(args.only or []) - {step for step, _, _ in plan})
     if unknown:
         fail(f"--only {unknown[0]}: not a step (python bench.py gpu --help lists them)")
     os.makedirs(args.out, exist_ok=True)
     summary = os.path.join(args.out, "summary.md")
-    cuda = f", CUDA {torch.version.cuda}" if args.device == "cuda" else ""
-    with open(summary, "w") as f:
-        f.write(f"# bench.py gpu: {name}\n\ntorch {torch.__version__}{cuda}, Python {platform.python_version()}, "
-                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, budget {args.budget:.0f} s. Command: "
-                f"`python bench.py {' '.join(sys.argv[1:])}`. Every run: `{' '.join(shared)}`, "
-                f"{shape['steps']} steps, the last {shape['steps'] - shape['warmup']} timed. "
-                f"The {shape['wide']} width: {blocks} blocks fit {capacity / 2**30:.1f} GiB by the estimate "
-                f"(with {memory.FRAGMENTATION - 1:.0%} kept free). Each step's output: <step>.log beside this file.\n\n"
-                "| step | what ran | tokens/s | TFLOP/s | MFU | peak memory GiB | peak allocated GiB | estimate GiB "
-                "| seconds |\n|---|---|---|---|---|---|---|---|---|\n")
-    print(open(summary).read(), end="", flush=True)
+    open(summary, "w").close()  # a new summary: each line below is appended as soon as it is known
+    for line in summary_header(name, args, shared, shape, blocks, capacity):
+        append(summary, line)
     for step, kind, flags in plan:
+        if args.only and step not in args.only:
+            continue
         left = deadline - time.monotonic()
         need = STEP_SECONDS[args.device][kind]
         if left < need:
-            append(summary, f"| {step} | skipped: {max(left, 0):.0f} s of the {args.budget:.0f} s budget left, "
-                            f"it needs about {need} s |" + " |" * 7)
+            skipped = f"skipped: {max(left, 0):.0f} s of the {args.budget:.0f} s budget left, it needs about {need} s"
+            append(summary, f"| {step} | {skipped} |" + " |" * 7)
             continue
         t0 = time.monotonic()
+        limit = min(left, 2 * need) if cuda else left  # a loaded CPU is slow, not hung
         if kind == "self-test":
-            cells, out = self_test(left)
+            cells, out = self_test(limit)
         else:
             cfg, model, _ = planned([*shared, *flags], 1)
-            cells, out = matrix_row([*shared, *flags], shape["steps"], shape["warmup"], 1, args.device == "cuda", left)
+            cells, out = matrix_row([*shared, *flags], shape["steps"], shape["warmup"], 1, cuda, limit)
             cells = [describe(cfg, model.args), *cells]
         with open(os.path.join(args.out, f"{step}.log"), "w") as f:
             f.write(out)
-        cells += [""] * (7 - len(cells))
+        cells += [""] * (7 - len(cells))  # the self-test's row has one cell
         append(summary, f"| {step} | {' | '.join(cells)} | {time.monotonic() - t0:.0f} |")
     append(summary, f"\nDone: {args.budget - (deadline - time.monotonic()):.0f} s of the {args.budget:.0f} s budget.")
 
