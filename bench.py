@@ -307,10 +307,9 @@ def device_memory(device: str) -> tuple:
         return f"CPU (tiny shapes; a pretend device of {CPU_CAPACITY / 2**20:.0f} MiB)", CPU_CAPACITY
     query = "import torch; p = torch.cuda.get_device_properties(0); print(p.total_memory, p.name)"
     status, out = run_command([sys.executable, "-c", query])
-    last = out.strip().splitlines()[-1] if out.strip() else ""
     if status != 0:
-        fail(f"--device cuda: no GPU visible ({last}); --device cpu runs the same steps at tiny shapes")
-    total, name = last.split(maxsplit=1)
+        fail(f"--device cuda: no GPU visible ({out.strip()[-200:]}); --device cpu runs the same steps at tiny shapes")
+    total, name = out.strip().splitlines()[-1].split(maxsplit=1)  # after any warning torch printed
     return name, int(total)
 
 
@@ -331,9 +330,9 @@ def blocks_that_fit(extra: list, capacity: int) -> int:
     return lo
 
 
-def describe(cfg, a) -> str:
+def describe(cfg, model) -> str:
     """What a run is, for its summary row: shape, vocabulary, tokens per step, precision, compile, AC, float8, mask."""
-    t = cfg.training
+    t, a = cfg.training, model.args
     what = [f"{cfg.model.flavor} width, {a.n_layers} blocks", f"vocab {a.vocab_size:,}",
             f"seq {t.seq_len:,} x {t.local_batch_size}", "bf16" if t.mixed_precision_param == "bfloat16" else "fp32",
             "compile" if cfg.compile.enable else "eager", f"AC {cfg.activation_checkpoint.mode}"]
@@ -364,11 +363,10 @@ def summary_header(name: str, args, shared: list, shape: dict, blocks: int, capa
     import torch
     cuda = f", CUDA {torch.version.cuda}" if args.device == "cuda" else ""
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    timed = shape["steps"] - shape["warmup"]
     return [f"# bench.py gpu: {name}", "",
             f"torch {torch.__version__}{cuda}, Python {sys.version.split()[0]}, {when}, budget {args.budget:.0f} s.",
             f"Command: `python bench.py {' '.join(sys.argv[1:])}`.",
-            f"Every run: `{' '.join(shared)}`, {shape['steps']} steps, the last {timed} timed.",
+            f"Every run: `{' '.join(shared)}`, {shape['steps']} steps, the first {shape['warmup']} untimed.",
             f"The {shape['wide']} width: {blocks} blocks fit {capacity / 2**30:.1f} GiB by the estimate "
             f"({memory.FRAGMENTATION - 1:.0%} kept free).",
             "Each step's output: `<step>.log` beside this file.", "",
@@ -379,6 +377,7 @@ def summary_header(name: str, args, shared: list, shape: dict, blocks: int, capa
 def gpu(args, extra):
     """The GPU self-test, then tokens/s, MFU, peak memory and the estimate of each run of gpu_plan: each
     step appends its row to DIR/summary.md as it ends, and writes its output to DIR/<step>.log."""
+    import train
     deadline = time.monotonic() + args.budget
     cuda = args.device == "cuda"
     if not cuda:
@@ -389,9 +388,8 @@ def gpu(args, extra):
     shared = [*config, *shape["flags"], *GPU_SHARED, *extra]  # the user's --section.key last: they win
     blocks = blocks_that_fit([*shared, "--model.flavor", shape["wide"]], capacity)
     plan = gpu_plan(shape, blocks)
-    unknown = sorted(set(args.only or []) - {step for step, _, _ in plan})
-    if unknown:
-        fail(f"--only {unknown[0]}: not a step (python bench.py gpu --help lists them)")
+    if set(args.only or []) - {step for step, _, _ in plan}:
+        fail(f"--only {','.join(args.only)}: the steps are {', '.join(step for step, _, _ in plan)}")
     os.makedirs(args.out, exist_ok=True)
     summary = os.path.join(args.out, "summary.md")
     open(summary, "w").close()  # a new summary: each line below is appended as soon as it is known
@@ -411,9 +409,12 @@ def gpu(args, extra):
         if kind == "self-test":
             cells, out = self_test(limit)
         else:
-            cfg, model, _ = planned([*shared, *flags], 1)
+            try:
+                what = describe(*planned([*shared, *flags], 1)[:2])
+            except train.ConfigError:  # e.g. float8 without torchao: the run's row says why, the next step runs
+                what = " ".join(flags)
             cells, out = matrix_row([*shared, *flags], shape["steps"], shape["warmup"], 1, cuda, limit)
-            cells = [describe(cfg, model.args), *cells]
+            cells = [what, *cells]
         with open(os.path.join(args.out, f"{step}.log"), "w") as f:
             f.write(out)
         cells += [""] * (7 - len(cells))  # the self-test's row has one cell

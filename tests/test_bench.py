@@ -232,7 +232,8 @@ def test_memory_and_the_bare_loop_take_the_tokenizers_vocabulary(capsys, monkeyp
     assert memory.estimate_memory(wide, cfg, sizes, cuda=True)["loss"] == 8 * 256 * 12 * 2048
     built = []  # the bare loop's model
     monkeypatch.setattr(model, "Transformer", lambda args, real=model.Transformer: built.append(args) or real(args))
-    cfg = train.load_config([*debug, "--model.n_layers", "1", "--training.seq_len", "8", "--training.local_batch_size", "1"])
+    tiny = ["--model.n_layers", "1", "--training.seq_len", "8", "--training.local_batch_size", "1"]
+    cfg = train.load_config([*debug, *tiny])
     assert b.bare_tps(cfg, steps=1, warmup=0) > 0 and built[0].vocab_size == 2048
 
 
@@ -266,7 +267,7 @@ def test_gpu_skips_what_no_longer_fits_the_budget_and_says_so(tmp_path, monkeypa
     assert summary.rstrip().endswith("of the 1 s budget.") and capsys.readouterr().out.count("skipped") == 6
     with pytest.raises(SystemExit) as e:
         b.main(["gpu", "--device", "cpu", "--only", "8B", "--out", str(tmp_path)])
-    assert e.value.code == 2 and "--only 8B: not a step" in capsys.readouterr().err
+    assert e.value.code == 2 and "--only 8B: the steps are self-test, 1B, 8B-wide, " in capsys.readouterr().err
 
 
 @pytest.mark.slow
