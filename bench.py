@@ -314,16 +314,15 @@ def device_memory(device: str) -> tuple:
 
 
 def blocks_that_fit(extra: list, capacity: int) -> int:
-    """The most blocks of the flavor's width, up to its own count, whose estimate fits `capacity` with the
-    allocator's margin (memory.verdict "fits"); at least 1. The estimate grows with the blocks: a bisection."""
+    """The most blocks of the flavor's width, up to its count or [model] n_layers, whose estimate fits `capacity`
+    with the allocator's margin (memory.verdict "fits"); at least 1. The estimate grows with the blocks: a bisection."""
     import train
-    from model import flavors
 
     def fits(n: int) -> bool:  # shapes only (cuda=True): on a CPU the process's own memory is no block's
         cfg, model, sizes = planned([*extra, "--model.n_layers", str(n)], 1)
         return memory.verdict(memory.estimate_memory(model, cfg, sizes, cuda=True)["total"], capacity) == "fits"
 
-    lo, hi = 1, flavors[train.load_config(extra).model.flavor].n_layers  # the answer is in [lo, hi]
+    lo, hi = 1, train.flavor_args(train.load_config(extra)).n_layers  # the answer is in [lo, hi]
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
@@ -351,10 +350,10 @@ def self_test(timeout: float) -> tuple:
     return [f"`pytest -m gpu` {verdict}: {result}"], out
 
 
-def append(path: str, line: str):
+def append(path: str, line: str, mode: str = "a"):
     """A line of the summary, on disk at once: a kill at the machine's time limit keeps the finished rows."""
     print(line, flush=True)
-    with open(path, "a") as f:
+    with open(path, mode) as f:
         f.write(line + "\n")
 
 
@@ -366,7 +365,8 @@ def summary_header(name: str, args, shared: list, shape: dict, blocks: int, capa
     return [f"# bench.py gpu: {name}", "",
             f"torch {torch.__version__}{cuda}, Python {sys.version.split()[0]}, {when}, budget {args.budget:.0f} s.",
             f"Command: `python bench.py {' '.join(sys.argv[1:])}`.",
-            f"Every run: `{' '.join(shared)}`, {shape['steps']} steps, the first {shape['warmup']} untimed.",
+            f"Every run: `{' '.join(shared)}`, {shape['steps']} steps, the first {shape['warmup']} untimed; "
+            f"PYTORCH_ALLOC_CONF={os.environ.get('PYTORCH_ALLOC_CONF', '')}.",
             f"The {shape['wide']} width: {blocks} blocks fit {capacity / 2**30:.1f} GiB by the estimate "
             f"({memory.FRAGMENTATION - 1:.0%} kept free).",
             "Each step's output: `<step>.log` beside this file.", "",
@@ -382,6 +382,8 @@ def gpu(args, extra):
     cuda = args.device == "cuda"
     if not cuda:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # train.py and the tests take a GPU when they see one
+    else:  # as torchtitan's runs: less fragmentation on a GPU the estimate fills to 85%
+        os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     name, capacity = device_memory(args.device)
     shape = GPU_SHAPES[args.device]
     config = [] if "--config" in extra else ["--config", "configs/debug_model.toml"]  # the bundled data: offline
@@ -392,9 +394,7 @@ def gpu(args, extra):
         fail(f"--only {','.join(args.only)}: the steps are {', '.join(step for step, _, _ in plan)}")
     os.makedirs(args.out, exist_ok=True)
     summary = os.path.join(args.out, "summary.md")
-    open(summary, "w").close()  # a new summary: each line below is appended as soon as it is known
-    for line in summary_header(name, args, shared, shape, blocks, capacity):
-        append(summary, line)
+    append(summary, "\n".join(summary_header(name, args, shared, shape, blocks, capacity)), "w")  # a new summary
     for step, kind, flags in plan:
         if args.only and step not in args.only:
             continue
