@@ -8,6 +8,7 @@
     python bench.py titan --config configs/debug_model.toml --training.seq_len 512   # vs torchtitan 0.2.2
     python bench.py mask --config configs/debug_model.toml       # block_causal vs causal attention, tokens/s
     python bench.py loader --config configs/debug_model.toml     # the data loader alone: shares, tokens/s
+    python bench.py gpu --out DIR      # on a GPU node: self-test, tokens/s, MFU, memory into DIR/summary.md
 
 `python bench.py WHAT --help` lists each one's options; other `--section.key value` arguments go to
 train.py's config. Timings on a shared machine are noisy: `overhead`, `titan` and `mask` alternate their two
@@ -19,6 +20,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -62,18 +64,34 @@ def estimate(args, extra):  # bench.py memory
 
 # --- timings
 
-def run_trainer(extra: list, steps: int, log_freq: int, nproc: int = 1):
+def run_command(cmd: list, timeout: float = None):
+    """(exit status, output) of cmd in the repo root; status None if it ran past `timeout` seconds: then it is
+    stopped with its process group (compile and loader workers too), so the GPU is free for the next command."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=timeout is not None)
+    try:
+        out = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return None, proc.communicate()[0] + f"\nbench.py: stopped at {timeout:.0f} s, the end of its time\n"
+    except KeyboardInterrupt:  # in its own session it did not see the Ctrl-C
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc.returncode, out
+
+
+def run_trainer(extra: list, steps: int, log_freq: int, nproc: int = 1, timeout: float = None):
     """train.py for `steps` steps (under torchrun when nproc > 1): (its metrics.jsonl records, its output),
-    or (None, output) if it failed."""
+    or (None, output) if it failed or ran past `timeout` seconds."""
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     with tempfile.TemporaryDirectory() as dump:
         cmd = [sys.executable, *launcher, "train.py", *extra, "--job.dump_folder", dump, "--training.steps", str(steps),
                "--metrics.log_freq", str(log_freq), "--checkpoint.enable", "false", "--validation.enable", "false"]
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if proc.returncode != 0:
-            return None, proc.stdout
+        status, out = run_command(cmd, timeout)
+        if status != 0:
+            return None, out
         with open(os.path.join(dump, "metrics.jsonl")) as f:
-            return [r for r in map(json.loads, f) if "loss" in r], proc.stdout  # training steps only
+            return [r for r in map(json.loads, f) if "loss" in r], out  # training steps only
 
 
 def steady_tps(records: list, warmup: int) -> float:
@@ -217,34 +235,191 @@ def loader(args, extra):
           f"(one stream, {workers})")
 
 
+def matrix_row(extra: list, steps: int, warmup: int, nproc: int, cuda: bool, timeout: float = None):
+    """One trainer run and `bench.py memory`'s estimate for it: (a matrix row's cells: tokens/s, TFLOP/s, MFU,
+    peak memory, peak allocated and estimate in GiB; the run's output). A failed run's row says why."""
+    import train
+    try:  # what `bench.py memory` says for this run
+        cfg, model, sizes = planned(extra, nproc)
+        parts = memory.estimate_memory(model, cfg, sizes, cuda=cuda)
+        estimate = f"{parts['total'] / 2**30:.2f}"
+    except train.ConfigError:  # train.py says why in the row
+        estimate = "-"
+    records, out = run_trainer(extra, steps, warmup, nproc, timeout)
+    if records is None:  # an OOM or a bad combination: say so and go on with the next
+        last = next((ln for ln in reversed(out.splitlines()) if ln.strip()), "")
+        return [f"failed: {last[:120]}", "", "", "", "", estimate], out
+    steady = [r for r in records if r["step"] > warmup]
+    mfu = statistics.mean(r["mfu"] for r in steady) if steady[0]["mfu"] is not None else None
+    allocated = max((r["memory_allocated_gib"] or 0) for r in records)
+    return [f"{steady_tps(records, warmup):,.0f}", f"{statistics.mean(r['tflops'] for r in steady):.1f}",
+            f"{mfu:.1f}%" if mfu is not None else "n/a", f"{max(r['memory_gib'] for r in records):.2f}",
+            f"{allocated:.2f}" if allocated else "n/a", estimate], out
+
+
 def matrix(args, extra):
     """One trainer run per combination of the --vary values: a markdown table of what its log says."""
     import torch
-    import train
     names = [v.partition("=")[0] for v in args.vary]
     choices = [v.partition("=")[2].split(",") for v in args.vary]
     print(f"| {' | '.join(names)} | tps | tflops | mfu | peak memory GiB | allocated GiB | estimate GiB |")
     print("|" + "---|" * (len(names) + 6))
     for combo in itertools.product(*choices):
         overrides = [x for name, value in zip(names, combo) for x in (f"--{name}", value)]
-        try:  # what `bench.py memory` says for this run
-            cfg, model, sizes = planned([*extra, *overrides], args.nproc)
-            parts = memory.estimate_memory(model, cfg, sizes, cuda=torch.cuda.is_available())
-            estimate = f"{parts['total'] / 2**30:.2f}"
-        except train.ConfigError:  # train.py says why in the row
-            estimate = "-"
-        records, out = run_trainer([*extra, *overrides], args.steps, args.warmup, args.nproc)
-        if records is None:  # an OOM or a bad combination: say so and go on with the next
-            last = next((ln for ln in reversed(out.splitlines()) if ln.strip()), "")
-            print(f"| {' | '.join(combo)} | failed: {last[:120]} | | | | | {estimate} |", flush=True)
+        cells, _ = matrix_row([*extra, *overrides], args.steps, args.warmup, args.nproc, torch.cuda.is_available())
+        print(f"| {' | '.join([*combo, *cells])} |", flush=True)
+
+
+# --- bench.py gpu: one command for a GPU node, every figure into one markdown file
+
+# The settings every run of `bench.py gpu` shares, per device: on a GPU the real shapes; on a CPU tiny ones (the
+# debug model stands in for 1B and the 8B width; fp32, eager), so the code that meets the GPU has run here first.
+GPU_SHAPES = {
+    "cuda": {"small": "1B", "wide": "8B", "steps": 20, "warmup": 10,
+             "flags": ["--training.seq_len", "8192", "--training.local_batch_size", "1",
+                       "--training.mixed_precision_param", "bfloat16", "--compile.enable", "true"]},
+    "cpu": {"small": "debugmodel", "wide": "debugmodel", "steps": 3, "warmup": 1,
+            "flags": ["--training.seq_len", "64", "--training.local_batch_size", "2"]},
+}
+# One stream: a batch of 1 per step; lr 3e-4: the debug config's 3e-3 makes a wide model's loss spike.
+GPU_SHARED = ["--activation_checkpoint.mode", "selective", "--data.num_streams", "1", "--optimizer.lr", "3e-4"]
+CPU_CAPACITY = 80 * 2**20  # --device cpu: a pretend device, so the estimate picks the blocks as it does on a GPU
+# Seconds a step needs (guesses until a GPU run measures them): a step that no longer fits the budget's
+# remainder is skipped, and one is stopped at the end of the budget or, on a GPU, at twice its time (a hang).
+STEP_SECONDS = {"cuda": {"self-test": 180, "1B": 60, "8B": 90}, "cpu": {"self-test": 60, "1B": 30, "8B": 30}}
+
+
+def gpu_plan(shape: dict, blocks: int) -> list:
+    """(name, kind, train.py flags) of each step after the self-test: the 1B flavor, then the 8B width with
+    `blocks` blocks in bf16, float8 rowwise and tensorwise, and block-causal attention."""
+    wide = ["--model.flavor", shape["wide"], "--model.n_layers", str(blocks)]
+    float8 = [*wide, "--model.converters", "float8", "--float8.recipe_name"]
+    return [("self-test", "self-test", []), ("1B", "1B", ["--model.flavor", shape["small"]]), ("8B-wide", "8B", wide),
+            ("8B-wide-float8-rowwise", "8B", [*float8, "rowwise"]),
+            ("8B-wide-float8-tensorwise", "8B", [*float8, "tensorwise"]),
+            ("8B-wide-block-causal", "8B", [*wide, "--model.attn_mask_type", "block_causal"])]
+
+
+def device_memory(device: str) -> tuple:
+    """(the device's name, the bytes a run's estimate must fit in). A child process asks the GPU: a CUDA
+    context in this process would hold memory the runs need."""
+    if device == "cpu":
+        return f"CPU (tiny shapes; a pretend device of {CPU_CAPACITY / 2**20:.0f} MiB)", CPU_CAPACITY
+    query = "import torch; p = torch.cuda.get_device_properties(0); print(p.total_memory, p.name)"
+    status, out = run_command([sys.executable, "-c", query])
+    if status != 0:
+        fail(f"--device cuda: no GPU visible ({out.strip()[-200:]}); --device cpu runs the same steps at tiny shapes")
+    total, name = out.strip().splitlines()[-1].split(maxsplit=1)  # after any warning torch printed
+    return name, int(total)
+
+
+def blocks_that_fit(extra: list, capacity: int) -> int:
+    """The most blocks of the flavor's width, up to its count or [model] n_layers, whose estimate fits `capacity`
+    with the allocator's margin (memory.verdict "fits"); at least 1. The estimate grows with the blocks: a bisection."""
+    import train
+
+    def fits(n: int) -> bool:  # shapes only (cuda=True): on a CPU the process's own memory is no block's
+        cfg, model, sizes = planned([*extra, "--model.n_layers", str(n)], 1)
+        return memory.verdict(memory.estimate_memory(model, cfg, sizes, cuda=True)["total"], capacity) == "fits"
+
+    lo, hi = 1, train.flavor_args(train.load_config(extra)).n_layers  # the answer is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def describe(cfg, model) -> str:
+    """What a run is, for its summary row: shape, vocabulary, tokens per step, precision, compile, AC, float8, mask."""
+    t, a = cfg.training, model.args
+    what = [f"{cfg.model.flavor} width, {a.n_layers} blocks", f"vocab {a.vocab_size:,}",
+            f"seq {t.seq_len:,} x {t.local_batch_size}", "bf16" if t.mixed_precision_param == "bfloat16" else "fp32",
+            "compile" if cfg.compile.enable else "eager", f"AC {cfg.activation_checkpoint.mode}"]
+    if "float8" in cfg.model.converters:
+        what.append(f"float8 {cfg.float8.recipe_name}")
+    return ", ".join([*what, a.attn_mask_type])
+
+
+def self_test(timeout: float) -> tuple:
+    """`pytest -m gpu`, the CUDA twins of the CPU tests: (its row's cell, its output)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "--continue-on-collection-errors"]
+    status, out = run_command(cmd, timeout)
+    counts = re.findall(r"^=*\s*(\d+ [a-z]+\b.* in [\d.]+s\b.*?)\s*=*$", out, re.M)  # "8 passed, 1 failed in 95.2s"
+    result = counts[-1] if counts else (out.strip().splitlines() or [""])[-1][:120]
+    verdict = {0: "passed", None: f"stopped at {timeout:.0f} s"}.get(status, "FAILED")
+    return [f"`pytest -m gpu` {verdict}: {result}"], out
+
+
+def append(path: str, line: str, mode: str = "a"):
+    """A line of the summary, on disk at once: a kill at the machine's time limit keeps the finished rows."""
+    print(line, flush=True)
+    with open(path, mode) as f:
+        f.write(line + "\n")
+
+
+def summary_header(name: str, args, shared: list, shape: dict, blocks: int, capacity: int) -> list:
+    """summary.md's first lines: where and what ran, the settings every run shares, then the table's head."""
+    import torch
+    cuda = f", CUDA {torch.version.cuda}" if args.device == "cuda" else ""
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return [f"# bench.py gpu: {name}", "",
+            f"torch {torch.__version__}{cuda}, Python {sys.version.split()[0]}, {when}, budget {args.budget:.0f} s.",
+            f"Command: `python bench.py {' '.join(sys.argv[1:])}`.",
+            f"Every run: `{' '.join(shared)}`, {shape['steps']} steps, the first {shape['warmup']} untimed; "
+            f"PYTORCH_ALLOC_CONF={os.environ.get('PYTORCH_ALLOC_CONF', '')}.",
+            f"The {shape['wide']} width: {blocks} blocks fit {capacity / 2**30:.1f} GiB by the estimate "
+            f"({memory.FRAGMENTATION - 1:.0%} kept free).",
+            "Each step's output: `<step>.log` beside this file.", "",
+            "| step | what ran | tokens/s | TFLOP/s | MFU | peak memory GiB | peak allocated GiB | estimate GiB "
+            "| seconds |", "|---|---|---|---|---|---|---|---|---|"]
+
+
+def gpu(args, extra):
+    """The GPU self-test, then tokens/s, MFU, peak memory and the estimate of each run of gpu_plan: each
+    step appends its row to DIR/summary.md as it ends, and writes its output to DIR/<step>.log."""
+    import train
+    deadline = time.monotonic() + args.budget
+    cuda = args.device == "cuda"
+    if not cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # train.py and the tests take a GPU when they see one
+    else:  # as torchtitan's runs: less fragmentation on a GPU the estimate fills to 85%
+        os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    name, capacity = device_memory(args.device)
+    shape = GPU_SHAPES[args.device]
+    config = [] if "--config" in extra else ["--config", "configs/debug_model.toml"]  # the bundled data: offline
+    shared = [*config, *shape["flags"], *GPU_SHARED, *extra]  # the user's --section.key last: they win
+    blocks = blocks_that_fit([*shared, "--model.flavor", shape["wide"]], capacity)
+    plan = gpu_plan(shape, blocks)
+    if set(args.only or []) - {step for step, _, _ in plan}:
+        fail(f"--only {','.join(args.only)}: the steps are {', '.join(step for step, _, _ in plan)}")
+    os.makedirs(args.out, exist_ok=True)
+    summary = os.path.join(args.out, "summary.md")
+    append(summary, "\n".join(summary_header(name, args, shared, shape, blocks, capacity)), "w")  # a new summary
+    for step, kind, flags in plan:
+        if args.only and step not in args.only:
             continue
-        steady = [r for r in records if r["step"] > args.warmup]
-        mfu = statistics.mean(r["mfu"] for r in steady) if steady[0]["mfu"] is not None else None
-        allocated = max((r["memory_allocated_gib"] or 0) for r in records)
-        print(f"| {' | '.join(combo)} | {steady_tps(records, args.warmup):,.0f} | "
-              f"{statistics.mean(r['tflops'] for r in steady):.1f} | {f'{mfu:.1f}%' if mfu is not None else 'n/a'} | "
-              f"{max(r['memory_gib'] for r in records):.2f} | {f'{allocated:.2f}' if allocated else 'n/a'} | "
-              f"{estimate} |", flush=True)
+        left = deadline - time.monotonic()
+        need = STEP_SECONDS[args.device][kind]
+        if left < need:
+            skipped = f"skipped: {max(left, 0):.0f} s of the {args.budget:.0f} s budget left, it needs about {need} s"
+            append(summary, f"| {step} | {skipped} |" + " |" * 7)
+            continue
+        t0 = time.monotonic()
+        limit = min(left, 2 * need) if cuda else left  # a loaded CPU is slow, not hung
+        if kind == "self-test":
+            cells, out = self_test(limit)
+        else:
+            try:
+                what = describe(*planned([*shared, *flags], 1)[:2])
+            except train.ConfigError:  # e.g. float8 without torchao: the run's row says why, the next step runs
+                what = " ".join(flags)
+            cells, out = matrix_row([*shared, *flags], shape["steps"], shape["warmup"], 1, cuda, limit)
+            cells = [what, *cells]
+        with open(os.path.join(args.out, f"{step}.log"), "w") as f:
+            f.write(out)
+        cells += [""] * (7 - len(cells))  # the self-test's row has one cell
+        append(summary, f"| {step} | {' | '.join(cells)} | {time.monotonic() - t0:.0f} |")
+    append(summary, f"\nDone: {args.budget - (deadline - time.monotonic()):.0f} s of the {args.budget:.0f} s budget.")
 
 
 # --- side by side with torchtitan 0.2.2 (bench only: the trainer never imports it)
@@ -360,7 +535,9 @@ def main(argv: list):
                       ("matrix", "one trainer run per combination of --vary values: a markdown table of its log"),
                       ("titan", "this trainer and torchtitan 0.2.2 in turn, same shapes: the ratio of tokens/s"),
                       ("mask", "the trainer with block_causal and causal attention in turn: the ratio of tokens/s"),
-                      ("loader", "the data loader alone, one stream: realised token shares and tokens/s")]:
+                      ("loader", "the data loader alone, one stream: realised token shares and tokens/s"),
+                      ("gpu", "one command for a GPU node: the GPU self-test, then tokens/s, MFU and memory of 1B and "
+                              "8B-wide runs (bf16, float8, block_causal) into DIR/summary.md")]:
         job = sub.add_parser(what, help=doc, description=doc, epilog="Other --section.key value arguments set "
                              "train.py's config (python train.py --help lists them).")
         job.add_argument("--config", action="append", help="train.py's TOML config (e.g. configs/debug_model.toml)")
@@ -382,6 +559,15 @@ def main(argv: list):
     jobs["loader"].add_argument("--tokens", type=int, default=1_000_000, help="tokens to read for the timing")
     jobs["loader"].add_argument("--show", type=int, default=0, help="decode this many packed samples instead")
     jobs["titan"].add_argument("--device", choices=["cuda", "cpu"], help="where both run (default: cuda if visible)")
+    jobs["gpu"].add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                             help="cpu: the same steps at tiny shapes (the debug model), end to end in a minute or two")
+    jobs["gpu"].add_argument("--budget", type=float, default=540, help="seconds for everything: a step that no "
+                             "longer fits is skipped (540: a 10-minute command limit with a minute to spare)")
+    jobs["gpu"].add_argument("--out", default="outputs/bench_gpu", metavar="DIR",
+                             help="where summary.md (a row per step, written as it ends) and each step's log go")
+    jobs["gpu"].add_argument("--only", type=lambda v: v.split(","), metavar="STEP,...",
+                             help="run only these steps: self-test, 1B, 8B-wide, 8B-wide-float8-rowwise, "
+                                  "8B-wide-float8-tensorwise, 8B-wide-block-causal")
     a, rest = p.parse_known_args(argv)
     rest = [arg for path in a.config or [] for arg in ("--config", path)] + rest  # train.py refuses two
     for name in ("warmup", "repeats", "world_size", "nproc"):
@@ -401,7 +587,7 @@ def main(argv: list):
     import train
     try:
         commands = {"overhead": overhead, "startup": startup, "memory": estimate, "matrix": matrix, "titan": titan,
-                    "loader": loader, "mask": mask}
+                    "loader": loader, "mask": mask, "gpu": gpu}
         commands[a.what](a, rest)
     except (train.ConfigError, train.DataError) as e:  # a bad key, value or data source: one line
         fail(str(e))

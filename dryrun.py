@@ -94,19 +94,34 @@ class LiveStorages(TorchDispatchMode):
             self.add(storage, n)
             return out
         torch.UntypedStorage.resize_ = resized
-        # DTensor infers global shapes on fake tensors in this lock: no rank's memory, not counted
-        self.lock = ShardingPropagator._fake_mode_lock
-        ShardingPropagator._fake_mode_lock = Paused(self)
+        # DTensor infers an op's global shape by running it on global-shape fake tensors, under this lock (a
+        # nullcontext unless set): no memory of any rank, so not counted. torch 2.11 has no lock: there the
+        # method that holds those fake tensors is paused whole.
+        if hasattr(ShardingPropagator, "_fake_mode_lock"):
+            self.patched = ("_fake_mode_lock", ShardingPropagator._fake_mode_lock, Paused(self))
+        else:
+            infer = ShardingPropagator._propagate_tensor_meta_non_cached
+            self.patched = ("_propagate_tensor_meta_non_cached", infer, Paused(self)(infer))
+        setattr(ShardingPropagator, self.patched[0], self.patched[2])
         return super().__enter__()
 
     def __exit__(self, *exc):  # both back as they were before __enter__
-        torch.UntypedStorage.resize_, ShardingPropagator._fake_mode_lock = self.resize, self.lock
+        torch.UntypedStorage.resize_ = self.resize
+        setattr(ShardingPropagator, self.patched[0], self.patched[1])
         return super().__exit__(*exc)
 
 
 class Paused:
+    """A context (and, called on a function, a decorator) in which `counter` counts nothing."""
+
     def __init__(self, counter: LiveStorages):
         self.counter = counter
+
+    def __call__(self, fn):
+        def paused(*args, **kwargs):
+            with self:
+                return fn(*args, **kwargs)
+        return paused
 
     def __enter__(self):
         self.counter.paused += 1

@@ -210,3 +210,81 @@ def test_titan_side_by_side_runs():
     assert "debugmodel 2 layers, seq 64, 1,024 tokens per step, 2 processes on cpu" in out, out
     assert re.search(r"pair 1: ours [\d,]+, torchtitan [\d,]+ tokens/s per process, ratio [\d.]+", out), out
     assert re.search(r"ours / torchtitan: [\d.]+ \(median of 1 pair ratios", out), out
+
+
+# --- the vocabulary bench.py counts is the run's (train.model_args: the tokenizer's)
+
+def test_memory_and_the_bare_loop_take_the_tokenizers_vocabulary(capsys, monkeypatch):
+    """With the bundled 2,048-token tokenizer the loss is over 2,048 words, not the flavor's 128,256: an 8B-wide
+    run here is estimated (memory, matrix, gpu) and built (titan, the bare loop) with the vocabulary it trains."""
+    import bench as b
+    import memory
+    import model
+    import train
+
+    debug = ["--config", os.path.join(ROOT, "configs/debug_model.toml")]
+    b.main(["memory", *debug])
+    loss = float(re.search(r"\bloss ([\d.]+)", capsys.readouterr().out).group(1))
+    assert loss == round(8 * 256 * 12 * 2048 / 2**30, 2)  # fp32 log-probs and their backward: 0.05, not 2.94 GiB
+    monkeypatch.chdir(ROOT)  # the config's tokenizer path is relative to the repo root, as for train.py
+    cfg, wide, sizes = b.planned([*debug, "--model.flavor", "8B", "--model.n_layers", "1"], 1)
+    assert (wide.args.dim, wide.args.vocab_size) == (4096, 2048)  # 8B's width, the tokenizer's words
+    assert memory.estimate_memory(wide, cfg, sizes, cuda=True)["loss"] == 8 * 256 * 12 * 2048
+    built = []  # the bare loop's model
+    monkeypatch.setattr(model, "Transformer", lambda args, real=model.Transformer: built.append(args) or real(args))
+    tiny = ["--model.n_layers", "1", "--training.seq_len", "8", "--training.local_batch_size", "1"]
+    cfg = train.load_config([*debug, *tiny])
+    assert b.bare_tps(cfg, steps=1, warmup=0) > 0 and built[0].vocab_size == 2048
+
+
+# --- bench.py gpu: the one command for a GPU node, run here at tiny shapes
+
+def summary_rows(folder) -> dict:
+    """{step: its cells after the name} of summary.md's table."""
+    with open(os.path.join(folder, "summary.md")) as f:
+        rows = [ln.strip().strip("|").split("|") for ln in f if ln.startswith("| ") and not ln.startswith("| step")]
+    return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows}
+
+
+STEPS = ["self-test", "1B", "8B-wide", "8B-wide-float8-rowwise", "8B-wide-float8-tensorwise", "8B-wide-block-causal"]
+
+
+def test_gpu_skips_what_no_longer_fits_the_budget_and_says_so(tmp_path, monkeypatch, capsys):
+    import bench as b
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # bench.py gpu --device cpu hides any GPU from its runs
+    monkeypatch.chdir(ROOT)
+    b.main(["gpu", "--device", "cpu", "--budget", "1", "--out", str(tmp_path)])
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    rows = summary_rows(tmp_path)
+    assert list(rows) == STEPS
+    for step, cells in rows.items():  # nothing ran: no log, a line that says why
+        need = b.STEP_SECONDS["cpu"]["self-test" if step == "self-test" else "8B" if "8B" in step else "1B"]
+        assert re.fullmatch(rf"skipped: [01] s of the 1 s budget left, it needs about {need} s", cells[0]), cells
+        assert not os.path.exists(tmp_path / f"{step}.log")
+    summary = (tmp_path / "summary.md").read_text()
+    assert "The debugmodel width: 3 blocks fit 0.1 GiB by the estimate" in summary, summary
+    debug = ["--config", "configs/debug_model.toml", *b.GPU_SHAPES["cpu"]["flags"], *b.GPU_SHARED]
+    assert b.blocks_that_fit([*debug, "--model.n_layers", "2"], b.CPU_CAPACITY) == 2  # at most the user's count
+    assert summary.rstrip().endswith("of the 1 s budget.") and capsys.readouterr().out.count("skipped") == 6
+    with pytest.raises(SystemExit) as e:
+        b.main(["gpu", "--device", "cpu", "--only", "8B", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--only 8B: the steps are self-test, 1B, 8B-wide, " in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_gpu_runs_every_step_end_to_end_on_the_cpu(tmp_path):
+    """bench.py gpu --device cpu: the self-test and every run at tiny shapes, a row each and each step's log."""
+    out = bench("gpu", "--device", "cpu", "--budget", "1200", "--out", str(tmp_path))  # a loaded machine skips none
+    rows = summary_rows(tmp_path)
+    assert list(rows) == STEPS, out
+    assert re.fullmatch(r"`pytest -m gpu` passed: \d+ skipped, \d+ deselected in [\d.]+s", rows["self-test"][0])
+    blocks = re.search(r"debugmodel width: (\d+) blocks fit", out).group(1)
+    for step in STEPS[1:]:
+        what, tps, tflops, mfu, peak, allocated, estimate, seconds = rows[step]
+        assert re.fullmatch(r"[\d,]+", tps) and mfu == "n/a" and allocated == "n/a", (step, rows[step])
+        assert float(peak) > 0 and float(estimate) > 0 and int(seconds) >= 0
+        assert ("8B" not in step or f"{blocks} blocks" in what) and "vocab 2,048, seq 64 x 2, fp32, eager" in what
+        assert os.path.getsize(tmp_path / f"{step}.log") > 0
+    assert "float8 rowwise" in rows["8B-wide-float8-rowwise"][0] and "block_causal" in rows["8B-wide-block-causal"][0]
+    assert re.search(r"\d+ skipped, \d+ deselected", (tmp_path / "self-test.log").read_text())  # no GPU: skipped
