@@ -84,11 +84,14 @@ class Checkpointer:
         self.cfg, self.folder, self.run_keys, self.steps, self.rank = cfg, folder, run_keys, steps, dist.get_rank()
         self.model, self.optimizer, self.scheduler, self.loader, self.notes = model, optimizer, scheduler, loader, notes
         self.sd_options = StateDictOptions(flatten_optimizer_state_dict=True)
-        # Saves run DCP's collectives on a gloo group of their own (async ones from a background thread), made at the
-        # first save: bounded by save_timeout_seconds, as long as a save may take (one rank can write minutes behind
-        # the others on a busy filesystem), not by [comm]'s timeout for ranks that are all working.
-        self.group = None
+        # Saves run DCP's collectives on a gloo group of their own (async ones from a background thread), made now,
+        # while the launcher's store answers (a signal may have ended torchrun by the time a save starts): bounded
+        # by save_timeout_seconds, as long as a save may take, not by [comm]'s timeout. Not in the dry run's fake group.
+        self.group = self.save_group() if cfg.enable and dist.get_backend() != "fake" else None
         self.pending = None  # (future, step, start time) of an async save not yet renamed into place
+
+    def save_group(self):
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.save_timeout_seconds))
 
     def state(self, step: int, tokens_seen: int, model_only: bool = False) -> dict:
         """Everything a resume needs, as tensors only: DCP then never unpickles anything on load."""
@@ -234,8 +237,8 @@ class Checkpointer:
         """Write step-N: in the background (async_mode) unless the run stops after it."""
         if self.pending is not None:  # at most one save in flight
             self.finish()
-        if self.group is None:  # every rank saves at the same step: a collective
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.save_timeout_seconds))
+        if self.group is None:  # after a failed save, or in the dry run: every rank saves at the same step
+            self.group = self.save_group()
         t0 = time.perf_counter()
         tmp = os.path.join(self.folder, f".step-{step}.tmp")
         if self.rank == 0:  # clear leftovers of crashed saves

@@ -12,7 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lines at most, from DESIGN.md's file table.
 BUDGETS = {"train.py": 900, "model.py": 350, "data.py": 550, "download_data.py": 200, "sources.py": 450,
-           "data_manifest.py": 250, "mirror.py": 150, "bench.py": 600, "preflight.py": 450, "checkpoint.py": 340,
+           "data_manifest.py": 250, "mirror.py": 150, "bench.py": 600, "preflight.py": 450, "checkpoint.py": 345,
            "titan_layout.py": 100, "checkpoint_convert.py": 460, "download_tokenizer.py": 80, "metrics.py": 125,
            "memory.py": 150, "config.py": 200, "dryrun.py": 320, "evals.py": 300, "float8.py": 150,
            "distributed.py": 200, "data_check.py": 200}
