@@ -538,7 +538,9 @@ def main(argv: list):
                       ("loader", "the data loader alone, one stream: realised token shares and tokens/s"),
                       ("gpu", "one command for a GPU node: the GPU self-test, then tokens/s, MFU and memory of 1B and "
                               "8B-wide runs (bf16, float8, block_causal) into DIR/summary.md")]:
-        job = sub.add_parser(what, help=doc, description=doc, epilog="Other --section.key value arguments set "
+        reads = ("It reads train.py's --model.tokenizer_path, --training.seq_len, --training.local_batch_size, "
+                 "--data.num_workers and --data.seed; other" if what == "loader" else "Other")
+        job = sub.add_parser(what, help=doc, description=doc, epilog=f"{reads} --section.key value arguments set "
                              "train.py's config (python train.py --help lists them).")
         job.add_argument("--config", action="append", help="train.py's TOML config (e.g. configs/debug_model.toml)")
         if what in ("overhead", "matrix", "titan", "mask"):

@@ -256,7 +256,7 @@ def test_bench_loader_bad_input_is_one_line(tmp_path):
     # --help documents the options the README and bench.py use
     out = cli("--help")
     for option in ("--config", "--show", "--tokens", "--model.tokenizer_path", "--training.seq_len",
-                   "--training.local_batch_size", "--data.num_workers", "--data.num_streams", "--data.seed"):
+                   "--training.local_batch_size", "--data.num_workers", "--data.seed"):
         assert option in out.stdout
 
 

@@ -72,7 +72,7 @@ def hub_job(tmp_path_factory):
     try:
         # One resolution in a fresh process (this one has caches of earlier tests: the Hub client's one-time
         # lookups, dataset cards), with its own empty HF_HOME, as a rank starts.
-        code = ("import json, sys, sources, train; c = train.load_config(['--config', sys.argv[1]]); "
+        code = ("import json, sys, data_manifest, train; c = train.load_config(['--config', sys.argv[1]]); "
                 "print(json.dumps(data_manifest.make_manifest(c.data.sources, c.validation.sources)))")
         ref = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "configs", "llama3_8b.toml")], cwd=ROOT,
                              capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HOME": str(tmp / "hf_ref"),

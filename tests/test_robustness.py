@@ -139,8 +139,8 @@ def test_an_error_exit_puts_the_async_save_in_flight_in_place(tmp_path):
     try:
         model = types.SimpleNamespace(args=types.SimpleNamespace(params=lambda: {"dim": 8}))
         for step, timeout in ((3, 60), (4, 0.2)):
-            ckpt = checkpoint.Checkpointer(types.SimpleNamespace(save_timeout_seconds=timeout), str(tmp_path), {}, 9,
-                                           model, None, None, None, {})
+            cfg = types.SimpleNamespace(enable=True, save_timeout_seconds=timeout)
+            ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), {}, 9, model, None, None, None, {})
             (tmp_path / f".step-{step}.tmp").mkdir()
             writing = concurrent.futures.ThreadPoolExecutor(1).submit(time.sleep, 0.5)
             ckpt.pending = (writing, step, time.monotonic())

@@ -355,9 +355,10 @@ def jobs(cluster, tmp_path_factory):
     extended = []
 
     def extend_after_requeue(name, info):
-        # The resumed run gets 5 minutes so that it is not interrupted again (that would work too, only slower).
-        if name == "timelimit" and not extended and info.get("Restarts") == "1" and info.get("JobState") == "PENDING":
-            cluster.run("scontrol", "update", f"JobId={ids[name]}", "TimeLimit=5")
+        # Once requeued, the job gets 8 minutes so that it is not interrupted again (that works too, only slower:
+        # on a loaded machine a 5-minute limit stopped it twice). Pending or already running again: both take it.
+        if name == "timelimit" and not extended and int(info.get("Restarts", 0)) >= 1:
+            cluster.run("scontrol", "update", f"JobId={ids[name]}", "TimeLimit=8")
             extended.append(time.time())
 
     infos = wait_jobs(cluster, ids, logs, 600, extend_after_requeue)
@@ -402,14 +403,14 @@ def test_time_limit_checkpoints_requeues_and_resumes_exactly(jobs):
     job_id, info, dump, log = jobs["timelimit"]
     out = read(log)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out[-5000:]}"
-    assert info["Restarts"] == "1", f"expected exactly one requeue: {info}\n{out[-5000:]}"
     assert "SIGUSR1: the time limit is near" in out and "requeueing job" in out, out[-5000:]
-    stopped = re.findall(r"stopping at step (\d+) on signal", out)
-    assert len(stopped) == 1, f"the job was not stopped by the warning (machine too fast?)\n{out[-5000:]}"
-    k = int(stopped[0])
-    assert 0 < k < STEPS
-    assert re.search(rf"resumed from \S*step-{k} at step {k}", out), out[-5000:]
-    assert sorted(os.listdir(os.path.join(dump, "checkpoint"))) == sorted([f"step-{k}", f"step-{STEPS}"])
+    # One requeue, or more on a slow machine: each warning stopped the job at a checkpoint it resumed from.
+    stopped = [int(k) for k in re.findall(r"stopping at step (\d+) on signal", out)]
+    assert len(stopped) == int(info["Restarts"]) >= 1, f"a stop per requeue (machine too fast?): {info}\n{out[-5000:]}"
+    assert 0 < stopped[0] and stopped == sorted(stopped) and stopped[-1] < STEPS, stopped
+    for k in stopped:
+        assert re.search(rf"resumed from \S*step-{k} at step {k}", out), out[-5000:]
+    assert {f"step-{stopped[-1]}", f"step-{STEPS}"} <= set(os.listdir(os.path.join(dump, "checkpoint")))
 
     got, want = losses(dump), losses(jobs["reference"][2])
     assert [s for s, _ in got] == list(range(1, STEPS + 1)), "every step logged once, none repeated"

@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*assuming th
 
 def torchtitan(folder, steps: int, *flags) -> dict:
     """A torchtitan run of our debug shape in `folder` (also its tokenizer files): {step: logged loss}."""
-    cfg, model, sizes = bench.model_and_sizes(["--config", CONFIG], 1)
+    cfg, model, sizes = bench.planned(["--config", CONFIG], 1)
     bench.titan_tokenizer(cfg, str(folder))
     args = argparse.Namespace(steps=steps, warmup=1, nproc=1, device="cpu")  # warmup: its log_freq
     cmd = bench.titan_command(cfg, model.args, sizes, args, str(folder)) + [*WARMUP, "--checkpoint.enable", *flags]
