@@ -1,18 +1,19 @@
 """Measurements, not training: numbers for the README come from here and from the training log.
 
-    python bench.py overhead --config configs/debug_model.toml   # trainer tokens/s vs a bare fwd/bwd/AdamW loop
-    python bench.py startup --config configs/debug_model.toml    # seconds to the first step beyond `import torch`
-    python bench.py memory --config configs/llama3_8b.toml --world_size 8   # memory per GPU; fits an H100/H200?
-    python bench.py matrix --config configs/debug_model.toml --vary activation_checkpoint.mode=none,full \
-        --vary training.local_batch_size=4,8   # one trainer run per combination (--nproc 8: under torchrun)
-    python bench.py titan --config configs/debug_model.toml --training.seq_len 512   # vs torchtitan 0.2.2
-    python bench.py mask --config configs/debug_model.toml       # block_causal vs causal attention, tokens/s
-    python bench.py loader --config configs/debug_model.toml     # the data loader alone: shares, tokens/s
-    python bench.py gpu --out DIR      # on a GPU node: self-test, tokens/s, MFU, memory into DIR/summary.md
+    python bench.py overhead --config configs/debug_model.toml  # tokens/s: trainer vs a bare loop
+    python bench.py startup --config configs/debug_model.toml   # start-up, beyond `import torch`
+    python bench.py memory --config configs/llama3_8b.toml --world_size 8  # fits an H100/H200?
+    python bench.py matrix --config configs/debug_model.toml --vary training.local_batch_size=4,8 \
+        --vary activation_checkpoint.mode=none,full  # a run per combination; --nproc 8: torchrun
+    python bench.py titan --config configs/debug_model.toml --training.seq_len 512  # vs torchtitan
+    python bench.py mask --config configs/debug_model.toml    # block_causal vs causal: tokens/s
+    python bench.py loader --config configs/debug_model.toml  # the loader alone: shares, tokens/s
+    python bench.py gpu --out DIR  # GPU node: self-test, tokens/s, MFU, memory into DIR/summary.md
 
 `python bench.py WHAT --help` lists each one's options; other `--section.key value` arguments go to
-train.py's config. Timings on a shared machine are noisy: `overhead`, `titan` and `mask` alternate their two
-sides `--repeats` times and report medians and the load average; only the steps after `--warmup` count."""
+train.py's config. Timings on a shared machine are noisy: `overhead`, `titan` and `mask` alternate
+their two sides `--repeats` times and report medians and the load average; only the steps after
+`--warmup` count."""
 
 import argparse
 import importlib.util
@@ -28,6 +29,7 @@ import tempfile
 import time
 
 import memory
+import titan_run
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -39,8 +41,8 @@ def fail(msg: str):
 
 
 def planned(extra: list, world_size: int):
-    """The config, train.validate's sizes and a meta-device model (shapes only: any flavor on any machine) with the
-    vocabulary the run will have (train.model_args)."""
+    """The config, train.validate's sizes and a meta-device model (shapes only: any flavor on any
+    machine) with the vocabulary the run will have (train.model_args)."""
     import torch
     import train
     from model import Transformer
@@ -53,27 +55,31 @@ def planned(extra: list, world_size: int):
 def estimate(args, extra):  # bench.py memory
     import train
     if args.world_size is None and train.load_config(extra).model.flavor != "debugmodel":
-        fail("--world_size is missing: the number of GPUs in the job (e.g. --world_size 8); it sets the sharding")
+        fail("--world_size is missing: the number of GPUs in the job (e.g. --world_size 8); "
+             "it sets the sharding")
     cfg, model, sizes = planned(extra, args.world_size or 1)
     parts = memory.estimate_memory(model, cfg, sizes, cuda=args.device == "cuda")
     print(memory.format_estimate(parts))
     for name, capacity in memory.GPUS if args.device == "cuda" else []:
         share = parts["total"] / capacity
-        print(f"{name}: {memory.verdict(parts['total'], capacity)} ({100 * share:.0f}% of its memory)")
+        verdict = memory.verdict(parts["total"], capacity)
+        print(f"{name}: {verdict} ({100 * share:.0f}% of its memory)")
 
 
 # --- timings
 
 def run_command(cmd: list, timeout: float = None):
-    """(exit status, output) of cmd in the repo root; status None if it ran past `timeout` seconds: then it is
-    stopped with its process group (compile and loader workers too), so the GPU is free for the next command."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=timeout is not None)
+    """(exit status, output) of cmd in the repo root; status None if it ran past `timeout` seconds:
+    then it is stopped with its process group (compile and loader workers too), so the GPU is free
+    for the next command."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=timeout is not None)
     try:
         out = proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        return None, proc.communicate()[0] + f"\nbench.py: stopped at {timeout:.0f} s, the end of its time\n"
+        stopped = f"\nbench.py: stopped at {timeout:.0f} s, the end of its time\n"
+        return None, proc.communicate()[0] + stopped
     except KeyboardInterrupt:  # in its own session it did not see the Ctrl-C
         os.killpg(proc.pid, signal.SIGKILL)
         raise
@@ -81,12 +87,14 @@ def run_command(cmd: list, timeout: float = None):
 
 
 def run_trainer(extra: list, steps: int, log_freq: int, nproc: int = 1, timeout: float = None):
-    """train.py for `steps` steps (under torchrun when nproc > 1): (its metrics.jsonl records, its output),
-    or (None, output) if it failed or ran past `timeout` seconds."""
-    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    """train.py for `steps` steps (under torchrun when nproc > 1): (its metrics.jsonl records, its
+    output), or (None, output) if it failed or ran past `timeout` seconds."""
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    launcher = [] if nproc == 1 else torchrun
     with tempfile.TemporaryDirectory() as dump:
-        cmd = [sys.executable, *launcher, "train.py", *extra, "--job.dump_folder", dump, "--training.steps", str(steps),
-               "--metrics.log_freq", str(log_freq), "--checkpoint.enable", "false", "--validation.enable", "false"]
+        cmd = [sys.executable, *launcher, "train.py", *extra, "--job.dump_folder", dump,
+               "--training.steps", str(steps), "--metrics.log_freq", str(log_freq),
+               "--checkpoint.enable", "false", "--validation.enable", "false"]
         status, out = run_command(cmd, timeout)
         if status != 0:
             return None, out
@@ -95,39 +103,46 @@ def run_trainer(extra: list, steps: int, log_freq: int, nproc: int = 1, timeout:
 
 
 def steady_tps(records: list, warmup: int) -> float:
-    # Each record after the warmup covers the same number of tokens, so the overall rate is the harmonic mean.
+    # Each record after the warmup covers the same number of tokens: the rate is their harmonic mean
     return statistics.harmonic_mean(r["tps"] for r in records if r["step"] > warmup)
 
 
 def trainer_tps(extra: list, args, nproc: int = 1) -> float:
-    """Steady-state tokens/s per process of train.py, from its metrics.jsonl (the steps after the warmup)."""
+    """Steady-state tokens/s per process of train.py: its metrics.jsonl's steps after the warmup."""
     records, out = run_trainer(extra, args.steps, args.warmup, nproc)
-    return steady_tps(records, args.warmup) if records else sys.exit(f"error: train.py failed:\n{out[-2000:]}")
+    if not records:
+        sys.exit(f"error: train.py failed:\n{out[-2000:]}")
+    return steady_tps(records, args.warmup)
 
 
 def side_by_side(runs: dict, repeats: int, load=os.getloadavg) -> dict:
-    """Runs the two sides in turn (A B A B ...), so a change in the machine's load hits both; prints each
-    pair, then the median of the pair ratios (first side / second), the medians and the load it saw."""
+    """Runs the two sides in turn (A B A B ...), so a change in the machine's load hits both; prints
+    each pair, then the median of pair ratios (first side / second), the medians and the load."""
     (a, _), (b, _) = runs.items()
-    tps, ratios, loads = {a: [], b: []}, [], []
+    tps = {a: [], b: []}
+    ratios = []
+    loads = []
     for i in range(repeats):
         for name, run in runs.items():
             loads.append(load()[0])
             tps[name].append(run())
         loads.append(load()[0])
         ratios.append(tps[a][-1] / tps[b][-1])
-        print(f"pair {i + 1}: {a} {tps[a][-1]:,.0f}, {b} {tps[b][-1]:,.0f} tokens/s per process, ratio "
-              f"{ratios[-1]:.3f}, load {' '.join(f'{x:.1f}' for x in loads[-3:])}", flush=True)
+        pair = f"{a} {tps[a][-1]:,.0f}, {b} {tps[b][-1]:,.0f} tokens/s per process"
+        seen = " ".join(f"{x:.1f}" for x in loads[-3:])
+        print(f"pair {i + 1}: {pair}, ratio {ratios[-1]:.3f}, load {seen}", flush=True)
     med = {name: statistics.median(v) for name, v in tps.items()}
-    print(f"{a} / {b}: {statistics.median(ratios):.3f} (median of {repeats} pair ratios "
-          f"{', '.join(f'{r:.3f}' for r in ratios)}; medians {med[a]:,.0f} / {med[b]:,.0f} = {med[a] / med[b]:.3f} "
-          f"tokens/s); 1-minute load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores")
-    return {"ratio": statistics.median(ratios), "ratios": ratios, "medians": med, "load": (min(loads), max(loads))}
+    ratio = statistics.median(ratios)
+    pairs = ", ".join(f"{r:.3f}" for r in ratios)
+    medians = f"medians {med[a]:,.0f} / {med[b]:,.0f} = {med[a] / med[b]:.3f} tokens/s"
+    print(f"{a} / {b}: {ratio:.3f} (median of {repeats} pair ratios {pairs}; {medians}); "
+          f"1-minute load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores")
+    return {"ratio": ratio, "ratios": ratios, "medians": med, "load": (min(loads), max(loads))}
 
 
 def bare_tps(cfg, steps: int, warmup: int) -> float:
-    """The floor under any trainer: the same model, batch and dtype, with nothing but forward,
-    cross-entropy, backward and AdamW on random tokens. No FSDP, data loader, clipping or logging."""
+    """The floor under any trainer: the same model, batch and dtype with nothing but forward,
+    cross-entropy, backward and AdamW on random tokens; no FSDP, data loader, clipping, logging."""
     import torch
     import torch.nn.functional as F
     import train
@@ -141,7 +156,8 @@ def bare_tps(cfg, steps: int, warmup: int) -> float:
         for block in model.layers:
             block.compile(fullgraph=True)
     optimizer, _ = train.build_optimizer(model, cfg, device)  # the trainer's AdamW, fused as there
-    bs, seq = cfg.training.local_batch_size, cfg.training.seq_len
+    bs = cfg.training.local_batch_size
+    seq = cfg.training.seq_len
     tokens = torch.randint(0, model.args.vocab_size, (bs, seq + 1), device=device)
     bf16 = cfg.training.mixed_precision_param == "bfloat16"
     for i in range(steps):
@@ -168,34 +184,48 @@ def overhead(args, extra):
 
 def mask(args, extra):
     """Document masking's cost: the trainer with block_causal and with causal attention, in turn."""
-    side_by_side({name: lambda name=name: trainer_tps(extra + ["--model.attn_mask_type", name], args, args.nproc)
-                  for name in ("block_causal", "causal")}, args.repeats)
+    block_causal = [*extra, "--model.attn_mask_type", "block_causal"]
+    causal = [*extra, "--model.attn_mask_type", "causal"]
+    side_by_side({"block_causal": lambda: trainer_tps(block_causal, args, args.nproc),
+                  "causal": lambda: trainer_tps(causal, args, args.nproc)}, args.repeats)
 
 
-def startup(args, extra):  # launch to the first metrics.jsonl line (step 1, a small batch), beyond `import torch`
-    def wall(cmd, log=""):  # seconds until `log` has a line (or the process ends); its output to a file, not a pipe
+def startup(args, extra):
+    """Launch to the first metrics.jsonl line (step 1, a small batch), beyond `import torch`."""
+    def wall(cmd, log=""):
+        """Seconds until `log` has a line (or the process ends); output to a file, not a pipe."""
         with tempfile.TemporaryFile("w+") as out:
-            t0, proc = time.perf_counter(), subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
             while proc.poll() is None and not (log and os.path.exists(log) and os.path.getsize(log)):
                 time.sleep(0.005)
-            t, failed = time.perf_counter() - t0, proc.wait()
-            return sys.exit(f"error: {' '.join(cmd[:3])} failed:\n{out.seek(0) or out.read()[-2000:]}") if failed else t
+            t = time.perf_counter() - t0
+            if proc.wait():
+                out.seek(0)
+                sys.exit(f"error: {' '.join(cmd[:3])} failed:\n{out.read()[-2000:]}")
+            return t
 
-    imports, runs = [], []
+    small = ["--training.local_batch_size", "2", "--training.seq_len", "64",
+             "--validation.enable", "false"]  # before the user's flags: they may change it
+    once = ["--training.steps", "1", "--checkpoint.enable", "false"]
+    imports = []
+    runs = []
     for _ in range(args.repeats):
         imports.append(wall([sys.executable, "-c", "import torch"]))
         with tempfile.TemporaryDirectory() as dump:
-            runs.append(wall([sys.executable, "train.py", "--training.local_batch_size", "2", "--training.seq_len",
-                              "64", "--validation.enable", "false", *extra, "--job.dump_folder", dump,
-                              "--training.steps", "1", "--checkpoint.enable", "false"], f"{dump}/metrics.jsonl"))
-    imp, run = statistics.median(imports), statistics.median(runs)
-    print(f"startup: `import torch` {imp:.2f}s, train.py to its first metrics.jsonl line {run:.2f}s: "
-          f"{run - imp:.2f}s beyond importing torch (medians of {args.repeats}; load average {os.getloadavg()[0]:.2f})")
+            cmd = [sys.executable, "train.py", *small, *extra, "--job.dump_folder", dump, *once]
+            runs.append(wall(cmd, f"{dump}/metrics.jsonl"))
+    imp = statistics.median(imports)
+    run = statistics.median(runs)
+    load = os.getloadavg()[0]
+    print(f"startup: `import torch` {imp:.2f}s, train.py to its first metrics.jsonl line "
+          f"{run:.2f}s: {run - imp:.2f}s beyond importing torch (medians of {args.repeats}; "
+          f"load average {load:.2f})")
 
 
 def loader(args, extra):
-    """The data loader alone, one stream, as train.py configures it: the mixture's realised token shares and
-    tokens/s, or --show K packed samples decoded."""
+    """The data loader alone, one stream, as train.py configures it: the mixture's realised token
+    shares and tokens/s, or --show K packed samples decoded."""
     import torch  # noqa: F401  (the first batch would import it, and be timed with it)
     import train
     from data import DataLoader, Tokenizer
@@ -205,14 +235,17 @@ def loader(args, extra):
     d = cfg.data
     timeout = d.hub_timeout_seconds
     budget = cfg.comm.init_timeout_seconds  # as train.py's reads retry
-    manifest = pinned_manifest(d.manifest, "", d.sources, [], timeout, budget) if d.manifest else None
+    manifest = None
+    if d.manifest:
+        manifest = pinned_manifest(d.manifest, "", d.sources, [], timeout, budget)
     tok = Tokenizer(cfg.model.tokenizer_path)
-    data = DataLoader(d.sources, tok, cfg.training.seq_len, cfg.training.local_batch_size, 0, 1, 1, d.seed,
-                      d.num_workers, manifest, timeout, budget)
+    data = DataLoader(d.sources, tok, cfg.training.seq_len, cfg.training.local_batch_size, 0, 1, 1,
+                      d.seed, d.num_workers, manifest, timeout, budget)  # rank 0 of 1, one stream
     try:
         for i in range(args.show):
             x, _ = next(data)
-            print(f"--- sample {i} ({x.shape[1]} tokens) ---\n{tok.decode(x[0].tolist())}")
+            print(f"--- sample {i} ({x.shape[1]} tokens) ---")
+            print(tok.decode(x[0].tolist()))
         if args.show:
             return
         t0 = time.perf_counter()
@@ -229,15 +262,18 @@ def loader(args, extra):
     weights = sum(s.weight for s in d.sources)
     for s in d.sources:
         share = counts[s.name] / sum(counts.values())
-        print(f"{s.name:>16}: {counts[s.name]:>10,} tokens  share {share:6.2%}  (weight {s.weight / weights:6.2%})")
+        weight = s.weight / weights
+        tokens = f"{counts[s.name]:>10,} tokens"
+        print(f"{s.name:>16}: {tokens}  share {share:6.2%}  (weight {weight:6.2%})")
     workers = f"{d.num_workers} worker(s)" if d.num_workers else "no workers"
-    print(f"loader: {n:,} tokens in {dt:.2f}s = {n / dt:,.0f} tokens/s after a first batch in {first:.2f}s "
-          f"(one stream, {workers})")
+    print(f"loader: {n:,} tokens in {dt:.2f}s = {n / dt:,.0f} tokens/s after a first batch in "
+          f"{first:.2f}s (one stream, {workers})")
 
 
 def matrix_row(extra: list, steps: int, warmup: int, nproc: int, cuda: bool, timeout: float = None):
-    """One trainer run and `bench.py memory`'s estimate for it: (a matrix row's cells: tokens/s, TFLOP/s, MFU,
-    peak memory, peak allocated and estimate in GiB; the run's output). A failed run's row says why."""
+    """One trainer run and `bench.py memory`'s estimate for it: (a matrix row's cells: tokens/s,
+    TFLOP/s, MFU, peak memory, peak allocated and estimate in GiB; the run's output). A failed run's
+    row says why."""
     import train
     try:  # what `bench.py memory` says for this run
         cfg, model, sizes = planned(extra, nproc)
@@ -250,30 +286,34 @@ def matrix_row(extra: list, steps: int, warmup: int, nproc: int, cuda: bool, tim
         last = next((ln for ln in reversed(out.splitlines()) if ln.strip()), "")
         return [f"failed: {last[:120]}", "", "", "", "", estimate], out
     steady = [r for r in records if r["step"] > warmup]
+    tflops = statistics.mean(r["tflops"] for r in steady)
     mfu = statistics.mean(r["mfu"] for r in steady) if steady[0]["mfu"] is not None else None
+    peak = max(r["memory_gib"] for r in records)
     allocated = max((r["memory_allocated_gib"] or 0) for r in records)
-    return [f"{steady_tps(records, warmup):,.0f}", f"{statistics.mean(r['tflops'] for r in steady):.1f}",
-            f"{mfu:.1f}%" if mfu is not None else "n/a", f"{max(r['memory_gib'] for r in records):.2f}",
+    return [f"{steady_tps(records, warmup):,.0f}", f"{tflops:.1f}",
+            f"{mfu:.1f}%" if mfu is not None else "n/a", f"{peak:.2f}",
             f"{allocated:.2f}" if allocated else "n/a", estimate], out
 
 
 def matrix(args, extra):
-    """One trainer run per combination of the --vary values: a markdown table of what its log says."""
+    """One trainer run per combination of the --vary values: a markdown table of what logs say."""
     import torch
     names = [v.partition("=")[0] for v in args.vary]
     choices = [v.partition("=")[2].split(",") for v in args.vary]
-    print(f"| {' | '.join(names)} | tps | tflops | mfu | peak memory GiB | allocated GiB | estimate GiB |")
+    columns = "tps | tflops | mfu | peak memory GiB | allocated GiB | estimate GiB"
+    print(f"| {' | '.join(names)} | {columns} |")
     print("|" + "---|" * (len(names) + 6))
+    cuda = torch.cuda.is_available()
     for combo in itertools.product(*choices):
         overrides = [x for name, value in zip(names, combo) for x in (f"--{name}", value)]
-        cells, _ = matrix_row([*extra, *overrides], args.steps, args.warmup, args.nproc, torch.cuda.is_available())
+        cells, _ = matrix_row([*extra, *overrides], args.steps, args.warmup, args.nproc, cuda)
         print(f"| {' | '.join([*combo, *cells])} |", flush=True)
 
 
 # --- bench.py gpu: one command for a GPU node, every figure into one markdown file
 
-# The settings every run of `bench.py gpu` shares, per device: on a GPU the real shapes; on a CPU tiny ones (the
-# debug model stands in for 1B and the 8B width; fp32, eager), so the code that meets the GPU has run here first.
+# Per device, the settings every `bench.py gpu` run shares: on a GPU the real shapes; on a CPU tiny
+# ones (the debug model for 1B and the 8B width; fp32, eager), so the code meeting the GPU ran here.
 GPU_SHAPES = {
     "cuda": {"small": "1B", "wide": "8B", "steps": 20, "warmup": 10,
              "flags": ["--training.seq_len", "8192", "--training.local_batch_size", "1",
@@ -281,46 +321,57 @@ GPU_SHAPES = {
     "cpu": {"small": "debugmodel", "wide": "debugmodel", "steps": 3, "warmup": 1,
             "flags": ["--training.seq_len", "64", "--training.local_batch_size", "2"]},
 }
-# One stream: a batch of 1 per step; lr 3e-4: the debug config's 3e-3 makes a wide model's loss spike.
-GPU_SHARED = ["--activation_checkpoint.mode", "selective", "--data.num_streams", "1", "--optimizer.lr", "3e-4"]
-CPU_CAPACITY = 80 * 2**20  # --device cpu: a pretend device, so the estimate picks the blocks as it does on a GPU
-# Seconds a step needs (guesses until a GPU run measures them): a step that no longer fits the budget's
-# remainder is skipped, and one is stopped at the end of the budget or, on a GPU, at twice its time (a hang).
-STEP_SECONDS = {"cuda": {"self-test": 180, "1B": 60, "8B": 90}, "cpu": {"self-test": 60, "1B": 30, "8B": 30}}
+# One stream: a batch of 1 per step. lr 3e-4: the debug config's 3e-3 spikes a wide model's loss.
+GPU_SHARED = ["--activation_checkpoint.mode", "selective", "--data.num_streams", "1",
+              "--optimizer.lr", "3e-4"]
+# --device cpu: a pretend device, so the estimate picks the blocks as it does on a GPU
+CPU_CAPACITY = 80 * 2**20
+# Seconds a step needs (guesses until a GPU run measures them): a step that no longer fits the
+# budget's remainder is skipped; one is stopped at the budget's end or, on a GPU, at twice its
+# time (a hang).
+STEP_SECONDS = {"cuda": {"self-test": 180, "1B": 60, "8B": 90},
+                "cpu": {"self-test": 60, "1B": 30, "8B": 30}}
 
 
 def gpu_plan(shape: dict, blocks: int) -> list:
-    """(name, kind, train.py flags) of each step after the self-test: the 1B flavor, then the 8B width with
-    `blocks` blocks in bf16, float8 rowwise and tensorwise, and block-causal attention."""
+    """(name, kind, train.py flags) of each step after the self-test: the 1B flavor, then the 8B
+    width with `blocks` blocks: bf16, float8 rowwise and tensorwise, and block-causal attention."""
     wide = ["--model.flavor", shape["wide"], "--model.n_layers", str(blocks)]
     float8 = [*wide, "--model.converters", "float8", "--float8.recipe_name"]
-    return [("self-test", "self-test", []), ("1B", "1B", ["--model.flavor", shape["small"]]), ("8B-wide", "8B", wide),
+    return [("self-test", "self-test", []),
+            ("1B", "1B", ["--model.flavor", shape["small"]]),
+            ("8B-wide", "8B", wide),
             ("8B-wide-float8-rowwise", "8B", [*float8, "rowwise"]),
             ("8B-wide-float8-tensorwise", "8B", [*float8, "tensorwise"]),
             ("8B-wide-block-causal", "8B", [*wide, "--model.attn_mask_type", "block_causal"])]
 
 
 def device_memory(device: str) -> tuple:
-    """(the device's name, the bytes a run's estimate must fit in). A child process asks the GPU: a CUDA
-    context in this process would hold memory the runs need."""
+    """(the device's name, the bytes a run's estimate must fit in). A child process asks the GPU: a
+    CUDA context in this process would hold memory the runs need."""
     if device == "cpu":
-        return f"CPU (tiny shapes; a pretend device of {CPU_CAPACITY / 2**20:.0f} MiB)", CPU_CAPACITY
+        name = f"CPU (tiny shapes; a pretend device of {CPU_CAPACITY / 2**20:.0f} MiB)"
+        return name, CPU_CAPACITY
     query = "import torch; p = torch.cuda.get_device_properties(0); print(p.total_memory, p.name)"
     status, out = run_command([sys.executable, "-c", query])
     if status != 0:
-        fail(f"--device cuda: no GPU visible ({out.strip()[-200:]}); --device cpu runs the same steps at tiny shapes")
+        fail(f"--device cuda: no GPU visible ({out.strip()[-200:]}); "
+             "--device cpu runs the same steps at tiny shapes")
     total, name = out.strip().splitlines()[-1].split(maxsplit=1)  # after any warning torch printed
     return name, int(total)
 
 
 def blocks_that_fit(extra: list, capacity: int) -> int:
-    """The most blocks of the flavor's width, up to its count or [model] n_layers, whose estimate fits `capacity`
-    with the allocator's margin (memory.verdict "fits"); at least 1. The estimate grows with the blocks: a bisection."""
+    """The most blocks of the flavor's width, up to its count or [model] n_layers, whose estimate
+    fits `capacity` with the allocator's margin (memory.verdict "fits"); at least 1. A bisection:
+    the estimate grows with the blocks."""
     import train
 
-    def fits(n: int) -> bool:  # shapes only (cuda=True): on a CPU the process's own memory is no block's
+    # shapes only (cuda=True): on a CPU the process's own memory is no block's
+    def fits(n: int) -> bool:
         cfg, model, sizes = planned([*extra, "--model.n_layers", str(n)], 1)
-        return memory.verdict(memory.estimate_memory(model, cfg, sizes, cuda=True)["total"], capacity) == "fits"
+        total = memory.estimate_memory(model, cfg, sizes, cuda=True)["total"]
+        return memory.verdict(total, capacity) == "fits"
 
     lo, hi = 1, train.flavor_args(train.load_config(extra)).n_layers  # the answer is in [lo, hi]
     while lo < hi:
@@ -330,10 +381,13 @@ def blocks_that_fit(extra: list, capacity: int) -> int:
 
 
 def describe(cfg, model) -> str:
-    """What a run is, for its summary row: shape, vocabulary, tokens per step, precision, compile, AC, float8, mask."""
-    t, a = cfg.training, model.args
+    """A run, for its summary row: shape, vocabulary, tokens per step, precision, compile, AC,
+    float8, mask."""
+    t = cfg.training
+    a = model.args
     what = [f"{cfg.model.flavor} width, {a.n_layers} blocks", f"vocab {a.vocab_size:,}",
-            f"seq {t.seq_len:,} x {t.local_batch_size}", "bf16" if t.mixed_precision_param == "bfloat16" else "fp32",
+            f"seq {t.seq_len:,} x {t.local_batch_size}",
+            "bf16" if t.mixed_precision_param == "bfloat16" else "fp32",
             "compile" if cfg.compile.enable else "eager", f"AC {cfg.activation_checkpoint.mode}"]
     if "float8" in cfg.model.converters:
         what.append(f"float8 {cfg.float8.recipe_name}")
@@ -344,161 +398,98 @@ def self_test(timeout: float) -> tuple:
     """`pytest -m gpu`, the CUDA twins of the CPU tests: (its row's cell, its output)."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "--continue-on-collection-errors"]
     status, out = run_command(cmd, timeout)
-    counts = re.findall(r"^=*\s*(\d+ [a-z]+\b.* in [\d.]+s\b.*?)\s*=*$", out, re.M)  # "8 passed, 1 failed in 95.2s"
+    # pytest's last line: "8 passed, 1 failed in 95.2s"
+    counts = re.findall(r"^=*\s*(\d+ [a-z]+\b.* in [\d.]+s\b.*?)\s*=*$", out, re.M)
     result = counts[-1] if counts else (out.strip().splitlines() or [""])[-1][:120]
     verdict = {0: "passed", None: f"stopped at {timeout:.0f} s"}.get(status, "FAILED")
     return [f"`pytest -m gpu` {verdict}: {result}"], out
 
 
 def append(path: str, line: str, mode: str = "a"):
-    """A line of the summary, on disk at once: a kill at the machine's time limit keeps the finished rows."""
+    """A line of the summary, on disk at once: a kill at the machine's time limit keeps the rows."""
     print(line, flush=True)
     with open(path, mode) as f:
         f.write(line + "\n")
 
 
 def summary_header(name: str, args, shared: list, shape: dict, blocks: int, capacity: int) -> list:
-    """summary.md's first lines: where and what ran, the settings every run shares, then the table's head."""
+    """summary.md's first lines: where and what ran, the settings all runs share, the table head."""
     import torch
     cuda = f", CUDA {torch.version.cuda}" if args.device == "cuda" else ""
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    python = sys.version.split()[0]
+    alloc = os.environ.get("PYTORCH_ALLOC_CONF", "")
     return [f"# bench.py gpu: {name}", "",
-            f"torch {torch.__version__}{cuda}, Python {sys.version.split()[0]}, {when}, budget {args.budget:.0f} s.",
+            f"torch {torch.__version__}{cuda}, Python {python}, {when}, "
+            f"budget {args.budget:.0f} s.",
             f"Command: `python bench.py {' '.join(sys.argv[1:])}`.",
-            f"Every run: `{' '.join(shared)}`, {shape['steps']} steps, the first {shape['warmup']} untimed; "
-            f"PYTORCH_ALLOC_CONF={os.environ.get('PYTORCH_ALLOC_CONF', '')}.",
-            f"The {shape['wide']} width: {blocks} blocks fit {capacity / 2**30:.1f} GiB by the estimate "
-            f"({memory.FRAGMENTATION - 1:.0%} kept free).",
+            f"Every run: `{' '.join(shared)}`, {shape['steps']} steps, the first {shape['warmup']} "
+            f"untimed; PYTORCH_ALLOC_CONF={alloc}.",
+            f"The {shape['wide']} width: {blocks} blocks fit {capacity / 2**30:.1f} GiB by the "
+            f"estimate ({memory.FRAGMENTATION - 1:.0%} kept free).",
             "Each step's output: `<step>.log` beside this file.", "",
-            "| step | what ran | tokens/s | TFLOP/s | MFU | peak memory GiB | peak allocated GiB | estimate GiB "
-            "| seconds |", "|---|---|---|---|---|---|---|---|---|"]
+            "| step | what ran | tokens/s | TFLOP/s | MFU | peak memory GiB | peak allocated GiB "
+            "| estimate GiB | seconds |",
+            "|---|---|---|---|---|---|---|---|---|"]
 
 
 def gpu(args, extra):
-    """The GPU self-test, then tokens/s, MFU, peak memory and the estimate of each run of gpu_plan: each
-    step appends its row to DIR/summary.md as it ends, and writes its output to DIR/<step>.log."""
+    """The GPU self-test, then tokens/s, MFU, peak memory and the estimate of each run of gpu_plan:
+    each step appends its row to DIR/summary.md as it ends, and its output to DIR/<step>.log."""
     import train
     deadline = time.monotonic() + args.budget
     cuda = args.device == "cuda"
     if not cuda:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # train.py and the tests take a GPU when they see one
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # train.py and the tests take a GPU they see
     else:  # as torchtitan's runs: less fragmentation on a GPU the estimate fills to 85%
         os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     name, capacity = device_memory(args.device)
     shape = GPU_SHAPES[args.device]
-    config = [] if "--config" in extra else ["--config", "configs/debug_model.toml"]  # the bundled data: offline
-    shared = [*config, *shape["flags"], *GPU_SHARED, *extra]  # the user's --section.key last: they win
+    config = [] if "--config" in extra else ["--config", "configs/debug_model.toml"]  # offline data
+    shared = [*config, *shape["flags"], *GPU_SHARED, *extra]  # the user's flags last: they win
     blocks = blocks_that_fit([*shared, "--model.flavor", shape["wide"]], capacity)
     plan = gpu_plan(shape, blocks)
-    if set(args.only or []) - {step for step, _, _ in plan}:
-        fail(f"--only {','.join(args.only)}: the steps are {', '.join(step for step, _, _ in plan)}")
+    steps = [step for step, _, _ in plan]
+    if set(args.only or []) - set(steps):
+        fail(f"--only {','.join(args.only)}: the steps are {', '.join(steps)}")
     os.makedirs(args.out, exist_ok=True)
     summary = os.path.join(args.out, "summary.md")
-    append(summary, "\n".join(summary_header(name, args, shared, shape, blocks, capacity)), "w")  # a new summary
+    header = summary_header(name, args, shared, shape, blocks, capacity)
+    append(summary, "\n".join(header), "w")  # a new summary
     for step, kind, flags in plan:
         if args.only and step not in args.only:
             continue
         left = deadline - time.monotonic()
         need = STEP_SECONDS[args.device][kind]
         if left < need:
-            skipped = f"skipped: {max(left, 0):.0f} s of the {args.budget:.0f} s budget left, it needs about {need} s"
-            append(summary, f"| {step} | {skipped} |" + " |" * 7)
+            skipped = f"skipped: {max(left, 0):.0f} s of the {args.budget:.0f} s budget left"
+            append(summary, f"| {step} | {skipped}, it needs about {need} s |" + " |" * 7)
             continue
         t0 = time.monotonic()
         limit = min(left, 2 * need) if cuda else left  # a loaded CPU is slow, not hung
         if kind == "self-test":
             cells, out = self_test(limit)
         else:
+            run = [*shared, *flags]
             try:
-                what = describe(*planned([*shared, *flags], 1)[:2])
-            except train.ConfigError:  # e.g. float8 without torchao: the run's row says why, the next step runs
+                what = describe(*planned(run, 1)[:2])
+            except train.ConfigError:  # e.g. float8 without torchao: its row says why; go on
                 what = " ".join(flags)
-            cells, out = matrix_row([*shared, *flags], shape["steps"], shape["warmup"], 1, cuda, limit)
+            cells, out = matrix_row(run, shape["steps"], shape["warmup"], 1, cuda, limit)
             cells = [what, *cells]
         with open(os.path.join(args.out, f"{step}.log"), "w") as f:
             f.write(out)
         cells += [""] * (7 - len(cells))  # the self-test's row has one cell
         append(summary, f"| {step} | {' | '.join(cells)} | {time.monotonic() - t0:.0f} |")
-    append(summary, f"\nDone: {args.budget - (deadline - time.monotonic()):.0f} s of the {args.budget:.0f} s budget.")
+    spent = args.budget - (deadline - time.monotonic())
+    append(summary, f"\nDone: {spent:.0f} s of the {args.budget:.0f} s budget.")
 
 
-# --- side by side with torchtitan 0.2.2 (bench only: the trainer never imports it)
-
-TITAN_RANK = "_titan_rank"  # bench.py's argv[1] when torchrun starts it as one torchtitan process
-
-
-def titan_rank(shape: str, device: str, argv: list):
-    """One torchtitan process, on our model's shape registered as flavor "bench". On CPU, patches the
-    installed copy in memory first: torchtitan assumes an accelerator and NCCL."""
-    import types
-
-    import torch._utils
-    sys.argv = [sys.argv[0], *argv]  # torchtitan's ConfigManager takes sys.argv[1:] as it is at import
-    if device == "cpu":
-        torch._utils._get_available_device_type = lambda: "cpu"  # it picks "cuda" when it finds nothing
-        ram = types.SimpleNamespace(total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-        none = lambda *a, **k: None  # noqa: E731  (the torch.cuda calls of its memory monitor, on torch.cpu)
-        torch.cpu.get_device_name, torch.cpu.get_device_properties = str, lambda *a: ram
-        torch.cpu.memory_stats, torch.cpu.reset_peak_memory_stats, torch.cpu.empty_cache = lambda *a: {}, none, none
-    if importlib.util.find_spec("triton") is None:  # MoE kernels, imported with the package, unused by llama3
-        kernels = sys.modules["torchtitan.models.moe.kernels"] = types.ModuleType("torchtitan.models.moe.kernels")
-        kernels.generate_permute_indices = kernels.fill_indices_wrapper = None
-    import torchtitan.distributed.utils as dist_utils
-    from torchtitan.models import llama3
-    from torchtitan.models.llama3.infra import parallelize
-    from torchtitan.train import Trainer, main
-    llama3.llama3_args["bench"] = llama3.TransformerModelArgs(**json.loads(shape))
-    if device == "cpu":
-        def sum_reduce(model):  # its divide factor of 1 asks for PREMUL_SUM, which gloo lacks; SUM is the same
-            for m in model.modules():
-                if isinstance(m, parallelize.FSDPModule):
-                    m.set_gradient_divide_factor(1.0), m.set_force_sum_reduction_for_comms(True)
-        parallelize.disable_fsdp_gradient_division = sum_reduce
-        dist_utils.set_pg_timeouts = none  # its barrier names a CUDA device; it only shortens timeouts
-    main(Trainer)
-
-
-def titan_tokenizer(cfg, folder: str):
-    """torchtitan reads Hugging Face tokenizer files: ours converted, with the same ids and special tokens."""
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    from data import LLAMA3_PAT, Tokenizer
-    ours = Tokenizer(os.path.join(ROOT, cfg.model.tokenizer_path))
-    names = sorted(ours.special, key=ours.special.get)
-    convert = TikTokenConverter(pattern=LLAMA3_PAT, extra_special_tokens=names)
-    convert.load_tiktoken_bpe = lambda _: ours.model._mergeable_ranks  # tiktoken's loader caches by path
-    convert.converted().save(os.path.join(folder, "tokenizer.json"))
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": names[0], "eos_token": names[1]}, f)
-
-
-def titan_command(cfg, a, sizes: dict, args, folder: str) -> list:
-    """torchrun + torchtitan's CLI for the run ours does: same shape, tokens per step, dtype, AC, compile.
-    Its data: the bundled C4 sample through its `c4_test` loader (tokenizing is not the bottleneck)."""
-    t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
-    shape = {k: getattr(a, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
-                                        "ffn_dim_multiplier", "norm_eps", "rope_theta")}
-    flags = {"model.flavor": "bench", "model.hf_assets_path": folder, "job.dump_folder": folder,
-             "training.dataset": "c4_test", "training.dataset_path": os.path.join(ROOT, "assets/data/c4"),
-             "training.local_batch_size": t.local_batch_size, "training.global_batch_size": sizes["global_batch_size"],
-             "training.seq_len": t.seq_len, "training.steps": args.steps, "training.max_norm": t.max_norm,
-             "training.mixed_precision_param": t.mixed_precision_param, "optimizer.lr": cfg.optimizer.lr,
-             "parallelism.data_parallel_replicate_degree": p.data_parallel_replicate_degree,
-             "parallelism.data_parallel_shard_degree": sizes["dp_shard"],
-             "parallelism.tensor_parallel_degree": p.tensor_parallel_degree, "activation_checkpoint.mode": ac.mode,
-             "activation_checkpoint.selective_ac_option": ac.selective_ac_option, "metrics.log_freq": args.warmup}
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-            "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "bench.py", TITAN_RANK,
-            json.dumps(shape), args.device, *[x for k, v in flags.items() for x in (f"--{k}", str(v))],
-            "--metrics.disable_color_printing", *(["--compile.enable"] if cfg.compile.enable else [])]
-
+# --- side by side with torchtitan 0.2.2 (titan_run.py; the trainer never imports it)
 
 def titan_tps(log: str, warmup: int):
-    """Steady-state tokens/s per process from torchtitan's log lines (`step: 20  loss: ... tps: 1,234`),
-    None if it logged no step after the warmup."""
-    log = re.sub(r"\x1b\[[\d;]*m", "", log)  # its colours, if they were on
-    records = [{"step": int(s), "tps": float(v.replace(",", ""))}
-               for s, v in re.findall(r"step:\s*(\d+)\s.*?\stps: ([\d,]+)", log)]
+    """Steady-state tokens/s per process from torchtitan's log; None if no step after the warmup."""
+    records = titan_run.log_records(log)
     return steady_tps(records, warmup) if any(r["step"] > warmup for r in records) else None
 
 
@@ -513,16 +504,19 @@ def titan(args, extra):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # both trainers take a GPU when they see one
     cfg, model, sizes = planned(extra, args.nproc)
     tokens = sizes["global_batch_size"] * cfg.training.seq_len
-    print(f"{cfg.model.flavor} {model.args.n_layers} layers, seq {cfg.training.seq_len}, {tokens:,} tokens per step, "
-          f"{args.nproc} processes on {args.device}", flush=True)
+    print(f"{cfg.model.flavor} {model.args.n_layers} layers, seq {cfg.training.seq_len}, "
+          f"{tokens:,} tokens per step, {args.nproc} processes on {args.device}", flush=True)
     with tempfile.TemporaryDirectory() as folder:
-        titan_tokenizer(cfg, folder)
+        titan_run.titan_tokenizer(cfg, folder)
+        cmd = titan_run.titan_command(cfg, model.args, sizes, args, folder)
 
         def theirs():
-            out = subprocess.run(titan_command(cfg, model.args, sizes, args, folder), cwd=ROOT, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT).stdout
-            return titan_tps(out, args.warmup) or sys.exit(f"error: torchtitan failed:\n{out[-3000:]}")
-        side_by_side({"ours": lambda: trainer_tps(extra, args, args.nproc), "torchtitan": theirs}, args.repeats)
+            out = subprocess.run(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT).stdout
+            failed = f"error: torchtitan failed:\n{out[-3000:]}"
+            return titan_tps(out, args.warmup) or sys.exit(failed)
+        runs = {"ours": lambda: trainer_tps(extra, args, args.nproc), "torchtitan": theirs}
+        side_by_side(runs, args.repeats)
 
 
 def main(argv: list):
@@ -536,19 +530,21 @@ def main(argv: list):
                       ("titan", "this trainer and torchtitan 0.2.2 in turn, same shapes: the ratio of tokens/s"),
                       ("mask", "the trainer with block_causal and causal attention in turn: the ratio of tokens/s"),
                       ("loader", "the data loader alone, one stream: realised token shares and tokens/s"),
-                      ("gpu", "one command for a GPU node: the GPU self-test, then tokens/s, MFU and memory of 1B and "
-                              "8B-wide runs (bf16, float8, block_causal) into DIR/summary.md")]:
+                      ("gpu", "one command for a GPU node: the GPU self-test, then tokens/s, MFU and memory "
+                              "of 1B and 8B-wide runs (bf16, float8, block_causal) into DIR/summary.md")]:
         reads = ("It reads train.py's --model.tokenizer_path, --training.seq_len, --training.local_batch_size, "
                  "--data.num_workers and --data.seed; other" if what == "loader" else "Other")
         job = sub.add_parser(what, help=doc, description=doc, epilog=f"{reads} --section.key value arguments set "
                              "train.py's config (python train.py --help lists them).")
-        job.add_argument("--config", action="append", help="train.py's TOML config (e.g. configs/debug_model.toml)")
+        job.add_argument("--config", action="append",
+                         help="train.py's TOML config (e.g. configs/debug_model.toml)")
         if what in ("overhead", "matrix", "titan", "mask"):
             job.add_argument("--steps", type=int, default=30 if what == "titan" else 60, help="steps per run")
             job.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run "
                              "(--steps must be a multiple of it)")
         if what in ("overhead", "startup", "titan", "mask"):
-            job.add_argument("--repeats", type=int, default=3, help="runs of each kind, alternated; medians reported")
+            job.add_argument("--repeats", type=int, default=3,
+                             help="runs of each kind, alternated; medians reported")
         if what in ("matrix", "titan", "mask"):
             job.add_argument("--nproc", type=int, default=2 if what == "titan" else 1,
                              help="processes per run (torchrun --standalone --nproc_per_node)")
@@ -560,9 +556,11 @@ def main(argv: list):
                                 help="a config key and its values; several --vary give every combination")
     jobs["loader"].add_argument("--tokens", type=int, default=1_000_000, help="tokens to read for the timing")
     jobs["loader"].add_argument("--show", type=int, default=0, help="decode this many packed samples instead")
-    jobs["titan"].add_argument("--device", choices=["cuda", "cpu"], help="where both run (default: cuda if visible)")
+    jobs["titan"].add_argument("--device", choices=["cuda", "cpu"],
+                               help="where both run (default: cuda if visible)")
     jobs["gpu"].add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                             help="cpu: the same steps at tiny shapes (the debug model), end to end in a minute or two")
+                             help="cpu: the same steps at tiny shapes (the debug model), end to end in "
+                                  "a minute or two")
     jobs["gpu"].add_argument("--budget", type=float, default=540, help="seconds for everything: a step that no "
                              "longer fits is skipped (540: a 10-minute command limit with a minute to spare)")
     jobs["gpu"].add_argument("--out", default="outputs/bench_gpu", metavar="DIR",
@@ -571,7 +569,8 @@ def main(argv: list):
                              help="run only these steps: self-test, 1B, 8B-wide, 8B-wide-float8-rowwise, "
                                   "8B-wide-float8-tensorwise, 8B-wide-block-causal")
     a, rest = p.parse_known_args(argv)
-    rest = [arg for path in a.config or [] for arg in ("--config", path)] + rest  # train.py refuses two
+    configs = [arg for path in a.config or [] for arg in ("--config", path)]
+    rest = configs + rest  # train.py refuses two
     for name in ("warmup", "repeats", "world_size", "nproc"):
         if getattr(a, name, None) is not None and getattr(a, name) < 1:
             fail(f"--{name} {getattr(a, name)}: must be >= 1")
@@ -583,20 +582,18 @@ def main(argv: list):
         fail(f"--vary {bad[0] if bad else '(none given)'}: expected section.key=value1,value2")
     # bench.py sets these itself on every trainer run; a user's value would be silently overridden
     ours = {"training.steps", "metrics.log_freq", "job.dump_folder", "checkpoint.enable"}
-    taken = [k for k in [v.partition("=")[0] for v in vary] + [x[2:].partition("=")[0] for x in rest] if k in ours]
+    keys = [v.partition("=")[0] for v in vary] + [x[2:].partition("=")[0] for x in rest]
+    taken = [k for k in keys if k in ours]
     if taken:
         fail(f"{taken[0]} is set by bench.py (use --steps and --warmup); leave it out")
     import train
     try:
-        commands = {"overhead": overhead, "startup": startup, "memory": estimate, "matrix": matrix, "titan": titan,
-                    "loader": loader, "mask": mask, "gpu": gpu}
+        commands = {"overhead": overhead, "startup": startup, "memory": estimate, "matrix": matrix,
+                    "titan": titan, "loader": loader, "mask": mask, "gpu": gpu}
         commands[a.what](a, rest)
     except (train.ConfigError, train.DataError) as e:  # a bad key, value or data source: one line
         fail(str(e))
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == [TITAN_RANK]:
-        titan_rank(*sys.argv[2:4], sys.argv[4:])
-    else:
-        main(sys.argv[1:])
+    main(sys.argv[1:])

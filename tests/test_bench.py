@@ -160,13 +160,14 @@ def test_titan_runs_torchtitan_on_our_shapes_and_tokens_per_step(tmp_path):
 
     import bench as b
     import data
+    import titan_run
 
     cfg, model, sizes = b.planned(["--config", os.path.join(ROOT, "configs/debug_model.toml"),
                                            "--training.seq_len", "512", "--activation_checkpoint.mode", "selective"], 2)
     args = argparse.Namespace(nproc=2, steps=30, warmup=10, device="cpu")
-    cmd = b.titan_command(cfg, model.args, sizes, args, str(tmp_path))
-    assert cmd[cmd.index("bench.py") + 1] == b.TITAN_RANK and cmd[cmd.index("bench.py") + 3] == "cpu"
-    shape = json.loads(cmd[cmd.index("bench.py") + 2])
+    cmd = titan_run.titan_command(cfg, model.args, sizes, args, str(tmp_path))
+    assert cmd[cmd.index("titan_run.py") + 2] == "cpu"
+    shape = json.loads(cmd[cmd.index("titan_run.py") + 1])
     assert shape == {"dim": 256, "n_layers": 6, "n_heads": 16, "n_kv_heads": 8, "vocab_size": 2048, "multiple_of": 256,
                      "ffn_dim_multiplier": None, "norm_eps": 1e-5, "rope_theta": 500000.0}
     flags = dict(zip(cmd, cmd[1:]))
@@ -178,7 +179,7 @@ def test_titan_runs_torchtitan_on_our_shapes_and_tokens_per_step(tmp_path):
     # Its tokenizer files give our ids (transformers converts; torchtitan reads them with `tokenizers`).
     from tokenizers import Tokenizer
 
-    b.titan_tokenizer(cfg, str(tmp_path))
+    titan_run.titan_tokenizer(cfg, str(tmp_path))
     theirs = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     ours = data.Tokenizer(os.path.join(ROOT, cfg.model.tokenizer_path))
     with gzip.open(os.path.join(ROOT, "assets/data/c4/en/c4-train.00000-of-00002.json.gz"), "rt") as f:

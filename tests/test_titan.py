@@ -1,4 +1,4 @@
-"""Coming from torchtitan 0.2.2 and going back, against the real torchtitan (bench.py's launcher: our debug shape,
+"""Coming from torchtitan 0.2.2 and going back, against the real torchtitan (titan_run.py: our debug shape,
 its c4_test loader on the bundled C4 sample, CPU): its checkpoints convert bit for bit and give our logits in
 transformers, train.py continues its run, and torchtitan starts from dcp2titan's folder with our model's loss.
 Slow, and skipped where torchtitan is not installed (CI): the layouts alone are tested without it in
@@ -24,6 +24,7 @@ sys.path.insert(0, ROOT)
 import bench  # noqa: E402
 import checkpoint_convert as C  # noqa: E402
 import model as M  # noqa: E402
+from titan_run import titan_command, titan_tokenizer  # noqa: E402
 import train  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "debug_model.toml")
@@ -36,9 +37,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*assuming th
 def torchtitan(folder, steps: int, *flags) -> dict:
     """A torchtitan run of our debug shape in `folder` (also its tokenizer files): {step: logged loss}."""
     cfg, model, sizes = bench.planned(["--config", CONFIG], 1)
-    bench.titan_tokenizer(cfg, str(folder))
+    titan_tokenizer(cfg, str(folder))
     args = argparse.Namespace(steps=steps, warmup=1, nproc=1, device="cpu")  # warmup: its log_freq
-    cmd = bench.titan_command(cfg, model.args, sizes, args, str(folder)) + [*WARMUP, "--checkpoint.enable", *flags]
+    cmd = titan_command(cfg, model.args, sizes, args, str(folder)) + [*WARMUP, "--checkpoint.enable", *flags]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -111,7 +112,7 @@ def test_train_continues_its_run_or_takes_its_weights(titan_run, tmp_path):
 
 
 def first_batch(folder, seq_len=256, batch=8):
-    """torchtitan's first batch, from its own dataset class (as bench.py's launcher imports it: without triton
+    """torchtitan's first batch, from its own dataset class (as titan_run.py imports it: without triton
     its MoE kernels, unused by llama3, are stubbed)."""
     if importlib.util.find_spec("triton") is None:
         kernels = sys.modules.setdefault("torchtitan.models.moe.kernels", types.ModuleType("kernels"))
