@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import checkpoint
+import checkpoint_folder
 import data_check
 import distributed
 import dryrun
@@ -348,13 +348,13 @@ def report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> int:
     steps = cfg.training.steps
     free = min((x["free"] for x in ranks if x["free"] is not None), default=0)
     # a resume goes on after the newest
-    done = checkpoint.checkpoints(os.path.join(cfg.job.dump_folder, c.folder))
+    done = checkpoint_folder.checkpoints(os.path.join(cfg.job.dump_folder, c.folder))
     saves = set(range(c.interval, steps + 1, c.interval)) | {steps}  # as train.py saves
     newest = done[-1] if done else 0
     left = len([s for s in saves if s > newest])
     # on disk at most: every one (keep_latest_k = 0), else k kept and the next being written
-    # (checkpoint.py deletes the old only then); those in the folder already need no new space, a
-    # save still to come needs one
+    # (checkpoint_folder.py deletes the old only then); those in the folder already need no new
+    # space, a save still to come needs one
     on_disk = len(done) + left
     if c.keep_latest_k:
         on_disk = min(c.keep_latest_k + 1, on_disk)

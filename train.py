@@ -40,7 +40,8 @@ from torch.distributed.tensor.parallel import SequenceParallel, loss_parallel, p
 import config
 import evals
 import float8
-from checkpoint import Checkpointer, CheckpointError, SaveError
+from checkpoint import Checkpointer, CheckpointError
+from checkpoint_folder import SaveError, newest
 from config import ConfigError, to_toml, unknown
 from data import DataLoader, Tokenizer
 from float8 import Float8
@@ -51,7 +52,7 @@ from model import Transformer, flavors, keyed_normal_
 from sources import DataError, DataSource
 
 logger = logging.getLogger("train")
-LEFT_OPEN = []  # main()'s checkpointer and metrics logger: an error exit closes them first
+LEFT_OPEN = []  # main()'s checkpoint saver and metrics logger: an error exit closes them first
 
 
 # -------------------------------------------------------------------------------------------------
@@ -680,7 +681,7 @@ def agree_on_step(stop: threading.Event, data_error: str, checkpointer: Checkpoi
     same step, to stop (a signal or a data error), that an async save is complete and that the step
     is finite, or the saves would deadlock. One tiny all-reduce per step (the loop's one host sync),
     before optimizer.step(), so a non-finite step or a bad batch never reaches the weights."""
-    saving = checkpointer.pending is not None and not checkpointer.pending[0].done()
+    saving = checkpointer.saver.pending is not None and not checkpointer.saver.pending[0].done()
     flags = torch.tensor([stop.is_set(), bool(data_error), saving], device=device)
     not_finite = ~torch.isfinite(grad_norm.reshape(1)) | ~torch.isfinite(loss_sum.reshape(1))
     flags = torch.cat([flags, not_finite]).int()
@@ -753,7 +754,7 @@ def main(cfg: Config):
 
     # --- 7. training loop ------------------------------------------------------------------------
     metrics = MetricsLogger(cfg, rank)
-    LEFT_OPEN[:] = [checkpointer, metrics]  # an error exit finishes their save and logs first
+    LEFT_OPEN[:] = [checkpointer.saver, metrics]  # an error exit finishes their save and logs first
     peak = peak_tflops(device, cfg.metrics.peak_tflops)  # per device, for MFU; 0: unknown
     grad_accum = sizes["grad_accum"]
     tp = cfg.parallelism.tensor_parallel_degree
@@ -795,11 +796,11 @@ def main(cfg: Config):
         if data_failed:
             agree(data_error, device)
         if diverged:
-            if checkpointer.pending is not None:  # an earlier step's save is good: finish it
-                checkpointer.finish()
+            if checkpointer.saver.pending is not None:  # an earlier step's save is good: finish it
+                checkpointer.saver.finish()
             raise RunError(f"step {step}: the loss or the gradient norm is not finite (grad_norm "
                            f"{grad_norm.item():.4g}); nothing was saved from this step. "
-                           f"Last good checkpoint: {checkpointer.newest()}")
+                           f"Last good checkpoint: {newest(folder)}")
         lr = scheduler.get_last_lr()[0]  # the lr this step used
         optimizer.step()
         # every float8 weight's scale in one all-reduce, for the next step's float8 all-gathers
@@ -850,8 +851,8 @@ def main(cfg: Config):
             metrics.log({"step": step, **result, "eval_seconds": time.perf_counter() - t0})
             log_t0 += time.perf_counter() - t0
 
-        if checkpointer.pending is not None and not save_running:
-            checkpointer.finish()
+        if checkpointer.saver.pending is not None and not save_running:
+            checkpointer.saver.finish()
         if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or last or stopping):
             checkpointer.save(step, tokens_seen, final=last or stopping)
         if stopping:

@@ -127,7 +127,7 @@ def test_loading_never_unpickles_and_never_runs_remote_code():
 
 
 def test_an_error_exit_puts_the_async_save_in_flight_in_place(tmp_path):
-    """Checkpointer.close(), as an error exit calls it (no collective: another rank may be gone): it waits for the
+    """Saver.close(), as an error exit calls it (no collective: another rank may be gone): it waits for the
     save in flight (here 0.5 s more), and rank 0 renames it into place; past save_timeout_seconds it does not."""
     import concurrent.futures
     import types
@@ -143,8 +143,8 @@ def test_an_error_exit_puts_the_async_save_in_flight_in_place(tmp_path):
             ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), {}, 9, model, None, None, None, {})
             (tmp_path / f".step-{step}.tmp").mkdir()
             writing = concurrent.futures.ThreadPoolExecutor(1).submit(time.sleep, 0.5)
-            ckpt.pending = (writing, step, time.monotonic())
-            ckpt.close()
+            ckpt.saver.pending = (writing, step, time.monotonic())
+            ckpt.saver.close()
         assert sorted(os.listdir(tmp_path)) == [".step-4.tmp", "step-3"]
         assert json.loads((tmp_path / "step-3" / "params.json").read_text()) == {"dim": 8}
     finally:
@@ -221,21 +221,21 @@ def two_runs(dump: str):
     """The script side of the test above, on each rank of a 2-process torchrun."""
     import torch.distributed as dist
 
-    import checkpoint
+    import checkpoint_folder
     import train
     rank, args = int(os.environ["RANK"]), cmd(dump, "--training.steps", 6, "--checkpoint.enable", "--checkpoint.interval",
                                               2, "--training.local_batch_size", 4, "--comm.init_timeout_seconds", 30)[2:]
     try:
         train.main(train.load_config(args))
-    except checkpoint.SaveError as e:
+    except checkpoint_folder.SaveError as e:
         print(f"run 1 rank {rank}: {e}", flush=True)
         dist.destroy_process_group()
     if rank == 0:
         for stale in ("step-4", "step-6"):
             os.remove(os.path.join(dump, "checkpoint", stale))
     else:
-        checkpoint.checkpoints = lambda folder, warn=False: []  # rank 1's listing: nothing there
-        checkpoint.incomplete = lambda path: "stale attributes"  # and its view of step-2: cut short
+        checkpoint_folder.checkpoints = lambda folder, warn=False: []  # rank 1's listing: nothing there
+        checkpoint_folder.incomplete = lambda path: "stale attributes"  # and its view of step-2: cut short
     # torchrun's store keeps the first run's keys: a store of its own for the second run
     os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False", MASTER_PORT=str(int(os.environ["MASTER_PORT"]) + 1))
     train.main(train.load_config(args))
