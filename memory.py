@@ -22,15 +22,20 @@ GPUS = [("H100 80 GB", 81559 * 2**20), ("H200 141 GB", 143771 * 2**20)]
 FRAGMENTATION = 1.15
 
 
+def peak_resident_bytes() -> int:
+    """The process's peak resident memory since it started (train.py's memory figure on CPU)."""
+    unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is in bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
+
+
 def resident_bytes() -> int:
     """The process's resident memory now (Linux), or its peak so far elsewhere (close to it at
     start-up)."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # no /proc (macOS): ru_maxrss is in bytes there, KiB on Linux
-        unit = 1 if sys.platform == "darwin" else 1024
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
+    except OSError:  # no /proc (macOS)
+        return peak_resident_bytes()
 
 
 def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
