@@ -1,4 +1,5 @@
-"""Convert Llama 3 checkpoints between Meta's torch.save format, our DCP format, Hugging Face and torchtitan.
+"""Convert Llama 3 checkpoints between Meta's torch.save format, our DCP format, Hugging Face and
+torchtitan.
 
     python checkpoint_convert.py torch2dcp --input_dir META_DIR --output_dir DCP_DIR
     python checkpoint_convert.py dcp2torch --input_dir DCP_DIR  --output_dir META_DIR [--dtype bfloat16]
@@ -6,9 +7,10 @@
     python checkpoint_convert.py hf2dcp    --input_dir HF_DIR   --output_dir DCP_DIR
     python checkpoint_convert.py dcp2titan --input_dir DCP_DIR  --output_dir TITAN_DIR
 
-Tensors keep their dtype and bits (HF's q/k rows are permuted, invertibly); from a DCP folder such as a
-trainer's step-N only the model.* tensors are read. DCP_DIR may also be a torchtitan checkpoint (its model at the
-top level, no params.json: pass --params); TITAN_DIR is that layout, for torchtitan's initial_load_path.
+Tensors keep their dtype and bits (HF's q/k rows are permuted, invertibly); from a DCP folder such
+as a trainer's step-N only the model.* tensors are read. DCP_DIR may also be a torchtitan checkpoint
+(its model at the top level, no params.json: pass --params); TITAN_DIR is that layout, for
+torchtitan's initial_load_path.
 """
 
 import argparse
@@ -27,19 +29,13 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from titan_layout import model_keys
-from data import LLAMA3_PAT, NUM_SPECIAL, Tokenizer
-from sources import DataError
+from data import Tokenizer
+from hf_layout import args_from_hf, hf_config, hf_name, hf_tokenizer, permute_rope, tokenizer_files
 from model import ModelArgs, Transformer, flavors
+from sources import DataError
+from titan_layout import model_keys
 
 MAX_SHARD_BYTES = 5 * 10**9  # per safetensors file, as Hugging Face does by default; tests lower it
-META_TO_HF = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
-              "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
-              "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
-              "feed_forward.w3": "mlp.up_proj", "attention_norm": "input_layernorm",
-              "ffn_norm": "post_attention_layernorm", "tok_embeddings": "embed_tokens", "norm": "norm"}
-LLAMA31_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-LLAMA31_CONTEXT = 131072  # max_position_embeddings of Llama 3.1/3.2 on the Hub
 DEFAULT_TOKENIZER = "assets/tokenizer/tokenizer.model"  # train.py's [model] tokenizer_path default
 
 
@@ -54,9 +50,10 @@ def read_json(path: str, fix: str) -> dict:
         return json.load(f)
 
 
-def model_args(params: dict, path: str) -> ModelArgs:
+def model_args(params: dict, path: str, read=ModelArgs.from_dict) -> ModelArgs:
+    """The model's shape from a params.json (or, with read=args_from_hf, a config.json)."""
     try:
-        return ModelArgs.from_dict(params)
+        return read(params)
     except (TypeError, ValueError) as e:
         raise ConvertError(f"{path}: {e}")
 
@@ -67,16 +64,18 @@ def expected_shapes(args: ModelArgs) -> dict:
         return {k: v.shape for k, v in Transformer(args).state_dict().items()}
 
 
-def check_shapes(shapes: dict, args: ModelArgs, source: str):  # fail here, not confusingly in the next tool
+def check_shapes(shapes: dict, args: ModelArgs, source: str):
+    """Fail here, not confusingly in the next tool."""
     want = expected_shapes(args)
-    for k in [*want, *(k for k in shapes if k not in want)]:  # missing or misshapen, then unexpected
+    unexpected = [k for k in shapes if k not in want]
+    for k in [*want, *unexpected]:  # missing or misshapen, then unexpected
         if k not in want or k not in shapes or tuple(shapes[k]) != tuple(want[k]):
             got, implied = (tuple(d[k]) if k in d else "absent" for d in (shapes, want))
-            raise ConvertError(f"{source}: {k} is {got} in the weights but {implied} in the params; are "
-                               f"both from the same model?")
+            raise ConvertError(f"{source}: {k} is {got} in the weights but {implied} in the "
+                               f"params; are both from the same model?")
 
 
-# --- Meta: params.json + consolidated.NN.pth ------------------------------------------------------------
+# --- Meta: params.json + consolidated.NN.pth ------------------------------------------------------
 def load_meta(dir: str):
     params_path = os.path.join(dir, "params.json")
     params = read_json(params_path, "Meta ships it next to consolidated.00.pth")
@@ -93,8 +92,9 @@ def load_meta(dir: str):
 
     shards = open_shards()
     if len(shards) > 1:
-        # Merge one layer at a time, reopening the mmaps in between: dropping them releases the pages
-        # already copied, so peak memory is the merged model plus one layer, not twice the model.
+        # Merge one layer at a time, reopening the mmaps in between: dropping them releases the
+        # pages already copied, so peak memory is the merged model plus one layer, not twice the
+        # model.
         want = expected_shapes(args)
         merged = {}  # the merged tensors so far
         for _, keys in itertools.groupby(shards[0], lambda k: re.match(r"layers\.\d+|[^.]+", k)[0]):
@@ -114,11 +114,13 @@ def load_meta(dir: str):
 
 
 def merge_shards(key: str, pieces: list, paths: list, full) -> torch.Tensor:
-    """Concatenate model-parallel pieces on the one dim where their sizes add up to the shape params.json
-    implies: Meta's layouts differ by version (tok_embeddings: Llama 2 dim 1, Llama 3 the vocab, dim 0),
-    so the shapes decide, not the name. Pieces of the full shape (the norms) are replicated: take one."""
+    """Concatenate model-parallel pieces on the one dim where their sizes add up to the shape
+    params.json implies: Meta's layouts differ by version (tok_embeddings: Llama 2 dim 1, Llama 3
+    the vocab, dim 0), so the shapes decide, not the name. Pieces of the full shape (the norms) are
+    replicated: take one."""
     shapes = [tuple(p.shape) for p in pieces]
-    if full is None or all(s == tuple(full) for s in shapes):  # unknown keys: check_shapes names them
+    # unknown keys (no full shape): check_shapes names them
+    if full is None or all(s == tuple(full) for s in shapes):
         return pieces[0].clone()  # a copy, so that nothing keeps a shard's mmap alive
     full = tuple(full)
     for d in range(len(full)):
@@ -127,10 +129,12 @@ def merge_shards(key: str, pieces: list, paths: list, full) -> torch.Tensor:
                 sum(s[d] for s in shapes) == full[d]:
             return torch.cat(pieces, dim=d)
     odd = next((i for i, s in enumerate(shapes) if s != shapes[0]), None)
+    names = [os.path.basename(p) for p in paths]
     got = (f"{shapes[0]} in each of the {len(shapes)} shards" if odd is None else
-           f"{shapes[0]} in {os.path.basename(paths[0])} but {shapes[odd]} in {os.path.basename(paths[odd])}")
-    raise ConvertError(f"{os.path.dirname(paths[0])}: {key} is {got}, which no concatenation dim turns into "
-                       f"the {full} params.json implies; are the shards and params.json from one model?")
+           f"{shapes[0]} in {names[0]} but {shapes[odd]} in {names[odd]}")
+    raise ConvertError(f"{os.path.dirname(paths[0])}: {key} is {got}, which no concatenation dim "
+                       f"turns into the {full} params.json implies; are the shards and params.json "
+                       f"from one model?")
 
 
 def save_meta(dcp_dir: str, out: str, params: str, dtype: str = None):
@@ -140,32 +144,36 @@ def save_meta(dcp_dir: str, out: str, params: str, dtype: str = None):
         sd[k] = sd[k].to(getattr(torch, dtype))
     torch.save(sd, os.path.join(out, "consolidated.00.pth"))
     # Meta's keys: no max_seq_len, and no rope_scaling_factor where it is Meta's 8
-    write_json(out, "params.json", {k: v for k, v in args.params().items()
-                                    if k != "max_seq_len" and (k, v) != ("rope_scaling_factor", 8.0)})
+    meta_params = {k: v for k, v in args.params().items() if k != "max_seq_len"}
+    if meta_params["rope_scaling_factor"] == 8.0:
+        del meta_params["rope_scaling_factor"]
+    write_json(out, "params.json", meta_params)
 
 
-# --- DCP: our converted models, the trainer's step-N folders, torchtitan's checkpoints ---------------------
+# --- DCP: our converted models, the trainer's step-N folders, torchtitan's checkpoints ------------
 def dcp_args(dir: str, params: str) -> ModelArgs:
-    """The model's shape: --params (a params.json or a flavor of model.py), else the folder's params.json."""
+    """The model's shape: --params (a params.json or a flavor of model.py), else the folder's
+    params.json."""
     if params in flavors:
         return flavors[params]
     path = params or os.path.join(dir, "params.json")
-    fix = (f"the trainer and torch2dcp write it; torchtitan saves none: pass --params with the model's params.json "
-           f"(Meta's keys) or the flavor of model.py ({', '.join(flavors)}) whose shape the run had")
+    fix = (f"the trainer and torch2dcp write it; torchtitan saves none: pass --params with the "
+           f"model's params.json (Meta's keys) or the flavor of model.py ({', '.join(flavors)}) whose "
+           f"shape the run had")
     return model_args(read_json(path, fix), path)
 
 
 def dcp_model(dir: str, params: str = None):
     """(args, {Meta key: DCP's metadata for it, i.e. size and dtype}) before any tensor is read."""
     if not os.path.isfile(os.path.join(dir, ".metadata")):
-        raise ConvertError(f"{dir} is not a DCP checkpoint (no .metadata file); point --input_dir at a "
-                           f"step-N folder, a torch2dcp/hf2dcp output or a torchtitan step-N")
+        raise ConvertError(f"{dir} is not a DCP checkpoint (no .metadata file); point --input_dir "
+                           f"at a step-N folder, a torch2dcp/hf2dcp output or a torchtitan step-N")
     metadata = dcp.FileSystemReader(dir).read_metadata().state_dict_metadata
     keys = model_keys(metadata)
     if not keys:
-        raise ConvertError(f"{dir} has no model.* tensors (only e.g. {sorted(metadata)[:2]}), nor torchtitan's "
-                           f"top-level tok_embeddings.weight; export a checkpoint that holds the model, such as "
-                           f"a trainer step-N folder")
+        raise ConvertError(f"{dir} has no model.* tensors (only e.g. {sorted(metadata)[:2]}), nor "
+                           f"torchtitan's top-level tok_embeddings.weight; export a checkpoint that "
+                           f"holds the model, such as a trainer step-N folder")
     model = {k: metadata[key] for k, key in keys.items()}
     args = dcp_args(dir, params)
     check_shapes({k: md.size for k, md in model.items()}, args, dir)
@@ -173,88 +181,38 @@ def dcp_model(dir: str, params: str = None):
 
 
 def load_dcp(dir: str, model: dict) -> dict:
-    """Read only these model tensors (DCP loads in place, into tensors of the saved size and dtype)."""
-    keys = model_keys(dcp.FileSystemReader(dir).read_metadata().state_dict_metadata)  # model.<key> or <key>
+    """Read only these model tensors (DCP loads in place, into tensors of the saved size and
+    dtype)."""
+    metadata = dcp.FileSystemReader(dir).read_metadata().state_dict_metadata
+    keys = model_keys(metadata)  # model.<key> or <key>
     sd = {keys[k]: torch.empty(md.size, dtype=md.properties.dtype) for k, md in model.items()}
     dcp.load(sd, checkpoint_id=dir, no_dist=True)  # single process: no process group needed
     return {k: sd[keys[k]] for k in model}
 
 
 def save_dcp(args: ModelArgs, sd: dict, dir: str):
-    dcp.save({"model": sd}, checkpoint_id=dir, no_dist=True)  # keys "model.<Meta key>", as the trainer's
+    # keys "model.<Meta key>", as the trainer's
+    dcp.save({"model": sd}, checkpoint_id=dir, no_dist=True)
     write_json(dir, "params.json", args.params())
 
 
 def save_titan(dcp_dir: str, out: str, params: str):
-    """The Meta keys at the top level, as torchtitan's initial_load_path reads them (params.json: for us)."""
+    """The Meta keys at the top level, as torchtitan's initial_load_path reads them (params.json:
+    for us)."""
     args, model = dcp_model(dcp_dir, params)
     dcp.save(load_dcp(dcp_dir, model), checkpoint_id=out, no_dist=True)
     write_json(out, "params.json", args.params())
 
 
-# --- Hugging Face: config.json + safetensors shards ------------------------------------------------------
-def hf_name(key: str) -> str:
-    layer, name = re.fullmatch(r"(layers\.\d+\.)?(.+)\.weight", key).groups()
-    return "lm_head.weight" if name == "output" else f"model.{layer or ''}{META_TO_HF[name]}.weight"
-
-
-def permute_rope(key: str, w: torch.Tensor, args: ModelArgs, to_hf: bool) -> torch.Tensor:
-    """Meta's rope rotates feature pairs (2i, 2i+1) of each head, HF's (i, i + head_dim/2): reordering
-    the rows of wq and wk per head maps one layout to the other. Other tensors pass through."""
-    n_heads = {"wq": args.n_heads, "wk": args.n_kv_heads}.get(key.split(".")[-2])
-    if n_heads is None:
-        return w
-    out_features, dim = w.shape  # (n_heads * head_dim, dim)
-    half = out_features // n_heads // 2
-    if to_hf:  # rows (head, i, pair) -> (head, pair, i)
-        return w.view(n_heads, half, 2, dim).transpose(1, 2).reshape(out_features, dim)
-    return w.view(n_heads, 2, half, dim).transpose(1, 2).reshape(out_features, dim)  # the inverse
-
-
-def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
-    # Legacy names (rope_theta, rope_scaling, torch_dtype) as in the Hub's Llama 3.x configs: transformers
-    # 4.x reads them, and 5.x folds them into its rope_parameters and dtype when loading.
-    rope = {"factor": args.rope_scaling_factor, "rope_type": "llama3", **LLAMA31_ROPE}
-    width = expected_shapes(args)["layers.0.feed_forward.w1.weight"][0]
-    # transformers warns unless max_position_embeddings exceeds the scaled rope's original 8192: that rope
-    # is Llama 3.1's, made for its 128k context, so the small flavors declare that context too.
-    context = max(args.max_seq_len, LLAMA31_CONTEXT) if args.use_scaled_rope else args.max_seq_len
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
-            "intermediate_size": width, "num_attention_heads": args.n_heads,
-            "num_key_value_heads": args.n_kv_heads, "num_hidden_layers": args.n_layers,
-            "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "vocab_size": args.vocab_size,
-            "max_position_embeddings": context, "tie_word_embeddings": False, "hidden_act": "silu",
-            # The 256 special tokens follow the BPE ranks: <|begin_of_text|>, <|end_of_text|>, ...
-            "bos_token_id": args.vocab_size - NUM_SPECIAL, "eos_token_id": args.vocab_size - NUM_SPECIAL + 1,
-            "torch_dtype": str(dtype).removeprefix("torch."),
-            "rope_scaling": rope if args.use_scaled_rope else None}
-
-
-def args_from_hf(c: dict, path: str) -> ModelArgs:
-    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}  # transformers 4.x / 5.x name
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3") or any(rope.get(k, v) != v for k, v in LLAMA31_ROPE.items()):
-        raise ConvertError(f"{path}: rope {rope} is not Llama 3's (model.py hardcodes {LLAMA31_ROPE})")
-    # HF stores the FFN width, Meta a rule for it: round up to a multiple of the width itself (after
-    # scaling down where the width is under Meta's 8/3 * dim). Biases would show as unexpected tensors.
-    dim = c["hidden_size"]
-    width = c["intermediate_size"]  # the feed-forward's hidden width
-    theta = c.get("rope_theta") or rope.get("rope_theta", 10000.0)  # HF's default
-    return model_args(dict(dim=dim, n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
-                           n_kv_heads=c.get("num_key_value_heads"), vocab_size=c["vocab_size"],
-                           multiple_of=width, ffn_dim_multiplier=min(1.0, width / int(8 * dim / 3)),
-                           norm_eps=c["rms_norm_eps"], rope_theta=theta,
-                           use_scaled_rope=rope_type == "llama3", rope_scaling_factor=rope.get("factor", 8.0),
-                           max_seq_len=c.get("max_position_embeddings", 2048)), path)
-
-
+# --- Hugging Face: config.json + safetensors shards (hf_layout.py: names, rope, config) -----------
 def load_hf(dir: str):
     config_path = os.path.join(dir, "config.json")
     index_path = os.path.join(dir, "model.safetensors.index.json")
     config = read_json(config_path, "a Hugging Face model folder has one")
-    args = args_from_hf(config, config_path)
-    files = (sorted(set(read_json(index_path, "")["weight_map"].values())) if os.path.isfile(index_path)
-             else ["model.safetensors"])  # small models come as one file without an index
+    args = model_args(config, config_path, read=args_from_hf)
+    files = ["model.safetensors"]  # small models come as one file without an index
+    if os.path.isfile(index_path):
+        files = sorted(set(read_json(index_path, "")["weight_map"].values()))
     meta_name = {hf_name(k): k for k in expected_shapes(args)}
     sd = {}
     for path in (os.path.join(dir, file) for file in files):
@@ -262,10 +220,13 @@ def load_hf(dir: str):
             f = safe_open(path, framework="pt")  # mmapped: pages are read as dcp.save writes them
         except (OSError, SafetensorError) as e:
             raise ConvertError(f"cannot read {path} as safetensors ({e})")
-        names = [n for n in f.keys() if not n.endswith("rotary_emb.inv_freq")]  # old files have rope tables
-        sd.update((meta_name.get(n, n), f.get_tensor(n)) for n in names)  # unknown: check_shapes reports it
+        # old files have rope tables
+        names = [n for n in f.keys() if not n.endswith("rotary_emb.inv_freq")]
+        # an unknown name keeps its own: check_shapes reports it
+        sd.update((meta_name.get(n, n), f.get_tensor(n)) for n in names)
     # Llama 3.2 1B/3B on the Hub tie lm_head to the embedding and store it once; Meta stores both.
-    if "output.weight" not in sd and "tok_embeddings.weight" in sd and config.get("tie_word_embeddings"):
+    tied = config.get("tie_word_embeddings")
+    if "output.weight" not in sd and "tok_embeddings.weight" in sd and tied:
         sd["output.weight"] = sd["tok_embeddings.weight"]
     check_shapes({k: v.shape for k, v in sd.items()}, args, dir)
     return args, {k: permute_rope(k, w, args, to_hf=False) for k, w in sd.items()}
@@ -288,7 +249,8 @@ def save_hf(dcp_dir: str, out: str, params: str, tokenizer_path: str):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         shard = load_dcp(dcp_dir, {k: model[k] for k in keys})
         sd = {hf_name(k): permute_rope(k, w, args, to_hf=True) for k, w in shard.items()}
-        save_file(sd, os.path.join(out, file), metadata={"format": "pt"})  # "pt": transformers checks it
+        # "pt": transformers checks it
+        save_file(sd, os.path.join(out, file), metadata={"format": "pt"})
         weight_map.update((name, file) for name in sd)
         del shard, sd  # free this shard before reading the next
     write_json(out, "model.safetensors.index.json",
@@ -302,9 +264,9 @@ def write_json(dir: str, name: str, content: dict):
 
 
 def find_tokenizer(dcp_dir: str, given) -> str:
-    """--tokenizer_path, else the run's: the trainer writes <dump_folder>/config.toml and its checkpoints to
-    <dump_folder>/<checkpoint.folder>/step-N; else train.py's default. A relative path is tried from here,
-    then from the repo (where train.py runs)."""
+    """--tokenizer_path, else the run's: the trainer writes <dump_folder>/config.toml and its
+    checkpoints to <dump_folder>/<checkpoint.folder>/step-N; else train.py's default. A relative
+    path is tried from here, then from the repo (where train.py runs)."""
     path = DEFAULT_TOKENIZER if given is None else given
     step = os.path.realpath(dcp_dir)
     dump = ckpt_folder = os.path.dirname(step)
@@ -323,22 +285,10 @@ def find_tokenizer(dcp_dir: str, given) -> str:
     return here if path and not os.path.isfile(path) and os.path.isfile(here) else path
 
 
-def byte_chars() -> dict:
-    """Byte-level BPE spells each byte as a printable character (GPT-2's table, as Llama 3's files do)."""
-    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    shifted = sorted(set(range(256)) - set(keep))
-    return {b: chr(b) for b in keep} | {b: chr(256 + i) for i, b in enumerate(shifted)}
-
-
 def save_tokenizer(path: str, config: dict, out: str):
-    """The tokenizer files of a Llama 3 Hub repo from a tiktoken tokenizer.model. tiktoken merges the
-    adjacent pair whose concatenation has the lowest rank, so every split of a token into two tokens is a
-    Hugging Face BPE merge with that rank as its priority; with ignore_merges (a whole pre-token that is a
-    token is taken as is, as tiktoken does) both give the same ids."""
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
-    from tokenizers import Tokenizer as HFTokenizer
-
-    fix = "pass --tokenizer_path with the run's tokenizer.model, or --tokenizer_path '' for the weights only"
+    """The tokenizer files of a Llama 3 Hub repo from a tiktoken tokenizer.model (hf_layout.py)."""
+    fix = ("pass --tokenizer_path with the run's tokenizer.model, or --tokenizer_path '' for the "
+           "weights only")
     if not os.path.isfile(path):
         raise ConvertError(f"tokenizer {path} not found; {fix}")
     try:
@@ -348,64 +298,50 @@ def save_tokenizer(path: str, config: dict, out: str):
     if tok.n_words != config["vocab_size"]:
         raise ConvertError(f"tokenizer {path} has {tok.n_words:,} tokens but the model "
                            f"{config['vocab_size']:,}; {fix}")
-    ranks = {t: tok.model.encode_single_token(t) for t in tok.model.token_byte_values()}
-    char = byte_chars()
-    spell = lambda t: "".join(char[b] for b in t)  # noqa: E731
-    merges = sorted((r, t[:i], t[i:]) for t, r in ranks.items() for i in range(1, len(t))
-                    if t[:i] in ranks and t[i:] in ranks)
-    hf = HFTokenizer(models.BPE({spell(t): r for t, r in ranks.items()},
-                                [(spell(a), spell(b)) for _, a, b in merges], ignore_merges=True))
-    hf.pre_tokenizer = pre_tokenizers.Sequence([  # data.py's split regex, then bytes -> characters
-        pre_tokenizers.Split(Regex(LLAMA3_PAT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    hf.decoder = decoders.ByteLevel()
-    hf.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in tok.special])
-    bos, eos = (hf.id_to_token(config[k]) for k in ("bos_token_id", "eos_token_id"))
-    hf.post_processor = processors.TemplateProcessing(  # Llama 3's: BOS first, no EOS
-        single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, config["bos_token_id"])])
+    hf = hf_tokenizer(tok, config["bos_token_id"])
     hf.save(os.path.join(out, "tokenizer.json"))
-    write_json(out, "tokenizer_config.json", dict(
-        tokenizer_class="PreTrainedTokenizerFast", bos_token=bos, eos_token=eos, model_input_names=[
-            "input_ids", "attention_mask"], model_max_length=config["max_position_embeddings"],
-        clean_up_tokenization_spaces=False))  # True would drop spaces before punctuation when decoding
-    write_json(out, "special_tokens_map.json", dict(bos_token=bos, eos_token=eos))
-    write_json(out, "generation_config.json", dict(  # Llama 3.1 base's sampling defaults
-        bos_token_id=config["bos_token_id"], eos_token_id=config["eos_token_id"], do_sample=True,
-        temperature=0.6, top_p=0.9))
+    for name, content in tokenizer_files(hf, config).items():
+        write_json(out, name, content)
 
 
-# --- command line ---------------------------------------------------------------------------------------
-HELP = {"torch2dcp": "Meta's params.json + consolidated.*.pth (model-parallel shards merged) -> DCP",
+# --- command line ---------------------------------------------------------------------------------
+HELP = {"torch2dcp": "Meta's params.json + consolidated.*.pth (model-parallel shards merged) "
+                     "-> DCP",
         "dcp2torch": "DCP (a converted model or a trainer step-N folder) -> Meta's params.json + "
                      "consolidated.00.pth",
-        "dcp2hf": "DCP -> Hugging Face: config.json, safetensors shards, tokenizer and generation files",
+        "dcp2hf": "DCP -> Hugging Face: config.json, safetensors shards, tokenizer and generation "
+                  "files",
         "hf2dcp": "Hugging Face config.json + safetensors -> DCP (tokenizer files are not read)",
-        "dcp2titan": "DCP -> torchtitan's layout (the model's tensors at the top level under Meta's names), "
-                     "which its --checkpoint.initial_load_path loads"}
+        "dcp2titan": "DCP -> torchtitan's layout (the model's tensors at the top level under "
+                     "Meta's names), which its --checkpoint.initial_load_path loads"}
 INPUT = {"torch2dcp": "Meta folder: params.json and consolidated.00.pth (or .00 .. .NN)",
-         "dcp2torch": "DCP folder: a torch2dcp/hf2dcp output, a trainer step-N or a torchtitan step-N",
+         "dcp2torch": "DCP folder: a torch2dcp/hf2dcp output, a trainer step-N or a torchtitan "
+                      "step-N",
          "hf2dcp": "Hugging Face model folder: config.json and model*.safetensors"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     epilog="Run `%(prog)s COMMAND --help` for a command's options.")
+    epilog = "Run `%(prog)s COMMAND --help` for a command's options."
+    description = " ".join(__doc__.split("\n\n")[0].split())  # the docstring's first sentence
+    parser = argparse.ArgumentParser(description=description, epilog=epilog)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, doc in HELP.items():
         p = sub.add_parser(name, help=doc, description=doc)
         p.add_argument("--input_dir", required=True, help=INPUT.get(name, INPUT["dcp2torch"]))
-        p.add_argument("--output_dir", required=True, help="folder to create (or an empty one); written "
-                       "to a temp folder beside it and renamed when complete")
+        p.add_argument("--output_dir", required=True, help="folder to create (or an empty one); "
+                       "written to a temp folder beside it and renamed when complete")
     for name in ("dcp2torch", "dcp2hf", "dcp2titan"):
         sub.choices[name].add_argument(
             "--params", help="the model's shape where --input_dir has no params.json (torchtitan's "
-            f"checkpoints): a params.json with Meta's keys, or a flavor of model.py ({', '.join(flavors)})")
-    sub.choices["dcp2torch"].add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                                          help="cast every tensor (default: keep each tensor's dtype)")
+            "checkpoints): a params.json with Meta's keys, or a flavor of model.py "
+            f"({', '.join(flavors)})")
+    sub.choices["dcp2torch"].add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"],
+        help="cast every tensor (default: keep each tensor's dtype)")
     sub.choices["dcp2hf"].add_argument(
         "--tokenizer_path", default=None, help="the run's tiktoken tokenizer.model, written as "
-        "tokenizer.json & co.; '' writes no tokenizer files (default: [model] tokenizer_path of the run's "
-        f"config.toml for a trainer step-N folder, else {DEFAULT_TOKENIZER})")
+        "tokenizer.json & co.; '' writes no tokenizer files (default: [model] tokenizer_path of "
+        f"the run's config.toml for a trainer step-N folder, else {DEFAULT_TOKENIZER})")
     return parser
 
 
@@ -427,14 +363,16 @@ def main(argv=None):
     parser = build_parser()
     opts = parser.parse_args(argv)
     out = opts.output_dir
-    warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # DCP: no process group, yes
+    # DCP: no process group, yes
+    warnings.filterwarnings("ignore", message=".*assuming the intent is to")
     try:
         if not os.path.isdir(opts.input_dir):
             raise ConvertError(f"--input_dir {opts.input_dir} does not exist or is not a directory")
         if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-            raise ConvertError(f"--output_dir {out} exists and is not empty; remove it or pick another")
-        # Write into a temp folder next to output_dir and rename it when done: a failed or interrupted
-        # conversion never leaves a folder that looks complete.
+            raise ConvertError(f"--output_dir {out} exists and is not empty; remove it or pick "
+                               f"another")
+        # Write into a temp folder next to output_dir and rename it when done: a failed or
+        # interrupted conversion never leaves a folder that looks complete.
         parent, name = os.path.split(os.path.abspath(out))
         tmp = os.path.join(parent, f".{name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)  # left over from a killed run
@@ -451,8 +389,8 @@ def main(argv=None):
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    print(f"wrote {out}" + (f" (tokenizer from {opts.tokenizer_path})" if opts.command == "dcp2hf" and
-                            opts.tokenizer_path else ""))
+    tokenizer = opts.command == "dcp2hf" and opts.tokenizer_path
+    print(f"wrote {out}" + (f" (tokenizer from {opts.tokenizer_path})" if tokenizer else ""))
 
 
 if __name__ == "__main__":

@@ -4,15 +4,15 @@
 Each rank shown (rank 0 and the last, each in a forked process) joins a "fake" process group of N
 ranks (collectives return at once) and runs under fake tensors (ops run on shapes and dtypes only,
 no data), through the trainer's own code: train.validate and the config rules of a GPU job
-(float8.check(gpu=True): what the cluster's start-up refuses), distributed.init_distributed, the model on
-the meta device, float8.convert, train.parallelize (TP, activation checkpointing, FSDP2; not
-torch.compile: fake tensors are not compiled here, so the step is eager's, which keeps more than
+(float8.check(gpu=True): what the cluster's start-up refuses), distributed.init_distributed, the
+model on the meta device, float8.convert, train.parallelize (TP, activation checkpointing, FSDP2;
+not torch.compile: fake tensors are not compiled here, so the step is eager's, which keeps more than
 compiled blocks), train.build_optimizer, two steps (train.forward_backward, gradient clipping,
 optimizer.step, the lr schedule: AdamW makes its moments in the first step, so the second is the
 steady state's) and the checkpoint's state dict (Checkpointer.state) planned as DCP would write it.
 
-Memory per rank is counted, not estimated: LiveStorages sees the output of every op and adds the
-bytes of each tensor storage once while it lives (a weakref's callback takes it off when it is
+Memory per rank is counted, not estimated: memory.LiveStorages sees the output of every op and adds
+the bytes of each tensor storage once while it lives (a weakref's callback takes it off when it is
 freed; FSDP2's storage resizes are followed). The peak is taken after every op, so it is the steps'
 true peak at op granularity, not a sample at phase boundaries (the peak sits inside step 2's
 backward). Not counted: NCCL's buffers, the CUDA context, the caching allocator's fragmentation,
@@ -26,16 +26,12 @@ import os
 import sys
 import time
 import traceback
-import weakref
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers the "fake" backend)
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.tensor._sharding_prop import ShardingPropagator
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 
 import distributed
 import float8
@@ -43,91 +39,8 @@ import memory
 import train
 from checkpoint import Checkpointer
 from config import ConfigError
-from memory import GIB
+from memory import GIB, LiveStorages
 from model import Transformer
-
-class LiveStorages(TorchDispatchMode):
-    """Bytes of the tensor storages alive now (`live`) and at most so far (`peak`, with the `phase`
-    it was in). Each storage an op returns is counted once, by its identity, until it is freed;
-    storages made before the mode was entered are not. Real and fake tensors alike."""
-
-    def __init__(self):
-        super().__init__()
-        self.paused = 0  # > 0 inside Paused: ops' outputs are not counted
-        self.fake_mode = None  # the FakeTensorMode it runs under, set by run_rank
-        self.bytes = {}  # storage id -> its bytes now
-        self.refs = {}  # storage id -> the weakref whose callback drops it
-        self.live = 0  # bytes of the storages alive now
-        self.phase = ""  # what the steps are doing now, set by run_rank
-        self.peak, self.peak_phase = 0, ""  # the most live bytes so far, and the phase it was in
-
-    def add(self, storage, nbytes=None):
-        key = id(storage)
-        nbytes = storage.nbytes() if nbytes is None else nbytes  # given: the size resize_ sets
-        if key not in self.refs:
-            self.refs[key] = weakref.ref(storage, lambda _, key=key: self.drop(key))
-        self.live += nbytes - self.bytes.get(key, 0)
-        self.bytes[key] = nbytes
-        if self.live > self.peak:
-            self.peak, self.peak_phase = self.live, self.phase
-
-    def drop(self, key):
-        self.live -= self.bytes.pop(key, 0)
-        self.refs.pop(key, None)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(is_traceable_wrapper_subclass(t) for t in tree_leaves((args, kwargs))):
-            return NotImplemented  # a DTensor or float8 op: its ops on plain tensors come back here
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out) if not self.paused else ():
-            real = isinstance(t, torch.Tensor) and t.device.type != "meta"
-            if real and id(t.untyped_storage()) not in self.refs:
-                self.add(t.untyped_storage())
-        return out
-
-    def __enter__(self):
-        # FSDP2 frees and re-allocates its unsharded parameters by resizing their storage in place
-        self.resize = torch.UntypedStorage.resize_
-
-        def resized(storage, n):  # the storage's new size counted
-            out = self.resize(storage, n)
-            self.add(storage, n)
-            return out
-        torch.UntypedStorage.resize_ = resized
-        # DTensor infers an op's global shape by running it on global-shape fake tensors, under this lock (a
-        # nullcontext unless set): no memory of any rank, so not counted. torch 2.11 has no lock: there the
-        # method that holds those fake tensors is paused whole.
-        if hasattr(ShardingPropagator, "_fake_mode_lock"):
-            self.patched = ("_fake_mode_lock", ShardingPropagator._fake_mode_lock, Paused(self))
-        else:
-            infer = ShardingPropagator._propagate_tensor_meta_non_cached
-            self.patched = ("_propagate_tensor_meta_non_cached", infer, Paused(self)(infer))
-        setattr(ShardingPropagator, self.patched[0], self.patched[2])
-        return super().__enter__()
-
-    def __exit__(self, *exc):  # both back as they were before __enter__
-        torch.UntypedStorage.resize_ = self.resize
-        setattr(ShardingPropagator, self.patched[0], self.patched[1])
-        return super().__exit__(*exc)
-
-
-class Paused:
-    """A context (and, called on a function, a decorator) in which `counter` counts nothing."""
-
-    def __init__(self, counter: LiveStorages):
-        self.counter = counter
-
-    def __call__(self, fn):
-        def paused(*args, **kwargs):
-            with self:
-                return fn(*args, **kwargs)
-        return paused
-
-    def __enter__(self):
-        self.counter.paused += 1
-
-    def __exit__(self, *exc):
-        self.counter.paused -= 1
 
 
 class NoData:
@@ -145,6 +58,7 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     args = train.model_args(cfg)
     t = cfg.training
+    dp = dp_mesh.size()
     tp = cfg.parallelism.tensor_parallel_degree
     batch_shape = (t.local_batch_size, t.seq_len + 1)  # a micro-batch's inputs and labels
     torch.manual_seed(t.seed)
@@ -172,10 +86,11 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
             counted = sum((y != -100).sum() for _, y in batches).float()
             dist.all_reduce(counted, group=dp_mesh.get_group())
             for inputs, labels in batches:
-                train.forward_backward(model, inputs, labels, counted.clamp(min=1), dp_mesh.size(), tp)
+                train.forward_backward(model, inputs, labels, counted.clamp(min=1), dp, tp)
             del batches, inputs, labels
             counter.phase = f"gradient clipping of step {step}"
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_norm or float("inf"), foreach=True)
+            max_norm = t.max_norm or float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
             if isinstance(grad_norm, train.DTensor):  # train.py's all-reduce of the norm it logs
                 grad_norm.full_tensor()
             counter.phase = f"optimizer step {step}"

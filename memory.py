@@ -1,12 +1,19 @@
 """The memory a training step needs per device, estimated from the model's shapes and the run's
 layout: what `bench.py memory`, the dry run, `preflight.py check` and `bench.py matrix` print. A
 property of model.py's ops and train.py's layout, so re-check the byte counts after editing either
-(tests/test_memory.py measures them).
+(tests/test_memory.py measures them). And the memory counted as a step runs (LiveStorages): the dry
+run's figure per rank, and tests/test_dryrun.py's on real runs.
 """
 
 import os
 import resource
 import sys
+import weakref
+
+import torch
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
 
 GIB = 2**30
 # What the devices report (nvidia-smi's MiB): "fits" is judged against these.
@@ -15,15 +22,20 @@ GPUS = [("H100 80 GB", 81559 * 2**20), ("H200 141 GB", 143771 * 2**20)]
 FRAGMENTATION = 1.15
 
 
+def peak_resident_bytes() -> int:
+    """The process's peak resident memory since it started (train.py's memory figure on CPU)."""
+    unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is in bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
+
+
 def resident_bytes() -> int:
     """The process's resident memory now (Linux), or its peak so far elsewhere (close to it at
     start-up)."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # no /proc (macOS): ru_maxrss is in bytes there, KiB on Linux
-        unit = 1 if sys.platform == "darwin" else 1024
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
+    except OSError:  # no /proc (macOS)
+        return peak_resident_bytes()
 
 
 def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
@@ -123,3 +135,87 @@ def verdict(total: float, capacity: float) -> str:
     if FRAGMENTATION * total <= capacity:
         return "fits"
     return "tight" if total <= capacity else "too big"
+
+
+class LiveStorages(TorchDispatchMode):
+    """Bytes of the tensor storages alive now (`live`) and at most so far (`peak`, with the `phase`
+    it was in). Each storage an op returns is counted once, by its identity, until it is freed;
+    storages made before the mode was entered are not. Real and fake tensors alike."""
+
+    def __init__(self):
+        super().__init__()
+        self.paused = 0  # > 0 inside Paused: ops' outputs are not counted
+        self.fake_mode = None  # the FakeTensorMode it runs under, set by dryrun.run_rank
+        self.bytes = {}  # storage id -> its bytes now
+        self.refs = {}  # storage id -> the weakref whose callback drops it
+        self.live = 0  # bytes of the storages alive now
+        self.phase = ""  # what the steps are doing now, set by dryrun.run_rank
+        self.peak, self.peak_phase = 0, ""  # the most live bytes so far, and the phase it was in
+
+    def add(self, storage, nbytes=None):
+        key = id(storage)
+        nbytes = storage.nbytes() if nbytes is None else nbytes  # given: the size resize_ sets
+        if key not in self.refs:
+            self.refs[key] = weakref.ref(storage, lambda _, key=key: self.drop(key))
+        self.live += nbytes - self.bytes.get(key, 0)
+        self.bytes[key] = nbytes
+        if self.live > self.peak:
+            self.peak, self.peak_phase = self.live, self.phase
+
+    def drop(self, key):
+        self.live -= self.bytes.pop(key, 0)
+        self.refs.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(is_traceable_wrapper_subclass(t) for t in tree_leaves((args, kwargs))):
+            return NotImplemented  # a DTensor or float8 op: its ops on plain tensors come back here
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out) if not self.paused else ():
+            real = isinstance(t, torch.Tensor) and t.device.type != "meta"
+            if real and id(t.untyped_storage()) not in self.refs:
+                self.add(t.untyped_storage())
+        return out
+
+    def __enter__(self):
+        # FSDP2 frees and re-allocates its unsharded parameters by resizing their storage in place
+        self.resize = torch.UntypedStorage.resize_
+
+        def resized(storage, n):  # the storage's new size counted
+            out = self.resize(storage, n)
+            self.add(storage, n)
+            return out
+        torch.UntypedStorage.resize_ = resized
+        # DTensor infers an op's global shape by running it on global-shape fake tensors, under this
+        # lock (a nullcontext unless set): no memory of any rank, so not counted. torch 2.11 has no
+        # lock: there the method that holds those fake tensors is paused whole.
+        if hasattr(ShardingPropagator, "_fake_mode_lock"):
+            self.patched = ("_fake_mode_lock", ShardingPropagator._fake_mode_lock, Paused(self))
+        else:
+            infer = ShardingPropagator._propagate_tensor_meta_non_cached
+            self.patched = ("_propagate_tensor_meta_non_cached", infer, Paused(self)(infer))
+        setattr(ShardingPropagator, self.patched[0], self.patched[2])
+        return super().__enter__()
+
+    def __exit__(self, *exc):  # both back as they were before __enter__
+        torch.UntypedStorage.resize_ = self.resize
+        setattr(ShardingPropagator, self.patched[0], self.patched[1])
+        return super().__exit__(*exc)
+
+
+class Paused:
+    """A context (and, called on a function, a decorator) in which `counter` counts nothing."""
+
+    def __init__(self, counter: LiveStorages):
+        self.counter = counter
+
+    def __call__(self, fn):
+        def paused(*args, **kwargs):
+            with self:
+                return fn(*args, **kwargs)
+        return paused
+
+    def __enter__(self):
+        self.counter.paused += 1
+
+    def __exit__(self, *exc):
+        self.counter.paused -= 1

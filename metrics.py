@@ -8,14 +8,13 @@ import json
 import logging
 import math
 import os
-import resource
-import sys
 import time
 
 import torch
 
-logger = logging.getLogger("metrics")
+from memory import peak_resident_bytes
 
+logger = logging.getLogger("metrics")
 
 # Dense bf16 peak TFLOP/s per device, matched against torch.cuda.get_device_name (first match wins).
 PEAK_TFLOPS = [("GB200", 2500.0), ("B200", 2250.0), ("H100 PCIe", 756.0), ("H100", 989.0),
@@ -39,8 +38,7 @@ def memory_stats(device: torch.device):
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.reset_peak_memory_stats(device)
         return peak / 2**30, 100 * peak / total, allocated / 2**30
-    unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is in KiB on Linux
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
+    peak = peak_resident_bytes()
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return peak / 2**30, 100 * peak / total, None
 

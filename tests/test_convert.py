@@ -34,6 +34,7 @@ if REPO_ROOT not in sys.path:
 
 import checkpoint_convert as C  # noqa: E402
 import data as D  # noqa: E402
+import hf_layout as H  # noqa: E402
 import model as M  # noqa: E402
 import train as T  # noqa: E402
 
@@ -103,7 +104,7 @@ def assert_same_model(a: dict, b: dict):
     scaled rope declares Llama 3.1's context (max_seq_len is only the length of model.py's rope table)."""
     rule = ("multiple_of", "ffn_dim_multiplier", "max_seq_len")
     assert {k: v for k, v in a.items() if k not in rule} == {k: v for k, v in b.items() if k not in rule}
-    assert a["max_seq_len"] == max(b["max_seq_len"], C.LLAMA31_CONTEXT if b["use_scaled_rope"] else 0)
+    assert a["max_seq_len"] == max(b["max_seq_len"], H.LLAMA31_CONTEXT if b["use_scaled_rope"] else 0)
     assert C.expected_shapes(M.ModelArgs(**a)) == C.expected_shapes(M.ModelArgs(**b))
 
 
@@ -197,7 +198,7 @@ def test_hf_logits_match(meta, hf_dir):
         for layer in ours.layers:
             for name in ("wq", "wk"):
                 w = getattr(layer.attention, name).weight
-                w.copy_(C.permute_rope(f"attention.{name}.weight", w, args, to_hf=True))
+                w.copy_(H.permute_rope(f"attention.{name}.weight", w, args, to_hf=True))
         assert (ours(tokens) - want).abs().max() > 1e-2
 
 
@@ -207,7 +208,7 @@ def test_hf_files_and_config(meta, dcp_dir, hf_dir, tmp_path):
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     assert sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors")) == files
-    assert set(index["weight_map"]) == {C.hf_name(k) for k in sd}
+    assert set(index["weight_map"]) == {H.hf_name(k) for k in sd}
     assert index["metadata"]["total_size"] == sum(w.nbytes for w in sd.values())
     config = json.load(open(hf_dir / "config.json"))
     assert config["intermediate_size"] == sd["layers.0.feed_forward.w1.weight"].shape[0]
@@ -371,7 +372,7 @@ def large_tokenizer(tmp_path_factory):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     hf.train_from_iterator(bundled_documents() + stdlib_sources() + EDGE_TEXTS, trainers.BpeTrainer(
         vocab_size=8000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    byte = {c: b for b, c in C.byte_chars().items()}
+    byte = {c: b for b, c in H.byte_chars().items()}
     vocab = sorted(hf.get_vocab().items(), key=lambda kv: kv[1])  # merges in creation order: valid ranks
     return write_tiktoken(tmp_path_factory.mktemp("large") / "tokenizer.model",
                           [bytes(byte[c] for c in token) for token, _ in vocab])
@@ -382,7 +383,7 @@ def hf_tokenizer(path, out):
     from transformers import AutoTokenizer
     os.makedirs(out)
     args = dataclasses.replace(M.flavors["debugmodel"], vocab_size=D.Tokenizer(str(path)).n_words)
-    C.save_tokenizer(str(path), C.hf_config(args, torch.bfloat16), str(out))
+    C.save_tokenizer(str(path), H.hf_config(args, torch.bfloat16), str(out))
     return AutoTokenizer.from_pretrained(out)
 
 
@@ -447,7 +448,7 @@ def test_hf_config_loads_without_warnings(flavor):
     from transformers import LlamaConfig
     args = M.ModelArgs(**PARAMS) if flavor == "PARAMS" else M.flavors[flavor]
     with transformers_warnings() as records:
-        config = LlamaConfig(**C.hf_config(args, torch.bfloat16))
+        config = LlamaConfig(**H.hf_config(args, torch.bfloat16))
     assert not records, [r.getMessage() for r in records]
     assert config.max_position_embeddings >= args.max_seq_len
     if flavor in ("8B", "1B"):  # as on the Hub
@@ -525,7 +526,7 @@ def error_case(name, tmp_path):
         return "torch2dcp", bad, out, ["layers.2.", "absent in the weights", "same model"]
     if name == "no_safetensors":
         os.makedirs(tmp_path / "hf")
-        config = C.hf_config(M.ModelArgs(**params), torch.bfloat16)
+        config = H.hf_config(M.ModelArgs(**params), torch.bfloat16)
         json.dump(config, open(tmp_path / "hf" / "config.json", "w"))
         return "hf2dcp", tmp_path / "hf", out, ["model.safetensors", "No such file"]
     if name == "titan_no_params":  # torchtitan keeps the shape in its config, not beside the weights

@@ -1,5 +1,5 @@
 """preflight.py dryrun (dryrun.py) against real runs, on layouts that run here: its peak per rank, counted on fake
-tensors, is within BOUND of the real trainer's peak, counted the same way (dryrun.LiveStorages: the bytes of live
+tensors, is within BOUND of the real trainer's peak, counted the same way (memory.LiveStorages: the bytes of live
 tensor storages at every op) around train.main on real tensors, three steps (AdamW's moments exist from step 1's
 optimizer.step on, so steps 2 and 3 are the steady state the dry run's two steps must reach), gloo. And a mistake
 that only shows at the target size (2,048 ranks), or only on the job's GPUs, ends it with train.py's one `error:`
@@ -37,14 +37,14 @@ BOUND = 0.02
 def real_runs(dump: str, runs: list):
     import torch.distributed as dist
 
-    import dryrun
+    import memory
     import train
     for i, extra in enumerate(runs):
         if i and "MASTER_PORT" in os.environ:  # torchrun's store keeps the first group's keys: a new store each run
             os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False", MASTER_PORT=str(int(os.environ["MASTER_PORT"]) + 1))
         cfg = train.load_config([*DEBUG, *extra, "--job.dump_folder", os.path.join(dump, str(i)), "--training.steps",
                                  "3", "--checkpoint.enable", "false", "--validation.enable", "false"])
-        with dryrun.LiveStorages() as counter:
+        with memory.LiveStorages() as counter:
             train.main(cfg)
         with open(os.path.join(dump, f"peak-{i}-{os.environ.get('RANK', 0)}.json"), "w") as f:  # ranks share stdout
             json.dump({"real": i, "rank": int(os.environ.get("RANK", 0)), "peak": counter.peak}, f)
