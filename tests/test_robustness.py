@@ -286,8 +286,9 @@ def test_slow_reads_and_slow_writers_are_waited_for_as_long_as_they_may_take(tmp
     assert re.findall(r"run A rank (\d): finished", out) in (["0", "1"], ["1", "0"]), out[-3000:]
     assert f"saved checkpoint {tmp_path}/A/checkpoint/step-2 (async)" in out
     assert sorted(os.listdir(tmp_path / "A" / "checkpoint")) == ["step-2", "step-4"]
-    failed = "checkpoint step-2 failed (rank 1 was still writing after checkpoint.save_timeout_seconds = 3 s)"
-    assert out.count(failed) == 2 and "run C rank 1: finished" in out, out[-3000:]
+    # rank 1 writes for 20 s; on a loaded machine rank 0's own write may also outlast the 3 s and be named instead
+    failed = r"checkpoint step-2 failed \(rank [01] was still writing after checkpoint.save_timeout_seconds = 3 s\)"
+    assert len(re.findall(failed, out)) == 2 and "run C rank 1: finished" in out, out[-3000:]
     assert sorted(os.listdir(tmp_path / "C" / "checkpoint")) == ["step-4"]
     assert ("run B rank 1: rank 1 waited data.resolve_timeout_seconds = 3 s for rank 0 to read the held-out windows "
             "and eval tasks alone, and it was still reading the held-out windows of 'c4'") in out, out[-3000:]
