@@ -109,13 +109,18 @@ def test_an_error_or_ctrl_c_stops_every_fetch_at_its_next_chunk(how, tmp_path, m
     main = threading.main_thread().ident
     # Ctrl-C: SIGINT to the main thread, waiting for the fetches (Python raises KeyboardInterrupt there)
     timer = threading.Timer(0.2, lambda: (stopped.set(), signal.pthread_kill(main, signal.SIGINT)))
+    # Python raises KeyboardInterrupt only where SIGINT was not ignored at its start (a shell's `pytest &` ignores it)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     t0 = time.monotonic()
     if how == "ctrl-c":
         timer.start()
-    with pytest.raises(DataError if how == "error" else KeyboardInterrupt):
-        download_data.fetch(todo, str(tmp_path), 3, 1.0, 1.0)
-    stopped.set()
-    timer.cancel()
+    try:
+        with pytest.raises(DataError if how == "error" else KeyboardInterrupt):
+            download_data.fetch(todo, str(tmp_path), 3, 1.0, 1.0)
+    finally:
+        stopped.set()
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     took = time.monotonic() - t0
     assert took < 1.5, took  # the fetches would run 10 s
     assert len(started) < len(todo), started  # the last one queued never started
