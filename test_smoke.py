@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from conftest import SMALL
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 LOG_LINE = re.compile(r"^step: +(\d+)  loss: +[\d.]+  grad_norm: +[\d.]+  lr: [\d.]+e[-+]\d+  "
                       r"memory: [\d.]+GiB\([\d.]+%\)  tps: [\d,]+  tflops: [\d.]+  "
@@ -23,7 +25,7 @@ def train(dump, *args, nproc=1):
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd += ["train.py", "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump),
-            "--metrics.log_freq", "1", "--validation.enable", "false", *map(str, args)]
+            "--metrics.log_freq", "1", "--validation.enable", "false", *SMALL, *map(str, args)]
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -46,9 +48,9 @@ def test_fsdp_two_processes_trains_and_logs(fsdp_reference):
     for key in ("step", "loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu",
                 "tokens_seen", "source_tokens", "data_wait_pct"):
         assert key in record
-    assert record["tokens_seen"] == 8 * 256
+    assert record["tokens_seen"] == 8 * 64
     assert set(record["source_tokens"]) == {"c4", "zyda2_dclm", "zyda2_fwe3", "finemath"}
-    assert sum(record["source_tokens"].values()) == 8 * 257  # windows are seq_len + 1 tokens
+    assert sum(record["source_tokens"].values()) == 8 * 65  # windows are seq_len + 1 tokens
     assert "flavor = \"debugmodel\"" in open(os.path.join(dump, "config.toml")).read()
     assert sorted(os.listdir(os.path.join(dump, "checkpoint"))) == ["step-10", "step-5"]
     with open(os.path.join(ROOT, "README.md")) as f:
@@ -56,24 +58,29 @@ def test_fsdp_two_processes_trains_and_logs(fsdp_reference):
     assert LOG_LINE.search(readme), "README.md's example step line is not what train.py prints"
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The dump folder of 10 steps on one process, local batch 8: the FSDP reference's global batch."""
+    dump = tmp_path_factory.mktemp("one_process")
+    train(dump, "--training.steps", 10, "--training.local_batch_size", 8)
+    return dump
+
+
 @pytest.mark.slow
-def test_one_process_matches_two_fsdp_processes(fsdp_reference, tmp_path):
-    dump, _ = fsdp_reference
-    train(tmp_path, "--training.steps", 10, "--training.local_batch_size", 8)
-    one = losses(tmp_path)  # one process, local batch 8
-    two = losses(dump)      # two FSDP ranks, local batch 4 each
+def test_one_process_matches_two_fsdp_processes(fsdp_reference, one_process):
+    one = losses(one_process)        # one process, local batch 8
+    two = losses(fsdp_reference[0])  # two FSDP ranks, local batch 4 each
     assert one.keys() == two.keys()
     for step in one:
         assert abs(one[step] - two[step]) <= 1e-5 * abs(one[step]), (step, one[step], two[step])
 
 
 @pytest.mark.slow
-def test_same_seed_same_losses_other_seed_differs(tmp_path):
-    train(tmp_path / "a", "--training.steps", 3)
-    train(tmp_path / "b", "--training.steps", 3)
-    train(tmp_path / "c", "--training.steps", 3, "--training.seed", 1)
-    assert losses(tmp_path / "a") == losses(tmp_path / "b")
-    assert losses(tmp_path / "a")[1] != losses(tmp_path / "c")[1]
+def test_same_seed_same_losses_other_seed_differs(one_process, tmp_path):
+    train(tmp_path / "same", "--training.steps", 10, "--training.local_batch_size", 8)
+    train(tmp_path / "other", "--training.steps", 1, "--training.local_batch_size", 8, "--training.seed", 1)
+    assert losses(tmp_path / "same") == losses(one_process)
+    assert losses(tmp_path / "other")[1] != losses(one_process)[1]
 
 
 def test_tensor_parallel_two_processes(tp_reference, fsdp_reference):
