@@ -16,14 +16,6 @@ import train  # noqa: E402
 DEBUG = os.path.join(ROOT, "configs", "debug_model.toml")
 
 
-def run_train(*args, env=None, tmp_path=None):
-    dump = str(tmp_path / "dump")
-    full_env = {**os.environ, **(env or {})}
-    proc = subprocess.run([sys.executable, "train.py", "--config", DEBUG, "--job.dump_folder", dump, *args],
-                          cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=300)
-    return proc, dump
-
-
 BAD_INPUT = [
     (["--training.stpes", "5"], "unknown key in [training] 'stpes'; did you mean steps?"),
     (["--trainig.steps", "5"], "unknown config section 'trainig'; did you mean training?"),
@@ -53,24 +45,35 @@ def test_bad_input_is_one_config_error(args, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-# Through the real entry point, one of each kind (parsing, the value table, the layout, the tokenizer file
-# that only main() opens): one `error:` line on stderr, exit 2, no dump folder.
-@pytest.mark.parametrize("args, message", [*BAD_INPUT[0:6:5], BAD_INPUT[-2],
-                                           (["--model.tokenizer_path", "missing.model"], "tokenizer file 'missing.model' not found")])
-def test_bad_input_is_one_line_exit_2_and_creates_nothing(args, message, tmp_path):
-    proc, dump = run_train(*args, tmp_path=tmp_path)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [f"error: {proc.stderr.strip()[7:]}"]
-    assert message in proc.stderr
-    assert not os.path.exists(dump)
+# Through the real entry point, once for an error parsing finds and once for one that only main() finds
+# (the tokenizer file it opens): one `error:` line on stderr, exit 2, no dump folder. Both processes start
+# at once: each spends ~3 s importing torch. What each check says: test_bad_input_is_one_config_error.
+ENTRY_POINT_CASES = [BAD_INPUT[0], (["--model.tokenizer_path", "missing.model"], "tokenizer file 'missing.model' not found")]
 
 
-def test_tp_must_divide_heads_before_any_process_group(tmp_path):
+def test_bad_input_is_one_line_exit_2_and_creates_nothing(tmp_path):
+    started = []
+    for i, (args, message) in enumerate(ENTRY_POINT_CASES):
+        dump = str(tmp_path / f"dump{i}")
+        proc = subprocess.Popen([sys.executable, "train.py", "--config", DEBUG, "--job.dump_folder", dump, *args],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started.append((proc, dump, message))
+    for proc, dump, message in started:
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 2, stderr
+        assert stderr.strip().splitlines() == [f"error: {stderr.strip()[7:]}"]
+        assert message in stderr
+        assert not os.path.exists(dump)
+
+
+def test_tp_must_divide_heads_before_any_process_group(tmp_path, monkeypatch):
     # WORLD_SIZE=3 without a launcher: validation has to fail before init_process_group would hang.
-    proc, dump = run_train("--parallelism.tensor_parallel_degree", "3", env={"WORLD_SIZE": "3"},
-                           tmp_path=tmp_path)
-    assert proc.returncode == 2
-    assert "tensor_parallel_degree = 3 must divide the debugmodel model's n_heads 16" in proc.stderr
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg = train.load_config(["--config", DEBUG, "--job.dump_folder", str(tmp_path / "dump"),
+                             "--parallelism.tensor_parallel_degree", "3"])
+    with pytest.raises(train.ConfigError, match="tensor_parallel_degree = 3 must divide the debugmodel model's n_heads 16"):
+        train.main(cfg)
+    assert not (tmp_path / "dump").exists()
 
 
 def test_toml_errors(tmp_path):
@@ -109,8 +112,11 @@ def test_saved_config_round_trips(tmp_path):
     assert train.load_config(["--config", str(path)]) == cfg
 
 
-def test_help_lists_every_key_with_default_and_doc():
-    out = subprocess.run([sys.executable, "train.py", "-h"], cwd=ROOT, capture_output=True, text=True).stdout
+def test_help_lists_every_key_with_default_and_doc(capsys):
+    with pytest.raises(SystemExit) as e:
+        train.load_config(["-h"])  # what `python train.py -h` prints
+    assert e.value.code == 0
+    out = capsys.readouterr().out
     cfg = train.Config()
     for section in train.dataclasses.fields(cfg):
         for key in train.dataclasses.fields(getattr(cfg, section.name)):
