@@ -155,10 +155,17 @@ def test_bench_loader_prints_shares_and_throughput():
                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr
     assert "share" in out.stdout and "tokens/s" in out.stdout and "finemath" in out.stdout
-    # `python bench.py loader` reads train.py's config (config.py's parser) and takes --section.key overrides
-    show = subprocess.run([sys.executable, "bench.py", "loader", "--config", "configs/debug_model.toml", "--show", "1",
-                           "--training.seq_len=64"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert show.stdout.startswith("--- sample 0 (64 tokens) ---\n<|begin_of_text|>"), show.stderr
+
+
+@pytest.mark.slow
+def test_bench_loader_reads_train_pys_config_and_its_overrides(monkeypatch, capsys):
+    """`bench.py loader` reads train.py's config (config.py's parser) and takes --section.key overrides.
+    In this process: a launch would spend 4 s importing torch; the test above launches it whole."""
+    import bench
+    monkeypatch.chdir(ROOT)
+    bench.main(["loader", "--config", "configs/debug_model.toml", "--show", "1", "--training.seq_len=64"])
+    out = capsys.readouterr()
+    assert out.out.startswith("--- sample 0 (64 tokens) ---\n<|begin_of_text|>"), out.err
 
 
 class FlakyFiles:
@@ -235,29 +242,44 @@ def test_loader_workers_give_the_same_stream_and_resume_exactly(tok, sources, wo
 
 
 @pytest.mark.slow
-def test_bench_loader_bad_input_is_one_line(tmp_path):
-    def cli(*args):
-        return subprocess.run([sys.executable, "bench.py", "loader", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
-
-    out = cli("--config", "configs/debug_model.toml", "--model.tokenizer_path", "missing.model")
+def test_bench_loader_bad_input_is_one_line(tmp_path, monkeypatch, capsys):
+    # One launch: the whole program's stderr is the one line (no traceback, no import-time noise).
+    launch = [sys.executable, "bench.py", "loader", "--config", "configs/debug_model.toml",
+              "--model.tokenizer_path", "missing.model"]
+    out = subprocess.run(launch, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "error: tokenizer file 'missing.model' not found; download it with download_tokenizer.py or set "
         "--model.tokenizer_path"]
+    # The other bad inputs in this process, through the same main() and its one-line exit (a launch each would
+    # spend 4 s importing torch).
+    import bench
+    monkeypatch.chdir(ROOT)
+
+    def cli(*args):
+        capsys.readouterr()  # what came before
+        with pytest.raises(SystemExit) as e:
+            bench.main(["loader", *args])
+        out = capsys.readouterr()
+        return e.value.code, out.out, out.err
+
     bad = tmp_path / "bad.toml"
-    bad.write_text(open(os.path.join(ROOT, "configs", "debug_model.toml")).read().replace("weight = 0.2", "wieght = 0.2"))
-    out = cli("--config", str(bad))
-    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+    debug = open(os.path.join(ROOT, "configs", "debug_model.toml")).read()
+    bad.write_text(debug.replace("weight = 0.2", "wieght = 0.2"))
+    code, _, err = cli("--config", str(bad))
+    assert code == 2 and err.strip().splitlines() == [
         f"error: {bad}: unknown key 'wieght' in [[data.sources]] 3; did you mean weight?"]
     for args, message in [(["--config", "configs/debug_model.toml", "--training.seq_len", "x"], "expected int"),
                           (["--config", "a.toml", "--config", "b.toml"], "give one file"),
-                          (["--config", "configs/debug_model.toml", "--data.num_workers", "-1"], "data.num_workers = -1")]:
-        out = cli(*args)
-        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
+                          (["--config", "configs/debug_model.toml", "--data.num_workers", "-1"],
+                           "data.num_workers = -1")]:
+        code, _, err = cli(*args)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
     # --help documents the options the README and bench.py use
-    out = cli("--help")
+    code, out, _ = cli("--help")
+    assert code == 0
     for option in ("--config", "--show", "--tokens", "--model.tokenizer_path", "--training.seq_len",
                    "--training.local_batch_size", "--data.num_workers", "--data.seed"):
-        assert option in out.stdout
+        assert option in out
 
 
 def corrupt(path, at: int, n: int = 64):

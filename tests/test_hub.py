@@ -29,6 +29,7 @@ import data_manifest  # noqa: E402
 import sources  # noqa: E402
 from sources import DataError, DataSource  # noqa: E402
 from hub_fixture import Hub, make_repos, point_libraries_at, write_mirror  # noqa: E402
+from conftest import SMALL  # noqa: E402
 
 TOKEN = "hf_testTokenThatMustNeverBePrinted123"
 # What huggingface_hub 2.4 and datasets 5.2 asked for while these tests ran (the fixture serves these only).
@@ -386,32 +387,35 @@ def test_train_py_on_the_shipped_hub_sources_trains_resumes_and_eats_the_mirrors
     dump = tmp_path / "dump"
 
     def run(*args):
+        # SMALL's 64 tokens a sequence, 8 sequences a step: the 512 tokens a step of 4 x 128 read before
         proc = subprocess.run([sys.executable, "train.py", "--config", str(tmp_path / "hub.toml"), "--job.dump_folder",
-                               str(dump), "--training.steps", "4", "--training.seq_len", "128", "--training.local_batch_size",
-                               "4", "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "2",
-                               "--validation.freq", "4", "--data.num_workers", "2", *args],
+                               str(dump), "--training.steps", "4", *SMALL, "--training.local_batch_size", "8",
+                               "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "2",
+                               "--validation.freq", "4", *args],
                               cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert TOKEN not in proc.stdout + proc.stderr
         return [json.loads(ln) for ln in open(dump / "metrics.jsonl")]
 
-    first = run()
+    # The first run reads in the trainer's process, the resume in a loader worker (each spawned worker spends
+    # 4.5 s of CPU importing torch): a resume may change the worker count, and the stream is the same.
+    first = run("--data.num_workers", "0")
     steps = [r for r in first if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and steps[-1]["loss"] < steps[0]["loss"]
     assert [r["validation_source_loss"] for r in first if "validation_loss" in r][0].keys() == {"c4"}
     # The resume's reads go through a CDN redirect, and two of them stall (before the answer, and mid-body):
-    # the loader workers retry them for the same bytes, so steps 3-4 come out the same.
+    # the loader worker retries them for the same bytes, so steps 3-4 come out the same.
     hub.stall_seconds, hub.redirect, hub.faults = 10, True, {"/cdn/": ["stall", "cut"]}
-    replay = [r for r in run("--checkpoint.load_step", "2", "--data.hub_timeout_seconds", "1")[len(first):]
-              if "loss" in r]
+    resumed = run("--data.num_workers", "1", "--checkpoint.load_step", "2", "--data.hub_timeout_seconds", "1")
+    replay = [r for r in resumed[len(first):] if "loss" in r]
     assert [(r["step"], r["loss"]) for r in replay] == [(r["step"], r["loss"]) for r in steps[2:]]
     assert not any(hub.faults.values())
 
     mirrors = {r: write_mirror(repos, str(tmp_path / r.replace("/", "__")), r) for r in {s.path for s in cfg.data.sources}}
-    local = DataLoader([DataSource(**{**s.__dict__, "path": mirrors[s.path]}) for s in cfg.data.sources], tok, 128, 4,
-                       0, 1, cfg.data.num_streams, cfg.data.seed)
+    mirrored = [DataSource(**{**s.__dict__, "path": mirrors[s.path]}) for s in cfg.data.sources]
+    local = DataLoader(mirrored, tok, 64, 8, 0, 1, cfg.data.num_streams, cfg.data.seed)
     batches(local, 4)
-    # (2,064 tokens: the two big Zyda-2 sources' first documents; the loader test above covers all six)
+    # (2,080 tokens: the two big Zyda-2 sources' first documents; the loader test above covers all six)
     assert steps[-1]["source_tokens"] == local.source_tokens() and sum(n > 0 for n in local.source_tokens().values()) >= 2
     for name in ("config.toml", "metrics.jsonl"):
         assert TOKEN not in (dump / name).read_text()

@@ -1,7 +1,9 @@
 """The data manifest: one resolution per job, pinned in the run (data.py's manifest section, train.py's use of it).
 
-The training runs here use the debug model with Meta's Llama 3 tokenizer (128,256 tokens, from the llama-models
-package), so the data path is the 8B config's. Hub runs talk to tests/hub_fixture.py's server, which counts requests.
+The training runs here train the debug model at conftest.SMALL's shape with the bundled tokenizer: what
+they test (which files are resolved, pinned, fetched and read) does not follow the model or its vocabulary,
+and Meta's 128,256 tokens made each run's model 66M parameters (0.8 GB a checkpoint). Hub runs talk to
+tests/hub_fixture.py's server, which counts requests.
 """
 
 import gzip
@@ -28,23 +30,19 @@ import mirror as mirrors  # noqa: E402  (tests name their mirror folders `mirror
 import data_manifest  # noqa: E402
 from sources import DataError, DataSource  # noqa: E402
 from hub_fixture import Hub, _jsonl_gz, _parquet, make_repos, point_libraries_at, push  # noqa: E402
+from conftest import SMALL  # noqa: E402
 
 SHIPPED = tomllib.load(open(os.path.join(ROOT, "configs", "llama3_8b.toml"), "rb"))
-TRAIN = ["--training.seq_len", "128", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
-         "--checkpoint.enable", "--checkpoint.interval", "2"]
-
-
-def meta_tokenizer() -> str:
-    """Meta's tokenizer.model from llama-models (requirements-dev.txt): the tests that train need it, the others run
-    without it."""
-    return os.path.join(os.path.dirname(pytest.importorskip("llama_models").__file__), "llama3", "tokenizer.model")
+TOKENIZER = os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model")
+TRAIN = [*SMALL, "--training.local_batch_size", "4", "--metrics.log_freq", "1",
+         "--model.tokenizer_path", TOKENIZER, "--checkpoint.enable", "--checkpoint.interval", "2"]
 
 
 def train(config, dump, *args, nproc=1, env=None, expect=0):
     launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
                                  if nproc > 1 else [])
     proc = subprocess.run(launch + ["train.py", "--config", str(config), "--job.dump_folder", str(dump), *TRAIN,
-                                    "--model.tokenizer_path", meta_tokenizer(), *map(str, args)],
+                                    *map(str, args)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -71,9 +69,12 @@ def hub_job(tmp_path_factory):
     point_libraries_at(hub.endpoint, mp, str(tmp / "cache"))
     try:
         # One resolution in a fresh process (this one has caches of earlier tests: the Hub client's one-time
-        # lookups, dataset cards), with its own empty HF_HOME, as a rank starts.
-        code = ("import json, sys, data_manifest, train; c = train.load_config(['--config', sys.argv[1]]); "
-                "print(json.dumps(data_manifest.make_manifest(c.data.sources, c.validation.sources)))")
+        # lookups, dataset cards), with its own empty HF_HOME, as a rank starts. The config's tables are read
+        # with tomllib, not train.load_config: importing train (torch) would add 4 s of CPU.
+        code = ("import json, sys, tomllib, data_manifest; from sources import DataSource; "
+                "c = tomllib.load(open(sys.argv[1], 'rb')); "
+                "print(json.dumps(data_manifest.make_manifest(*([DataSource(**t) for t in c[k]['sources']] "
+                "for k in ('data', 'validation')))))")
         ref = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "configs", "llama3_8b.toml")], cwd=ROOT,
                              capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HOME": str(tmp / "hf_ref"),
                                                                                "HF_HUB_OFFLINE": "0"})
@@ -152,8 +153,7 @@ def test_a_run_moves_from_the_hub_to_a_mirror_that_download_data_py_made_and_sta
     args = ("--training.steps", 6, "--checkpoint.interval", 3, "--validation.freq", 6, "--validation.sequences", 4,
             "--validation.local_batch_size", 4)
     download = [sys.executable, "download_data.py", "--config", str(config), "--to", str(mirror), "--workers", 2,
-                "--world_size", 2, "--job.dump_folder", str(dump), *TRAIN, *args, "--model.tokenizer_path",
-                meta_tokenizer()]
+                "--world_size", 2, "--job.dump_folder", str(dump), *TRAIN, *args]
     try:
         train(config, dump, *args, nproc=2, env=env)
         first, read = losses(dump), hub.bytes_served("/resolve/")
@@ -416,6 +416,7 @@ def two_nodes(tmp_path, cwd: list, config: str, *args, env=None) -> list:
                                   **(env or {})}) for rank in (0, 1)]
 
 
+@pytest.mark.slow  # two launches of train.py: 10 s of CPU importing torch, too much for the quick tier
 def test_every_node_checks_every_local_file_of_its_own_copy(tmp_path, monkeypatch):
     """Each node has its own copy of the data at the same (relative) path; node 1's copy of one file differs.
     The ranks' split of the files would leave that file to rank 0, on node 0: each node checks all of them."""
