@@ -223,6 +223,18 @@ def test_transient_read_errors_are_retried_from_the_last_good_row(tok, sources, 
             next(loader(True))
 
 
+def test_the_loader_reads_with_metas_tokenizer(sources):
+    """Meta's Llama 3 tokenizer.model (llama-models, requirements-dev.txt), the 8B configs' vocabulary: its ids
+    pass the loader as they are, above 2^16 included, with BOS at each document start."""
+    llama_models = pytest.importorskip("llama_models")
+    meta = Tokenizer(os.path.join(os.path.dirname(llama_models.__file__), "llama3", "tokenizer.model"))
+    assert (meta.n_words, meta.bos_id, meta.eos_id) == (128256, 128000, 128001)
+    inputs, labels = next(DataLoader(sources, meta, 256, 4, 0, 1, 1, seed=3))
+    assert inputs.dtype == torch.long and inputs.shape == (4, 256)
+    assert torch.equal(inputs[:, 1:], labels[:, :-1])
+    assert (inputs == meta.bos_id).any() and inputs.max() > 65535 and inputs.max() < meta.n_words
+
+
 @pytest.mark.parametrize("workers, resume_workers", [(1, 2), (2, 0)])
 def test_loader_workers_give_the_same_stream_and_resume_exactly(tok, sources, workers, resume_workers):
     def make(w):
