@@ -1,23 +1,30 @@
 """[eval]: downstream accuracy in the training loop equals lm-evaluation-harness's for the same weights exported with
 dcp2hf, on fixture copies of the tasks in their real Hub layouts (served by the local test Hub, and as local folders);
-1 process, FSDP 2 and TP 2 score alike; training is bitwise the same with and without it; a bad task is one line."""
+1 process, FSDP 2 and TP 2 score alike; training is bitwise the same with and without it; a bad task is one line.
+The same runs validate (held-out data from the Hub): the same held-out loss on 1 process, FSDP, HSDP and TP
+and on resume is tested here, the rest of [validation] in test_validation.py."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
+from conftest import SMALL
 from hub_fixture import Hub, make_repos, task_repos, write_mirror
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa")
 LIMIT = 8  # examples per task
 # The arguments of conftest's fsdp_reference and tp_reference (the same runs without [eval]).
-COMMON = ("--metrics.log_freq", "1", "--validation.enable", "false", "--training.steps", "10")
+COMMON = ("--metrics.log_freq", "1", "--validation.enable", "false", "--training.steps", "10", *SMALL)
 FSDP = ("--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "5")
 TP = ("--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective")
+# One thread, as torchrun gives each rank: MKL picks its thread count by load otherwise, and a run on
+# a busy machine can then differ from another in the last bit of a loss.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_DYNAMIC": "FALSE"}
 HELD_OUT = '[[validation.sources]]\nname = "c4"\npath = "allenai/c4"\nconfig = "en"\nsplit = "validation"\n'
 
 
@@ -62,19 +69,22 @@ def train(dump, cfg: str, *args, nproc=1, env=None, expect=0):
 @pytest.fixture(scope="module")
 def runs(hub, tmp_path_factory):
     """The three layouts with [eval] and [validation] (tasks from the Hub for 1 process and FSDP 2, from local folders
-    for TP 2; held-out data from the Hub): name -> (dump, process, steps, eval rounds, validation rounds, bytes the
-    Hub served of data files, all held-out or task files: the training data is local; dataset cards, which
-    resolution reads once per HF_HOME, are left out)."""
+    for TP 2; held-out data from the Hub, in validation batches of 8 on 1 process and TP, 2 a rank under
+    FSDP): name -> (dump, process, steps, eval rounds, validation rounds, bytes the Hub served of data files,
+    all held-out or task files: the training data is local; dataset cards, which resolution reads once per
+    HF_HOME, are left out)."""
     server, folder, env = hub
     on_hub = {name: "" for name in TASKS}
     local = {"hellaswag": folder / "Rowan/hellaswag", "arc_easy": folder / "allenai/ai2_arc",
              "arc_challenge": folder / "allenai/ai2_arc", "piqa": folder / "baber/piqa"}
     out = {}
     one = ("--training.local_batch_size", "8", "--metrics.enable_tensorboard")
-    for name, tasks, args, nproc in (("fsdp", on_hub, FSDP, 2), ("tp", local, TP, 2), ("one", on_hub, one, 1)):
+    fsdp = (*FSDP, "--validation.local_batch_size", "2")
+    layouts = (("fsdp", on_hub, fsdp, 2), ("tp", local, TP, 2), ("one", on_hub, one, 1))
+    for name, tasks, args, nproc in layouts:
         dump, start = tmp_path_factory.mktemp(f"eval_{name}"), len(server.log)
         out[name] = (dump, *train(dump, config(dump, tasks), *args, "--validation.enable", "true", nproc=nproc,
-                                  env={**env, "OMP_NUM_THREADS": "1", "MKL_DYNAMIC": "FALSE"}),
+                                  env={**env, **ONE_THREAD}),
                      sum(r["bytes"] for r in server.log[start:] if r["path"].endswith((".parquet", ".json.gz"))))
     return out
 
@@ -115,8 +125,38 @@ def test_heldout_and_task_files_are_read_once_per_job_and_validate_alike(runs):
     one, fsdp = runs["one"], runs["fsdp"]
     print(f"held-out and task bytes the Hub served: 1 rank {one[5]:,}, 2 ranks {fsdp[5]:,}")
     assert one[5] == fsdp[5] > 0, (one[5], fsdp[5])
-    assert [r["validation_tokens"] for r in one[4]] == [r["validation_tokens"] for r in fsdp[4]] == [8 * 256]
+    assert [r["validation_tokens"] for r in one[4]] == [r["validation_tokens"] for r in fsdp[4]] == [8 * 64]
     assert [r["validation_loss"] for r in fsdp[4]] == pytest.approx([r["validation_loss"] for r in one[4]], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_validation_loss_is_the_same_on_fsdp_hsdp_and_tp_and_on_resume(runs, hub, tmp_path):
+    """The step-10 held-out loss of the runs above, of HSDP (validation batches of 4 a rank), and of the
+    FSDP run resumed from its step-5 checkpoint, which replays steps 6-10 and the round exactly. [eval] is
+    off in the two runs here: they test validation only."""
+    env = {**hub[2], **ONE_THREAD}
+    on_hub = {name: "" for name in TASKS}
+    no_eval = ("--validation.enable", "true", "--eval.enable", "false")
+    (tmp_path / "hsdp").mkdir()
+    _, _, _, hsdp = train(tmp_path / "hsdp", config(tmp_path / "hsdp", on_hub), *no_eval,
+                          "--training.local_batch_size", "4", "--validation.local_batch_size", "4",
+                          "--parallelism.data_parallel_replicate_degree", "2", nproc=2, env=env)
+    one = runs["one"][4]
+    want = [r["validation_loss"] for r in one]
+    for other in (runs["fsdp"][4], hsdp, runs["tp"][4]):
+        assert [r["validation_loss"] for r in other] == pytest.approx(want, rel=1e-5)
+        assert [r["validation_tokens"] for r in other] == [r["validation_tokens"] for r in one]
+    # A copy of the FSDP run less its step-10 checkpoint: the other tests read that run's own folder
+    fsdp_dump = runs["fsdp"][0]
+    again_dump = tmp_path / "resumed"
+    shutil.copytree(fsdp_dump, again_dump, ignore=shutil.ignore_patterns("step-10"))
+    _, steps, _, again = train(again_dump, config(again_dump, on_hub), *FSDP, *no_eval,
+                               "--validation.local_batch_size", "2", "--checkpoint.load_step", "5",
+                               nproc=2, env=env)
+    # the first run's steps, then the replay
+    assert [r["step"] for r in steps] == [*range(1, 11), *range(6, 11)]
+    assert [r["loss"] for r in steps[10:]] == [r["loss"] for r in steps[5:10]]  # bitwise
+    assert [r["validation_loss"] for r in again] == [r["validation_loss"] for r in runs["fsdp"][4]] * 2
 
 
 LM_EVAL = """

@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from conftest import SMALL
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -19,14 +21,18 @@ import model  # noqa: E402
 import train  # noqa: E402
 
 
+def step_losses(dump):
+    return [r["loss"] for r in map(json.loads, open(os.path.join(dump, "metrics.jsonl"))) if "loss" in r]
+
+
 def qknorm_losses(dump, *args, nproc=1):
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={nproc}"]
     cmd = [*launcher, "tests/qknorm_train.py", "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump),
-           "--training.steps", "3", "--metrics.log_freq", "1", "--validation.enable", "false", *args]
+           "--training.steps", "3", "--metrics.log_freq", "1", "--validation.enable", "false", *SMALL, *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return [r["loss"] for r in map(json.loads, open(os.path.join(dump, "metrics.jsonl"))) if "loss" in r]
+    return step_losses(dump)
 
 
 @pytest.mark.slow
@@ -60,18 +66,30 @@ def test_init_weights_default_rules_for_new_parameters_of_any_shape():
         train.apply_fsdp(m, None, torch.float32, torch.float32)
 
 
-def fork_losses(dump, script, *args, env=None):
-    cmd = [sys.executable, script, "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump),
-           "--training.steps", "2", "--metrics.log_freq", "1", "--validation.enable", "false", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return [r["loss"] for r in map(json.loads, open(os.path.join(dump, "metrics.jsonl"))) if "loss" in r]
+# tests/zloss_train.py at two coefficients in one process (its forward_backward reads Z at each call): a
+# process for each would spend ~4.5 s more importing torch.
+TWO_COEFFICIENTS = r"""
+import sys
+
+sys.path.insert(0, "tests")
+import zloss_train  # noqa: E402
+
+for z, dump in ((0.0, sys.argv[1]), (1e-2, sys.argv[2])):
+    zloss_train.Z = z
+    zloss_train.train.main(zloss_train.train.load_config([*sys.argv[3:], "--job.dump_folder", dump]))
+"""
 
 
 @pytest.mark.slow
 def test_a_new_objective_replaces_forward_backward(tmp_path):
-    plain = fork_losses(tmp_path / "plain", "tests/zloss_train.py", env={"ZLOSS": "0"})
-    zloss = fork_losses(tmp_path / "zloss", "tests/zloss_train.py", env={"ZLOSS": "1e-2"})
+    args = ["--config", "configs/debug_model.toml", "--training.steps", "1", "--metrics.log_freq", "1",
+            "--validation.enable", "false", *SMALL]
+    dumps = [str(tmp_path / "plain"), str(tmp_path / "zloss")]
+    proc = subprocess.run([sys.executable, "-c", TWO_COEFFICIENTS, *dumps, *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    plain = step_losses(tmp_path / "plain")
+    zloss = step_losses(tmp_path / "zloss")
     # Same weights and batch at step 1: the difference is the z-loss term, 1e-2 * E[logsumexp^2] with
     # logsumexp ~ log(2048 tokens) + ~0.5 at init.
     assert 0.4 < zloss[0] - plain[0] < 1.0, (plain, zloss)
@@ -106,7 +124,7 @@ def test_a_new_field_needs_no_doc_and_is_a_resume_key(tmp_path):
     help_out = subprocess.run([sys.executable, "train.py", "--help"], cwd=fork, capture_output=True, text=True)
     assert help_out.returncode == 0 and "--training.z_loss FLOAT" in help_out.stdout and "(default: 0.0)" in help_out.stdout
     base = [sys.executable, "train.py", "--config", "configs/debug_model.toml", "--job.dump_folder", str(tmp_path / "run"),
-            "--validation.enable", "false", "--checkpoint.enable", "--checkpoint.interval", "2"]
+            "--validation.enable", "false", "--checkpoint.enable", "--checkpoint.interval", "2", *SMALL]
     first = subprocess.run(base + ["--training.steps", "2"], cwd=fork, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     again = subprocess.run(base + ["--training.steps", "3", "--training.z_loss", "0.1"], cwd=fork,

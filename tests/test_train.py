@@ -7,42 +7,90 @@ import sys
 
 import pytest
 
+from conftest import SMALL
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+ARGS = ("--config", "configs/debug_model.toml", "--metrics.log_freq", "1", "--validation.enable", "false",
+        *SMALL)
+
+
+def steps(dump):
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "loss" in r]  # training steps, not validation rounds
+
+
 def train(dump, *args):
-    cmd = [sys.executable, "train.py", "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump),
-           "--metrics.log_freq", "1", "--validation.enable", "false", *map(str, args)]
+    cmd = [sys.executable, "train.py", *ARGS, "--job.dump_folder", str(dump), *map(str, args)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    with open(os.path.join(dump, "metrics.jsonl")) as f:
-        return proc.stdout, [r for r in map(json.loads, f) if "loss" in r]  # training steps, not validation rounds
+    return proc.stdout, steps(dump)
 
 
 def losses(records):
     return [r["loss"] for r in records]
 
 
+# The eager runs the tests compare, each a name and its arguments. They share one process: main() closes
+# its process group, loader and logs, and a process of its own would spend ~4.5 s a run importing torch.
+RUNS = {
+    "plain": ("--training.steps", "3"),  # local batch 8, no activation checkpointing, fp32: the baseline
+    "accumulation": ("--training.steps", "3", "--training.local_batch_size", "4",
+                     "--training.global_batch_size", "8"),
+    **{f"{mode}-{option}": ("--training.steps", "3", "--activation_checkpoint.mode", mode,
+                            "--activation_checkpoint.selective_ac_option", option)
+       for mode, option in (("full", "op"), ("selective", "op"), ("selective", "2"))},
+    "bf16": ("--training.steps", "3", "--training.mixed_precision_param", "bfloat16"),
+    "peak": ("--training.steps", "2", "--metrics.peak_tflops", "0.5", "--metrics.enable_tensorboard",
+             "--job.print_config"),
+}
+# Each run's stdout goes to stdout.txt in its dump folder.
+IN_ONE_PROCESS = r"""
+import contextlib
+import json
+import os
+import sys
+
+import train
+
+for dump, args in json.loads(sys.argv[1]):
+    os.makedirs(dump)
+    with open(os.path.join(dump, "stdout.txt"), "w") as out, contextlib.redirect_stdout(out):
+        train.main(train.load_config([*args, "--job.dump_folder", dump]))
+"""
+
+
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    """3 steps, local batch 8, no activation checkpointing, fp32, eager."""
-    return train(tmp_path_factory.mktemp("base"), "--training.steps", 3)[1]
+def runs(tmp_path_factory):
+    """name -> (dump folder, stdout, training steps) of each of RUNS."""
+    pytest.importorskip("tensorboard")  # the peak run writes TensorBoard's events
+    folder = tmp_path_factory.mktemp("runs")
+    todo = [(str(folder / name), [*ARGS, *args]) for name, args in RUNS.items()]
+    proc = subprocess.run([sys.executable, "-c", IN_ONE_PROCESS, json.dumps(todo)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    dumps = {name: folder / name for name in RUNS}
+    return {name: (dump, (dump / "stdout.txt").read_text(), steps(dump)) for name, dump in dumps.items()}
+
+
+@pytest.fixture(scope="module")
+def baseline(runs):
+    return runs["plain"][2]
 
 
 @pytest.mark.slow
-def test_gradient_accumulation_matches_the_full_batch(baseline, tmp_path):
-    _, records = train(tmp_path, "--training.steps", 3, "--training.local_batch_size", 4,
-                       "--training.global_batch_size", 8)
+def test_gradient_accumulation_matches_the_full_batch(runs, baseline):
+    records = runs["accumulation"][2]
     for a, b in zip(losses(records), losses(baseline)):
         assert a == pytest.approx(b, rel=1e-5)
-    assert records[-1]["tokens_seen"] == baseline[-1]["tokens_seen"] == 3 * 8 * 256
+    assert records[-1]["tokens_seen"] == baseline[-1]["tokens_seen"] == 3 * 8 * 64
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, option", [("full", "op"), ("selective", "op"), ("selective", "2")])
-def test_activation_checkpointing_does_not_change_the_math(baseline, tmp_path, mode, option):
-    _, records = train(tmp_path, "--training.steps", 3, "--activation_checkpoint.mode", mode,
-                       "--activation_checkpoint.selective_ac_option", option)
+def test_activation_checkpointing_does_not_change_the_math(runs, baseline, mode, option):
+    records = runs[f"{mode}-{option}"][2]
     for a, b in zip(losses(records), losses(baseline)):
         assert a == pytest.approx(b, rel=1e-6)
 
@@ -104,20 +152,18 @@ def test_compile_per_block(baseline, tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_mixed_precision_stays_close_to_fp32(baseline, tmp_path):
-    _, records = train(tmp_path, "--training.steps", 3, "--training.mixed_precision_param", "bfloat16")
+def test_bf16_mixed_precision_stays_close_to_fp32(runs, baseline):
+    records = runs["bf16"][2]
     for a, b in zip(losses(records), losses(baseline)):
         assert a == pytest.approx(b, rel=2e-2)
 
 
 @pytest.mark.slow
-def test_mfu_with_configured_peak_and_tensorboard(tmp_path):
-    pytest.importorskip("tensorboard")
-    out, records = train(tmp_path, "--training.steps", 2, "--metrics.peak_tflops", "0.5",
-                         "--metrics.enable_tensorboard")
+def test_mfu_with_configured_peak_and_tensorboard(runs):
+    dump, out, records = runs["peak"]
     assert all(r["mfu"] == pytest.approx(100 * r["tflops"] / 0.5) for r in records)
     assert "mfu: n/a" not in out and "mfu: " in out
-    tb = os.path.join(tmp_path, "tb")
+    tb = os.path.join(dump, "tb")
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tb))
 
 
@@ -125,15 +171,15 @@ def test_mfu_with_configured_peak_and_tensorboard(tmp_path):
 def test_mfu_is_na_on_cpu_without_a_peak(baseline):
     assert all(r["mfu"] is None for r in baseline)
     # FLOPs per token: 6 x non-embedding params + 12 x layers x heads x head_dim x seq_len
-    flops_per_token = 6 * (5_770_496 - 2048 * 256) + 12 * 6 * 16 * 16 * 256
+    flops_per_token = 6 * (2_622_720 - 2048 * 256) + 12 * 2 * 16 * 16 * 64
     assert baseline[-1]["tflops"] == pytest.approx(flops_per_token * baseline[-1]["tps"] / 1e12)
 
 
 @pytest.mark.slow
-def test_the_config_goes_to_config_toml_and_one_summary_line(tmp_path):
-    out, _ = train(tmp_path, "--training.steps", 1)
-    assert "[training]" not in out and (tmp_path / "config.toml").read_text().count("[training]") == 1
-    summary = [ln for ln in out.splitlines() if "5,770,496 parameters" in ln]
-    assert len(summary) == 1 and f"config in {tmp_path}/config.toml" in summary[0]
-    out, _ = train(tmp_path / "p", "--training.steps", 1, "--job.print_config")
+def test_the_config_goes_to_config_toml_and_one_summary_line(runs):
+    dump, out, _ = runs["plain"]
+    assert "[training]" not in out and (dump / "config.toml").read_text().count("[training]") == 1
+    summary = [ln for ln in out.splitlines() if "2,622,720 parameters" in ln]
+    assert len(summary) == 1 and f"config in {dump}/config.toml" in summary[0]
+    out = runs["peak"][1]  # --job.print_config
     assert "[training]" in out and "local_batch_size = 8" in out
