@@ -8,9 +8,13 @@ import sys
 
 import pytest
 
+from conftest import SMALL
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Each bench.py run below trains 2 steps, the first untimed (one timed step is a rate), mostly of the SMALL
+# shape: each launch costs ~4.5 s of imports, more than the steps.
 def bench(*args):
     proc = subprocess.run([sys.executable, "bench.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -19,8 +23,10 @@ def bench(*args):
 
 @pytest.mark.slow
 def test_matrix_runs_every_combination_and_reports_failures():
-    out = bench("matrix", "--config", "configs/debug_model.toml", "--model.n_layers", "2", "--steps", "4",
-                "--warmup", "2", "--vary", "activation_checkpoint.mode=none,full",
+    # 2 blocks at the config's seq 256, not SMALL: at seq 64 the activations full AC saves round away in the
+    # estimate's 2 decimals (0.38 GiB both)
+    out = bench("matrix", "--config", "configs/debug_model.toml", "--model.n_layers", "2", "--steps", "2",
+                "--warmup", "1", "--vary", "activation_checkpoint.mode=none,full",
                 "--vary", "training.local_batch_size=4,3")  # 3 is not a multiple of the 2 data streams
     rows = [ln for ln in out.splitlines() if ln.startswith("| none") or ln.startswith("| full")]
     assert len(rows) == 4, out
@@ -88,32 +94,42 @@ def test_help_documents_every_option_the_readme_uses(capsys):
 
 @pytest.mark.slow
 def test_overhead_and_startup_run():
-    out = bench("overhead", "--config", "configs/debug_model.toml", "--training.seq_len", "64", "--steps", "4",
-                "--warmup", "2", "--repeats", "1")
+    out = bench("overhead", "--config", "configs/debug_model.toml", *SMALL, "--steps", "2", "--warmup", "1",
+                "--repeats", "1")
     assert re.search(r"trainer / bare loop: [\d.]+ \(median of 1 pair ratios [\d.]+; medians [\d,]+ / [\d,]+ = "
                      r"[\d.]+ tokens/s\); 1-minute load average [\d.]+-[\d.]+ on \d+ cores", out), out
-    out = bench("startup", "--config", "configs/debug_model.toml", "--repeats", "1")
+    out = bench("startup", "--config", "configs/debug_model.toml", "--model.n_layers", "2", "--repeats", "1")
     assert re.search(r"[\d.]+s beyond importing torch", out)
 
 
 @pytest.mark.slow
-def test_matrix_under_torchrun_and_bad_arguments():
-    out = bench("matrix", "--nproc", "2", "--config", "configs/debug_model.toml", "--model.n_layers", "2",
-                "--steps", "4", "--warmup", "2", "--vary", "parallelism.tensor_parallel_degree=1,2")
+def test_matrix_under_torchrun():
+    out = bench("matrix", "--nproc", "2", "--config", "configs/debug_model.toml", *SMALL, "--steps", "2",
+                "--warmup", "1", "--vary", "parallelism.tensor_parallel_degree=1,2")
     rows = [ln for ln in out.splitlines() if re.match(r"\| [12] \|", ln)]
     assert len(rows) == 2 and all(re.match(r"\| [12] \| [\d,]+ \|", r) for r in rows), out
-    for args, message in [(["matrix", "--vary", "training.steps"], "--vary training.steps: expected section.key="),
-                          (["matrix"], "--vary (none given)"),
-                          (["memory", "--config", "nope.toml"], "config file 'nope.toml' not found"),
-                          (["overhead", "--warmup", "0"], "--warmup 0: must be >= 1"),
-                          (["matrix", "--vary", "training.steps=5,10"], "training.steps is set by bench.py"),
-                          (["overhead", "--config", "configs/debug_model.toml", "--training.stpes", "3"],
-                           "unknown key in [training] 'stpes'"),
-                          (["memory", "--config", "configs/debug_model.toml", "--config", "configs/llama3_8b.toml"],
-                           "--config given 2 times (configs/debug_model.toml, configs/llama3_8b.toml)")]:
-        proc = subprocess.run([sys.executable, "bench.py", *args], cwd=ROOT, capture_output=True, text=True)
-        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["matrix", "--vary", "training.steps"], "--vary training.steps: expected section.key="),
+    (["matrix"], "--vary (none given)"),
+    (["memory", "--config", "nope.toml"], "config file 'nope.toml' not found"),
+    (["overhead", "--warmup", "0"], "--warmup 0: must be >= 1"),
+    (["matrix", "--vary", "training.steps=5,10"], "training.steps is set by bench.py"),
+    (["overhead", "--config", "configs/debug_model.toml", "--training.stpes", "3"],
+     "unknown key in [training] 'stpes'"),
+    (["memory", "--config", "configs/debug_model.toml", "--config", "configs/llama3_8b.toml"],
+     "--config given 2 times (configs/debug_model.toml, configs/llama3_8b.toml)")])
+def test_bad_arguments_are_one_line_and_exit_2(args, message, capsys, monkeypatch):
+    """In this process, not a bench.py launch each (~4 s of imports): main() is what __main__ runs."""
+    import bench as b
+
+    monkeypatch.chdir(ROOT)  # the config paths are relative to the repo root, as for bench.py
+    with pytest.raises(SystemExit) as e:
+        b.main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1
 
 
 # --- bench.py titan: the parts that need no torchtitan, then one real run where it is installed
@@ -206,9 +222,11 @@ def test_titan_refuses_without_torchtitan_and_bad_counts(monkeypatch, capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan (requirements-bench.txt)")
 def test_titan_side_by_side_runs():
-    out = bench("titan", "--config", "configs/debug_model.toml", "--model.n_layers", "2", "--training.seq_len", "64",
-                "--steps", "4", "--warmup", "2", "--repeats", "1", "--device", "cpu")
-    assert "debugmodel 2 layers, seq 64, 1,024 tokens per step, 2 processes on cpu" in out, out
+    # One process a side: the 2-process command is checked by
+    # test_titan_runs_torchtitan_on_our_shapes_and_tokens_per_step
+    out = bench("titan", "--config", "configs/debug_model.toml", *SMALL, "--nproc", "1", "--steps", "2",
+                "--warmup", "1", "--repeats", "1", "--device", "cpu")
+    assert "debugmodel 2 layers, seq 64, 512 tokens per step, 1 processes on cpu" in out, out
     assert re.search(r"pair 1: ours [\d,]+, torchtitan [\d,]+ tokens/s per process, ratio [\d.]+", out), out
     assert re.search(r"ours / torchtitan: [\d.]+ \(median of 1 pair ratios", out), out
 

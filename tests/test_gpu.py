@@ -4,8 +4,9 @@
 
 bf16 mixed precision, per-block compile, selective and full activation checkpointing, async checkpoints and a
 bitwise-exact resume, fused AdamW, and checkpoint_convert.py dcp2hf logits against transformers on the device.
-The cuda cases are marked `gpu` and skip without CUDA (conftest.DEVICES). The runs are tiny (debug model,
-sequences of 64 tokens, 4 steps) and shared between tests: three train.py runs per device.
+The cuda cases are marked `gpu` and skip without CUDA (conftest.DEVICES). The runs are tiny (the SMALL shape:
+2 of the debug model's blocks, sequences of 64 tokens; 4 steps) and shared between tests: three train.py runs
+per device.
 """
 
 import json
@@ -17,10 +18,10 @@ import sys
 import pytest
 import torch
 
-from conftest import DEVICES, ROOT
+from conftest import DEVICES, ROOT, SMALL
 from test_convert import convert, read_dcp_model
 
-BASE = ["--config", "configs/debug_model.toml", "--training.seq_len", "64", "--training.local_batch_size", "2",
+BASE = ["--config", "configs/debug_model.toml", *SMALL, "--training.local_batch_size", "2",
         "--metrics.log_freq", "1", "--validation.enable", "false", "--training.deterministic"]
 # The run under test: bf16, compile, selective AC, async checkpoints at steps 2 and 4. Deterministic algorithms
 # (and cuBLAS's fixed workspace, below) so that a resume can be compared bit for bit on a GPU too.

@@ -5,6 +5,7 @@ Slow, and skipped where torchtitan is not installed (CI): the layouts alone are 
 tests/test_convert.py and tests/test_checkpoint.py."""
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -23,11 +24,15 @@ sys.path.insert(0, ROOT)
 
 import bench  # noqa: E402
 import checkpoint_convert as C  # noqa: E402
+from conftest import SMALL  # noqa: E402
 import model as M  # noqa: E402
 from titan_run import titan_command, titan_tokenizer  # noqa: E402
 import train  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "debug_model.toml")
+# Both trainers run the SMALL shape (2 of the debug model's blocks, seq 64): its checkpoints carry every
+# kind of weight the layouts name, at a fifth of the 6-block, seq-256 steps' time
+ARGS = dataclasses.replace(M.flavors["debugmodel"], n_layers=2)
 WARMUP = ("--lr_scheduler.warmup_steps", "4")  # the same schedule shape in both trainers
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*assuming the intent is to"),
               pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
@@ -35,8 +40,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*assuming th
 
 
 def torchtitan(folder, steps: int, *flags) -> dict:
-    """A torchtitan run of our debug shape in `folder` (also its tokenizer files): {step: logged loss}."""
-    cfg, model, sizes = bench.planned(["--config", CONFIG], 1)
+    """A torchtitan run of our SMALL shape in `folder` (also its tokenizer files): {step: logged loss}."""
+    cfg, model, sizes = bench.planned(["--config", CONFIG, *SMALL], 1)
     titan_tokenizer(cfg, str(folder))
     args = argparse.Namespace(steps=steps, warmup=1, nproc=1, device="cpu")  # warmup: its log_freq
     cmd = titan_command(cfg, model.args, sizes, args, str(folder)) + [*WARMUP, "--checkpoint.enable", *flags]
@@ -47,10 +52,10 @@ def torchtitan(folder, steps: int, *flags) -> dict:
 
 
 def ours(dump, *args, nproc=1) -> tuple:
-    """(output, metrics.jsonl's training records) of a train.py run of the debug config."""
+    """(output, metrics.jsonl's training records) of a train.py run of the debug config, SMALL shape."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
     cmd = [sys.executable, *launcher, "train.py", "--config", CONFIG, "--job.dump_folder", str(dump),
-           "--metrics.log_freq", "1", "--validation.enable", "false", *WARMUP, *map(str, args)]
+           "--metrics.log_freq", "1", "--validation.enable", "false", *WARMUP, *SMALL, *map(str, args)]
     proc = subprocess.run(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
     with open(os.path.join(dump, "metrics.jsonl")) as f:
@@ -69,20 +74,23 @@ def titan_run(tmp_path_factory):
 def test_its_checkpoints_convert_bit_for_bit_with_our_logits(titan_run, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import LlamaForCausalLM
+    params = tmp_path / "params.json"  # torchtitan saves none; the 2-block shape is no flavor of model.py
+    json.dump(ARGS.params(), open(params, "w"))
+    assert C.dcp_args(str(titan_run), "debugmodel") == M.flavors["debugmodel"]  # --params may name a flavor
     for step, dtype in ((5, torch.float32), (10, torch.bfloat16)):
         dcp_to_torch_save(str(titan_run / f"step-{step}"), str(tmp_path / f"stock{step}.pt"))
         stock = torch.load(tmp_path / f"stock{step}.pt", weights_only=True)
         out = tmp_path / f"meta{step}"
         C.main(["dcp2torch", "--input_dir", str(titan_run / f"step-{step}"), "--output_dir", str(out),
-                "--params", "debugmodel"])
+                "--params", str(params)])
         sd = torch.load(out / "consolidated.00.pth", weights_only=True)
-        assert len(sd) == 9 * 6 + 3 and all(w.dtype == dtype for w in sd.values())
+        assert len(sd) == 9 * ARGS.n_layers + 3 and all(w.dtype == dtype for w in sd.values())
         for k, w in sd.items():
             assert torch.equal(w.view(torch.uint8), stock[k].view(torch.uint8)), k  # bits, not just values
     hf = tmp_path / "hf"
-    C.main(["dcp2hf", "--input_dir", str(titan_run / "step-10"), "--output_dir", str(hf), "--params", "debugmodel",
-            "--tokenizer_path", os.path.join(ROOT, C.DEFAULT_TOKENIZER)])
-    model = M.Transformer(M.flavors["debugmodel"])
+    C.main(["dcp2hf", "--input_dir", str(titan_run / "step-10"), "--output_dir", str(hf),
+            "--params", str(params), "--tokenizer_path", os.path.join(ROOT, C.DEFAULT_TOKENIZER)])
+    model = M.Transformer(ARGS)
     model.load_state_dict({k: w.float() for k, w in sd.items()})
     tokens = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -98,20 +106,20 @@ def test_train_continues_its_run_or_takes_its_weights(titan_run, tmp_path):
                         "--training.local_batch_size", 4, nproc=2)
     assert "is torchtitan's: took its weights, AdamW moments, step 5" in out
     assert "not its data position (another loader)" in out
-    cfg = train.load_config(["--config", CONFIG, *WARMUP, "--training.steps", "7"])
+    cfg = train.load_config(["--config", CONFIG, *WARMUP, *SMALL, "--training.steps", "7"])
     assert [r["step"] for r in records] == [6, 7]
     assert records[0]["lr"] == pytest.approx(cfg.optimizer.lr * train.lr_factor(5, cfg), rel=1e-6)
 
     out, fresh = ours(tmp_path / "weights", "--checkpoint.initial_load_path", titan_run / "step-10",
                       "--training.steps", 2)
     assert "loaded weights from" in out and [r["step"] for r in fresh] == [1, 2]
-    two = train.load_config(["--config", CONFIG, *WARMUP, "--training.steps", "2"])
+    two = train.load_config(["--config", CONFIG, *WARMUP, *SMALL, "--training.steps", "2"])
     assert fresh[0]["lr"] == pytest.approx(two.optimizer.lr * train.lr_factor(0, two), rel=1e-6)  # warm-up again
     # Trained weights: well below a fresh model's loss (ln 2048 = 7.6), on our data.
     assert fresh[0]["loss"] < 7.0 and records[0]["loss"] < 7.5
 
 
-def first_batch(folder, seq_len=256, batch=8):
+def first_batch(folder, seq_len=64, batch=8):
     """torchtitan's first batch, from its own dataset class (as titan_run.py imports it: without triton
     its MoE kernels, unused by llama3, are stubbed)."""
     if importlib.util.find_spec("triton") is None:
@@ -128,7 +136,7 @@ def first_batch(folder, seq_len=256, batch=8):
 def test_torchtitan_starts_from_dcp2titan_with_our_loss(tmp_path):
     """Our weights (a DCP folder as torch2dcp and the trainer write it) -> dcp2titan -> torchtitan's
     initial_load_path: its step-1 loss is our model.py's on its first batch."""
-    args = M.flavors["debugmodel"]
+    args = ARGS
     torch.manual_seed(7)
     model = M.Transformer(args)
     model.init_weights()
