@@ -419,6 +419,7 @@ def readme_snippet(section: str) -> str:
     return re.search(r"```python\n(.*?)```", body, re.S)[1]
 
 
+@pytest.mark.slow
 def test_readme_sampling_snippet_on_debug_export(tmp_path, monkeypatch, capsys):
     """The README's dcp2hf of a trainer step-N (tokenizer from its config.toml, a path relative to the repo)
     then its five-line generate snippet, run as is; transformers logs no warning on the way."""

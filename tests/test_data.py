@@ -85,7 +85,7 @@ def test_mixture_token_shares_within_one_point(tok, sources):
         assert abs(c / total - weights[name]) < 0.01, (name, c / total, weights[name])
 
 
-@pytest.mark.parametrize("streams", [1, 2, 4])
+@pytest.mark.parametrize("streams", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_resume_is_exact_at_any_point(tok, sources, streams):
     """Restarts at several points (inside documents, after sources wrapped to epoch 1, twice in a
     row) give the uninterrupted stream. 4 streams over 2 files per source exercises the row split."""
