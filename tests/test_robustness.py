@@ -1,9 +1,12 @@
-"""Failures that must not cost a run: divergence, a full disk, a second job on the same folder."""
+"""Failures that must not cost a run: divergence, a full disk, a second job on the same folder.
+Runs train conftest.SMALL (2 blocks, seq 64; the data error's at seq 256): what fails is not the model's
+size."""
 
 import json
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,11 +15,15 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # this file run as a script (two_runs, slow_runs) imports conftest and train
+    sys.path.insert(0, ROOT)
+
+from conftest import SMALL  # noqa: E402
 
 
 def cmd(dump, *args):
     return [sys.executable, "train.py", "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump),
-            "--metrics.log_freq", "1", "--validation.enable", "false", *map(str, args)]
+            "--metrics.log_freq", "1", "--validation.enable", "false", *SMALL, *map(str, args)]
 
 
 def run(dump, *args, **kwargs):
@@ -50,32 +57,47 @@ def test_non_finite_loss_stops_without_saving_it(tmp_path):
     assert tensorboard_steps(tmp_path) == [1]
 
 
+SECRET = "hf_notarealtoken1234567890"
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """(dump folder, finished process) of a 2-step run that saved step-2, with a Hugging Face token in its
+    environment: one launch for two tests."""
+    dump = tmp_path_factory.mktemp("two_steps")
+    proc = run(dump, "--training.steps", 2, "--checkpoint.enable", "--checkpoint.interval", 2,
+               env={**os.environ, "HF_TOKEN": SECRET})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return dump, proc
+
+
 @pytest.mark.slow
-def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
-    assert run(tmp_path, "--training.steps", 2, "--checkpoint.enable", "--checkpoint.interval", 2).returncode == 0
+def test_failed_save_keeps_the_previous_checkpoint(two_steps, tmp_path):
+    dump = shutil.copytree(two_steps[0], tmp_path / "run")  # its step-2 is the checkpoint to keep
 
     def small_disk():  # a file-size limit makes every checkpoint write fail with EFBIG, like a full disk
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
 
-    proc = run(tmp_path, "--training.steps", 6, "--checkpoint.enable", "--checkpoint.interval", 2,
+    proc = run(dump, "--training.steps", 6, "--checkpoint.enable", "--checkpoint.interval", 2,
                preexec_fn=small_disk)
     out = proc.stdout
     assert "checkpoint step-4 failed (" in out, out[-3000:]
-    assert f"the newest complete checkpoint is still {tmp_path}/checkpoint/step-2" in out
+    assert f"the newest complete checkpoint is still {dump}/checkpoint/step-2" in out
     assert "step: 6" in out  # training went on after the failed save at step 4
     assert proc.returncode == 3  # but the final save failed too: that is not a success
     (line,) = errors(proc)
     assert line.startswith("error: checkpoint step-6 failed")
-    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2"]  # intact, no .tmp leftovers
+    assert sorted(os.listdir(dump / "checkpoint")) == ["step-2"]  # intact, no .tmp leftovers
     # and the run resumes from it
-    proc = run(tmp_path, "--training.steps", 3, "--checkpoint.enable", "--checkpoint.interval", 100)
+    proc = run(dump, "--training.steps", 3, "--checkpoint.enable", "--checkpoint.interval", 100)
     assert proc.returncode == 0 and "resumed from" in proc.stdout
 
 
 @pytest.mark.slow
 def test_second_job_on_the_same_dump_folder_is_refused(tmp_path):
-    first = subprocess.Popen(cmd(tmp_path, "--training.steps", 200), cwd=ROOT, stdout=subprocess.DEVNULL,
+    # far more steps than it has time for (0.2 s each): it is killed below, after the second job's start
+    first = subprocess.Popen(cmd(tmp_path, "--training.steps", 2000), cwd=ROOT, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
     try:
         metrics = tmp_path / "metrics.jsonl"
@@ -106,12 +128,10 @@ def test_dump_folder_that_cannot_be_created(tmp_path):
 
 
 @pytest.mark.slow
-def test_tokens_never_reach_logs_configs_or_metrics(tmp_path):
-    secret = "hf_notarealtoken1234567890"
-    proc = run(tmp_path, "--training.steps", 1, env={**os.environ, "HF_TOKEN": secret})
-    assert proc.returncode == 0
-    written = [proc.stdout, proc.stderr] + [p.read_text() for p in tmp_path.iterdir() if p.is_file()]
-    assert not any(secret in text for text in written)
+def test_tokens_never_reach_logs_configs_or_metrics(two_steps):
+    dump, proc = two_steps
+    written = [proc.stdout, proc.stderr] + [p.read_text() for p in dump.iterdir() if p.is_file()]
+    assert not any(SECRET in text for text in written)
 
 
 def test_loading_never_unpickles_and_never_runs_remote_code():
@@ -247,20 +267,21 @@ def test_a_data_error_on_one_rank_ends_every_rank_with_the_same_line(tmp_path):
     gradient accumulation (the failing micro-batch is not the step's last); both ranks must end with that
     one line and exit 2, not one line and a gloo traceback."""
     import gzip
-    import shutil
     src = tmp_path / "c4"
     shutil.copytree(os.path.join(ROOT, "assets", "data", "c4"), src)
     files = sorted((src / "en").glob("c4-train.*.json.gz"))
     data = gzip.decompress(files[1].read_bytes())
-    files[1].write_bytes(gzip.compress(data)[:len(gzip.compress(data)) // 20])  # cut off after a few documents
+    # cut off after a few documents: rank 0 fails at step 9, on the 2nd of its 4 micro-batches
+    files[1].write_bytes(gzip.compress(data)[:len(gzip.compress(data)) // 40])
     toml = open(os.path.join(ROOT, "configs", "debug_model.toml")).read()
     toml = toml.replace('path = "assets/data/c4"', f'path = "{src}"')
     (tmp_path / "c.toml").write_text(toml)
     start = time.time()
+    # SMALL's 2 blocks at the config's seq 256: the micro-batch that meets the cut follows the sequence length
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "train.py", "--config", str(tmp_path / "c.toml"), "--job.dump_folder", str(tmp_path / "d"),
                            "--metrics.log_freq", "1", "--validation.enable", "false", "--training.steps", "40", "--training.local_batch_size", "1",
-                           "--training.global_batch_size", "8"],
+                           "--training.global_batch_size", "8", "--model.n_layers", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     # Both ranks print the same line (to one stderr, so the two may share a line of the terminal).
     lines = re.findall(r"error: (data source 'c4': reading \S+ at row \d+ failed[^\n]*?reached\))", proc.stderr)
@@ -346,5 +367,4 @@ def test_a_killed_peer_is_a_lost_rank_not_a_traceback():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
     {"two_runs": two_runs, "slow_runs": slow_runs}[sys.argv[1]](sys.argv[2])
