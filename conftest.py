@@ -63,6 +63,12 @@ def tp_reference(tmp_path_factory):
                         "--activation_checkpoint.mode", "selective")
 
 
+def pytest_collection_modifyitems(items):
+    """Tests marked starts_early run first: they start work that takes minutes of waiting (tests/test_slurm.py's
+    jobs), which the rest of the suite fills; the tests that collect it come later."""
+    items.sort(key=lambda item: item.get_closest_marker("starts_early") is None)  # stable: the rest in order
+
+
 # --- Two tiers: `python -m pytest -q -m "not slow"` after an edit, the whole suite in CI. A feature
 # that adds tests pays for them: its quick cases within QUICK_BUDGET, the rest marked slow, the
 # whole within WHOLE_BUDGET (2 cores).

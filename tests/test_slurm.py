@@ -9,7 +9,8 @@ killed with a spare node, without one, at every launch (a crash loop), a user er
 The module starts its own munged, slurmctld and three slurmd (nodes n1 n2 n3 on this one machine), all on
 127.0.0.1 with state under a pytest tmp folder, and stops them by PID at the end. The slurmds run in a private
 mount namespace whose /etc/hosts maps the nodes to 127.0.0.1, so the jobs can resolve their node names.
-Without root or the packages the cluster tests skip, saying why. All the jobs run side by side.
+Without root or the packages the cluster tests skip, saying why. All the jobs run side by side, submitted by the
+suite's first test, while the other tests run (conftest.py: starts_early).
 """
 
 import json
@@ -20,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -184,9 +186,11 @@ PartitionName=ci Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
                        cwd=ROOT, env={**self.env, **env}).stdout
         return out.strip().split(";")[0]
 
-    def job(self, job_id) -> dict:
-        out = self.run("scontrol", "show", "job", "-o", job_id).stdout
-        return dict(re.findall(r"(\w+)=(\S*)", out))
+    def jobs(self) -> dict:
+        """{job id: scontrol's fields} of every job, one call (finished ones stay listed: MinJobAge)."""
+        out = self.run("scontrol", "show", "job", "-o", check=False).stdout
+        infos = (dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.splitlines())
+        return {info["JobId"]: info for info in infos if "JobId" in info}
 
     def stop(self):
         """Cancel what still runs, stop the daemons by PID, then any job process they left behind."""
@@ -249,7 +253,7 @@ def why_no_cluster():
     return None
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # the jobs run beside the rest of the suite (started_jobs)
 def cluster(tmp_path_factory):
     reason = why_no_cluster()
     if reason:
@@ -268,22 +272,6 @@ def cluster(tmp_path_factory):
 # -------------------------------------------------------------------------------------------------------
 # Helpers for the jobs
 # -------------------------------------------------------------------------------------------------------
-
-def wait_jobs(cluster, ids: dict, logs: dict, timeout, on_poll) -> dict:
-    """{name: scontrol's job info} once every job in ids ({name: job id}) has ended; on_poll(name, info) on the way."""
-    infos, deadline = {}, time.time() + timeout
-    while len(infos) < len(ids) and time.time() < deadline:
-        for name in ids.keys() - infos.keys():
-            info = cluster.job(ids[name])
-            on_poll(name, info)
-            if info.get("JobState") in DONE:
-                infos[name] = info
-        time.sleep(0.5)
-    for name in ids.keys() - infos.keys():
-        raise AssertionError(f"job {name} not finished after {timeout} s: {cluster.job(ids[name])}\n{tail(logs[name], 60)}"
-                             f"\n--- slurmctld.log:\n{tail(os.path.join(cluster.tmp, 'slurmctld.log'), 20)}")
-    return infos
-
 
 def read(path) -> str:
     with open(path, errors="replace") as f:
@@ -323,10 +311,26 @@ JOBS = {  # name: (sbatch args, environment); a kill after 8 new steps: step-5 i
 WARN_AT = 8  # the time-limit job gets its warning once it has logged this many steps
 
 
-@pytest.fixture(scope="module")
-def jobs(cluster, tmp_path_factory):
+def watch(cluster, ids: dict, dumps: dict, ended: dict, deadline: float):
+    """Until every job of ids ({name: job id}) has ended or the deadline passed: scontrol's fields of each job that
+    ended into ended, and the time-limit job's warning once it trains."""
+    warned = False
+    while len(ended) < len(ids) and time.time() < deadline:
+        if not warned and metrics_steps(dumps["timelimit"]) >= WARN_AT:
+            cluster.run("scancel", "--batch", "--signal=USR1", ids["timelimit"])
+            warned = True
+        infos = cluster.jobs()
+        for name, job_id in ids.items():
+            if infos.get(job_id, {}).get("JobState") in DONE:
+                ended.setdefault(name, infos[job_id])
+        time.sleep(1)
+
+
+@pytest.fixture(scope="session")
+def started_jobs(cluster, tmp_path_factory):
     """Every job of JOBS, and slurm/preflight.sbatch beside them (about 15 s; each node declares 8 CPUs, so none
-    waits). The time-limit job gets Slurm's time-limit warning as `#SBATCH --signal=B:USR1@120` has Slurm send it
+    waits), submitted at once and watched by a thread: (ids, dumps, logs, the ended jobs' fields, the thread).
+    The time-limit job gets Slurm's time-limit warning as `#SBATCH --signal=B:USR1@120` has Slurm send it
     (SIGUSR1 to the batch shell), from `scancel --batch --signal=USR1` once it trains: waiting for Slurm's own
     timer would cost minutes (slurmctld checks time limits every 30 s) of training the reference too. It
     checkpoints, requeues itself and resumes."""
@@ -346,15 +350,29 @@ def jobs(cluster, tmp_path_factory):
     ids["preflight"] = cluster.sbatch("preflight", job_env(cluster), ["--exclusive=user"],
                                       ["--job.dump_folder", dumps["preflight"]], script=PREFLIGHT)
     logs = {name: os.path.join(cluster.tmp, f"{name}-{ids[name]}.out") for name in ids}
-    warned = []
+    ended = {}
+    watcher = threading.Thread(target=watch, args=(cluster, ids, dumps, ended, time.time() + 1800), daemon=True)
+    watcher.start()
+    return ids, dumps, logs, ended, watcher
 
-    def warn_once_it_trains(name, info):
-        if name == "timelimit" and not warned and metrics_steps(dumps[name]) >= WARN_AT:
-            cluster.run("scancel", "--batch", "--signal=USR1", ids[name])
-            warned.append(time.time())
 
-    infos = wait_jobs(cluster, ids, logs, 600, warn_once_it_trains)
-    return {name: (ids[name], infos[name], dumps[name], logs[name]) for name in ids}
+@pytest.fixture(scope="session")
+def jobs(started_jobs):
+    """{name: (job id, scontrol's fields, dump folder, log)} of every job of started_jobs, once all have ended."""
+    ids, dumps, logs, ended, watcher = started_jobs
+    watcher.join()
+    for name in ids.keys() - ended.keys():
+        raise AssertionError(f"job {name} not finished: {tail(logs[name], 60)}")
+    return {name: (ids[name], ended[name], dumps[name], logs[name]) for name in ids}
+
+
+@pytest.mark.slow
+@pytest.mark.starts_early
+def test_the_jobs_start_and_run_beside_the_rest_of_the_suite(started_jobs):
+    """Runs first (conftest.py): the jobs take minutes of waiting (start-ups, requeues, Slurm's scheduling
+    passes), which the other tests' runs fill; the tests below collect them."""
+    ids = started_jobs[0]
+    assert len(ids) == len(JOBS) + 1 and all(job_id.isdigit() for job_id in ids.values()), ids
 
 
 # -------------------------------------------------------------------------------------------------------
