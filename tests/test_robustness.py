@@ -41,6 +41,27 @@ def tensorboard_steps(dump, tag="loss"):
     return [e.step for e in tb.Scalars(tag)] if tag in tb.Tags()["scalars"] else []
 
 
+@pytest.fixture(scope="module")
+def slow_runs_launch(tmp_path_factory):
+    """(torchrun process, dump folder, its output file) of slow_runs (below), started by the first test that asks:
+    its minute of waiting (reads and writes held back 8 to 20 s) overlaps this file's other tests."""
+    dump = tmp_path_factory.mktemp("slow_runs")
+    output = dump / "output.txt"
+    with open(output, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                 __file__, "slow_runs", str(dump)], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    yield proc, dump, output
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_the_slow_reads_and_writers_start_before_the_other_tests(slow_runs_launch):
+    """Only starts them: test_slow_reads_and_slow_writers_are_waited_for_as_long_as_they_may_take checks them."""
+    assert slow_runs_launch[0].pid > 0
+
+
 @pytest.mark.slow
 def test_non_finite_loss_stops_without_saving_it(tmp_path):
     """The async save of step 1, still in flight when step 2 diverges, is put in place before the exit, and the
@@ -294,15 +315,15 @@ def test_a_data_error_on_one_rank_ends_every_rank_with_the_same_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_slow_reads_and_slow_writers_are_waited_for_as_long_as_they_may_take(tmp_path):
+def test_slow_reads_and_slow_writers_are_waited_for_as_long_as_they_may_take(slow_runs_launch):
     """Waits bounded by what they wait on, not by comm.init_timeout_seconds (6 s here). One launch, three runs (see
     slow_runs): A, a rank reads or writes 8 s behind the other (its first documents, rank 0's held-out and eval reading
     alone, an async save, the last save): the run finishes with both checkpoints. C, a write 20 s long, past
     checkpoint.save_timeout_seconds: that save fails on both ranks with one line, training goes on and the next
     save works. B, rank 0's reading past data.resolve_timeout_seconds: rank 1's line says what rank 0 was doing."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           __file__, "slow_runs", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
+    proc, tmp_path, output = slow_runs_launch
+    proc.wait(timeout=300)
+    out = output.read_text()
     assert proc.returncode == 0, out[-3000:]
     assert re.findall(r"run A rank (\d): finished", out) in (["0", "1"], ["1", "0"]), out[-3000:]
     assert f"saved checkpoint {tmp_path}/A/checkpoint/step-2 (async)" in out
