@@ -235,7 +235,7 @@ def test_the_loader_reads_with_metas_tokenizer(sources):
     assert (inputs == meta.bos_id).any() and inputs.max() > 65535 and inputs.max() < meta.n_words
 
 
-@pytest.mark.parametrize("workers, resume_workers", [(1, 2), (2, 0)])
+@pytest.mark.parametrize("workers, resume_workers", [(1, 2), pytest.param(2, 0, marks=pytest.mark.slow)])
 def test_loader_workers_give_the_same_stream_and_resume_exactly(tok, sources, workers, resume_workers):
     def make(w):
         return DataLoader(sources, tok, 256, 4, 0, 1, 2, seed=3, num_workers=w)
