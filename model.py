@@ -128,23 +128,17 @@ def precompute_freqs_cis(args: ModelArgs, device=None) -> torch.Tensor:
 
 
 def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor):
-    """Rotate q and k; Meta's layout pairs adjacent features (2i, 2i+1) as one complex number."""
-    # (bs, seqlen, n_heads, head_dim) -> (bs, seqlen, n_heads, head_dim // 2) complex
-    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
-    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
-    freqs_cis = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])  # broadcast over batch and heads
-    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
-    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
-    return xq_out.type_as(xq), xk_out.type_as(xk)
+    """Rotate q and k; Meta's layout pairs adjacent features (2i, 2i+1) as one complex number and
+    multiplies it by freqs_cis's. The product is written out in real numbers: torch.compile has no
+    code generation for complex dtypes, and would run a complex product eagerly, unfused."""
+    if freqs_cis.is_complex():  # Transformer.forward passes the real view already
+        freqs_cis = torch.view_as_real(freqs_cis)  # (seqlen, head_dim // 2, 2): cos, sin
+    cos, sin = freqs_cis[None, :, None].unbind(-1)  # (1, seqlen, 1, head_dim // 2): over batch, heads
 
-
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """(bs, seqlen, n_kv_heads, head_dim) -> (bs, seqlen, n_kv_heads * n_rep, head_dim)."""
-    if n_rep == 1:
-        return x
-    bs, seqlen, n_kv_heads, head_dim = x.shape
-    return x[:, :, :, None, :].expand(bs, seqlen, n_kv_heads, n_rep, head_dim).reshape(
-        bs, seqlen, n_kv_heads * n_rep, head_dim)
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        re, im = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (bs, seqlen, n_heads, head_dim // 2)
+        return torch.stack([re * cos - im * sin, re * sin + im * cos], -1).flatten(3).type_as(x)
+    return rotate(xq), rotate(xk)
 
 
 def document_mask_mod(tokens: torch.Tensor, bos_id: int) -> Callable:
@@ -197,7 +191,7 @@ def causal_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask=
     # (memory-efficient) cannot, and SDPA would fall back to the O(seqlen^2)-memory math path: copy there.
     copy_kv = n_rep > 1 and xq.is_cuda and xq.dtype == torch.float32
     if copy_kv:
-        xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
+        xk, xv = xk.repeat_interleave(n_rep, 2), xv.repeat_interleave(n_rep, 2)  # (bs, seqlen, n_heads, head_dim)
     # SDPA wants (bs, n_heads, seqlen, head_dim)
     out = F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2),
                                          attn_mask=mask, is_causal=mask is None,
@@ -278,7 +272,7 @@ class Transformer(nn.Module):
         if seqlen > self.args.max_seq_len:
             raise ValueError(f"sequence length {seqlen} exceeds max_seq_len={self.args.max_seq_len}")
         h = self.tok_embeddings(tokens)  # (bs, seqlen, dim)
-        freqs_cis = self.freqs_cis[:seqlen]
+        freqs_cis = torch.view_as_real(self.freqs_cis[:seqlen])  # compiled blocks get no complex input
         mask = attention_mask(tokens, self.args)  # one for all layers
         for layer in self.layers:
             h = layer(h, freqs_cis, mask)

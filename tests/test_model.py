@@ -683,3 +683,32 @@ def test_model_imports_no_torch_distributed():
         elif isinstance(node, ast.Attribute):
             assert not (node.attr == "distributed" and isinstance(node.value, ast.Name)
                         and node.value.id == "torch"), "torch.distributed used"
+
+
+@torch.no_grad()
+def test_the_blocks_compute_in_real_numbers():
+    """torch.compile has no code generation for complex dtypes: on an H100 (2026-11-26) inductor warned and ran
+    the rope product eagerly, outside the block's fused kernels. The blocks get the rope table as real (cos, sin)
+    pairs and no op in them makes a complex tensor; the complex table still works when passed directly."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Dtypes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen.update(t.dtype for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
+
+    args = M.ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=32, max_seq_len=16)
+    model = M.Transformer(args)
+    model.init_weights()
+    calls = []
+    model.layers[0].register_forward_pre_hook(lambda mod, inputs: calls.append(inputs))
+    tokens = torch.randint(0, 32, (2, 16))
+    model(tokens)
+    h, freqs_cis, mask = calls[0]
+    assert freqs_cis.dtype == torch.float32 and freqs_cis.shape == (16, 8, 2)  # (seqlen, head_dim // 2, cos/sin)
+    seen = set()
+    with Dtypes():
+        real = model.layers[0](h, freqs_cis, mask)
+    assert not any(d.is_complex for d in seen), seen
+    torch.testing.assert_close(model.layers[0](h, model.freqs_cis[:16], mask), real, rtol=0, atol=0)
