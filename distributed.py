@@ -148,8 +148,8 @@ def init_distributed(cfg, sizes: dict, fake_rank: int = -1):  # cfg: train.py's 
         backend = "gloo" if fake_rank < 0 else "fake"
     timeout = timedelta(seconds=cfg.comm.init_timeout_seconds)
     p = cfg.parallelism
+    device_id = device if backend == "nccl" else None  # NCCL binds its communicator to this GPU
     if "RANK" in os.environ and fake_rank < 0:  # torchrun / srun
-        device_id = device if backend == "nccl" else None
         restarted = attempt_store(timeout)  # a restarted attempt's own store, else {}
         dist.init_process_group(backend, timeout=timeout, device_id=device_id, **restarted)
     else:
@@ -160,7 +160,8 @@ def init_distributed(cfg, sizes: dict, fake_rank: int = -1):  # cfg: train.py's 
             rank = fake_rank
             world = sizes["dp"] * p.tensor_parallel_degree
         store = dist.HashStore()
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                                device_id=device_id)
     shape = (p.data_parallel_replicate_degree, sizes["dp_shard"], p.tensor_parallel_degree)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     if p.tensor_parallel_degree > 1:
