@@ -9,6 +9,7 @@
     python bench.py mask --config configs/debug_model.toml    # block_causal vs causal: tokens/s
     python bench.py loader --config configs/debug_model.toml  # the loader alone: shares, tokens/s
     python bench.py gpu --out DIR  # GPU node: self-test, tokens/s, MFU, memory into DIR/summary.md
+    python bench.py profile --config configs/debug_model.toml --out DIR  # top kernels, idle gaps
 
 `python bench.py WHAT --help` lists each one's options; other `--section.key value` arguments go to
 train.py's config. Timings on a shared machine are noisy: `overhead`, `titan` and `mask` alternate
@@ -21,13 +22,13 @@ import itertools
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+import measure
 import memory
 import titan_run
 
@@ -68,24 +69,6 @@ def estimate(args, extra):  # bench.py memory
 
 # --- timings
 
-def run_command(cmd: list, timeout: float = None):
-    """(exit status, output) of cmd in the repo root; status None if it ran past `timeout` seconds:
-    then it is stopped with its process group (compile and loader workers too), so the GPU is free
-    for the next command."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=timeout is not None)
-    try:
-        out = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stopped = f"\nbench.py: stopped at {timeout:.0f} s, the end of its time\n"
-        return None, proc.communicate()[0] + stopped
-    except KeyboardInterrupt:  # in its own session it did not see the Ctrl-C
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    return proc.returncode, out
-
-
 def run_trainer(extra: list, steps: int, log_freq: int, nproc: int = 1, timeout: float = None):
     """train.py for `steps` steps (under torchrun when nproc > 1): (its metrics.jsonl records, its
     output), or (None, output) if it failed or ran past `timeout` seconds."""
@@ -95,16 +78,11 @@ def run_trainer(extra: list, steps: int, log_freq: int, nproc: int = 1, timeout:
         cmd = [sys.executable, *launcher, "train.py", *extra, "--job.dump_folder", dump,
                "--training.steps", str(steps), "--metrics.log_freq", str(log_freq),
                "--checkpoint.enable", "false", "--validation.enable", "false"]
-        status, out = run_command(cmd, timeout)
+        status, out = measure.run_command(cmd, timeout)
         if status != 0:
             return None, out
         with open(os.path.join(dump, "metrics.jsonl")) as f:
             return [r for r in map(json.loads, f) if "loss" in r], out  # training steps only
-
-
-def steady_tps(records: list, warmup: int) -> float:
-    # Each record after the warmup covers the same number of tokens: the rate is their harmonic mean
-    return statistics.harmonic_mean(r["tps"] for r in records if r["step"] > warmup)
 
 
 def trainer_tps(extra: list, args, nproc: int = 1) -> float:
@@ -112,32 +90,7 @@ def trainer_tps(extra: list, args, nproc: int = 1) -> float:
     records, out = run_trainer(extra, args.steps, args.warmup, nproc)
     if not records:
         sys.exit(f"error: train.py failed:\n{out[-2000:]}")
-    return steady_tps(records, args.warmup)
-
-
-def side_by_side(runs: dict, repeats: int, load=os.getloadavg) -> dict:
-    """Runs the two sides in turn (A B A B ...), so a change in the machine's load hits both; prints
-    each pair, then the median of pair ratios (first side / second), the medians and the load."""
-    (a, _), (b, _) = runs.items()
-    tps = {a: [], b: []}
-    ratios = []
-    loads = []
-    for i in range(repeats):
-        for name, run in runs.items():
-            loads.append(load()[0])
-            tps[name].append(run())
-        loads.append(load()[0])
-        ratios.append(tps[a][-1] / tps[b][-1])
-        pair = f"{a} {tps[a][-1]:,.0f}, {b} {tps[b][-1]:,.0f} tokens/s per process"
-        seen = " ".join(f"{x:.1f}" for x in loads[-3:])
-        print(f"pair {i + 1}: {pair}, ratio {ratios[-1]:.3f}, load {seen}", flush=True)
-    med = {name: statistics.median(v) for name, v in tps.items()}
-    ratio = statistics.median(ratios)
-    pairs = ", ".join(f"{r:.3f}" for r in ratios)
-    medians = f"medians {med[a]:,.0f} / {med[b]:,.0f} = {med[a] / med[b]:.3f} tokens/s"
-    print(f"{a} / {b}: {ratio:.3f} (median of {repeats} pair ratios {pairs}; {medians}); "
-          f"1-minute load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores")
-    return {"ratio": ratio, "ratios": ratios, "medians": med, "load": (min(loads), max(loads))}
+    return measure.steady_tps(records, args.warmup)
 
 
 def bare_tps(cfg, steps: int, warmup: int) -> float:
@@ -178,7 +131,7 @@ def bare_tps(cfg, steps: int, warmup: int) -> float:
 def overhead(args, extra):
     import train
     cfg = train.load_config(extra)
-    side_by_side({"trainer": lambda: trainer_tps(extra, args),
+    measure.side_by_side({"trainer": lambda: trainer_tps(extra, args),
                   "bare loop": lambda: bare_tps(cfg, args.steps, args.warmup)}, args.repeats)
 
 
@@ -186,7 +139,7 @@ def mask(args, extra):
     """Document masking's cost: the trainer with block_causal and with causal attention, in turn."""
     block_causal = [*extra, "--model.attn_mask_type", "block_causal"]
     causal = [*extra, "--model.attn_mask_type", "causal"]
-    side_by_side({"block_causal": lambda: trainer_tps(block_causal, args, args.nproc),
+    measure.side_by_side({"block_causal": lambda: trainer_tps(block_causal, args, args.nproc),
                   "causal": lambda: trainer_tps(causal, args, args.nproc)}, args.repeats)
 
 
@@ -290,7 +243,7 @@ def matrix_row(extra: list, steps: int, warmup: int, nproc: int, cuda: bool, tim
     mfu = statistics.mean(r["mfu"] for r in steady) if steady[0]["mfu"] is not None else None
     peak = max(r["memory_gib"] for r in records)
     allocated = max((r["memory_allocated_gib"] or 0) for r in records)
-    return [f"{steady_tps(records, warmup):,.0f}", f"{tflops:.1f}",
+    return [f"{measure.steady_tps(records, warmup):,.0f}", f"{tflops:.1f}",
             f"{mfu:.1f}%" if mfu is not None else "n/a", f"{peak:.2f}",
             f"{allocated:.2f}" if allocated else "n/a", estimate], out
 
@@ -326,10 +279,10 @@ GPU_SHARED = ["--activation_checkpoint.mode", "selective", "--data.num_streams",
               "--optimizer.lr", "3e-4"]
 # --device cpu: a pretend device, so the estimate picks the blocks as it does on a GPU
 CPU_CAPACITY = 80 * 2**20
-# Seconds a step needs (guesses until a GPU run measures them): a step that no longer fits the
-# budget's remainder is skipped; one is stopped at the budget's end or, on a GPU, at twice its
-# time (a hang).
-STEP_SECONDS = {"cuda": {"self-test": 180, "1B": 60, "8B": 90},
+# Seconds a step needs, with some room (an H100, 2026-11-26: the self-test 97 s, 1B 27 s, the 8B-wide
+# runs 35-65 s): a step that no longer fits the budget's remainder is skipped; one is stopped at the
+# budget's end or, on a GPU, at twice its time (a hang).
+STEP_SECONDS = {"cuda": {"self-test": 120, "1B": 40, "8B": 80},
                 "cpu": {"self-test": 60, "1B": 30, "8B": 30}}
 
 
@@ -353,7 +306,7 @@ def device_memory(device: str) -> tuple:
         name = f"CPU (tiny shapes; a pretend device of {CPU_CAPACITY / 2**20:.0f} MiB)"
         return name, CPU_CAPACITY
     query = "import torch; p = torch.cuda.get_device_properties(0); print(p.total_memory, p.name)"
-    status, out = run_command([sys.executable, "-c", query])
+    status, out = measure.run_command([sys.executable, "-c", query])
     if status != 0:
         fail(f"--device cuda: no GPU visible ({out.strip()[-200:]}); "
              "--device cpu runs the same steps at tiny shapes")
@@ -397,7 +350,7 @@ def describe(cfg, model) -> str:
 def self_test(timeout: float) -> tuple:
     """`pytest -m gpu`, the CUDA twins of the CPU tests: (its row's cell, its output)."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "--continue-on-collection-errors"]
-    status, out = run_command(cmd, timeout)
+    status, out = measure.run_command(cmd, timeout)
     # pytest's last line: "8 passed, 1 failed in 95.2s"
     counts = re.findall(r"^=*\s*(\d+ [a-z]+\b.* in [\d.]+s\b.*?)\s*=*$", out, re.M)
     result = counts[-1] if counts else (out.strip().splitlines() or [""])[-1][:120]
@@ -485,12 +438,41 @@ def gpu(args, extra):
     append(summary, f"\nDone: {spent:.0f} s of the {args.budget:.0f} s budget.")
 
 
+# --- where a step's time goes (measure.py)
+
+def profile(args, extra):
+    """train.py in this process under torch.profiler: where --active steps after --warmup spend their
+    time, in DIR/profile.md (measure.report), and their Chrome trace in DIR/trace.json.gz."""
+    import torch
+
+    import train
+    cuda = args.device == "cuda"
+    if not cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # train.py takes a GPU it sees
+    elif not torch.cuda.is_available():
+        fail("--device cuda: no GPU visible (use --device cpu)")
+    steps = args.warmup + args.active
+    run = [*extra, "--training.steps", str(steps), "--checkpoint.enable", "false",
+           "--validation.enable", "false"]
+    os.makedirs(args.out, exist_ok=True)
+    with tempfile.TemporaryDirectory() as dump:
+        cfg = train.load_config([*run, "--job.dump_folder", dump])
+        trace = os.path.join(args.out, "trace.json.gz")
+        events, ops = measure.profile_steps(lambda: train.main(cfg), args.warmup, args.active, cuda, trace)
+    lines = [f"# bench.py profile: steps {args.warmup + 1}-{steps}", "",
+             f"Command: `python bench.py {' '.join(sys.argv[1:])}`, torch {torch.__version__}.", "",
+             *measure.report(events, ops, args.active, args.top)]
+    with open(os.path.join(args.out, "profile.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
 # --- side by side with torchtitan 0.2.2 (titan_run.py; the trainer never imports it)
 
 def titan_tps(log: str, warmup: int):
     """Steady-state tokens/s per process from torchtitan's log; None if no step after the warmup."""
     records = titan_run.log_records(log)
-    return steady_tps(records, warmup) if any(r["step"] > warmup for r in records) else None
+    return measure.steady_tps(records, warmup) if any(r["step"] > warmup for r in records) else None
 
 
 def titan(args, extra):
@@ -516,7 +498,7 @@ def titan(args, extra):
             failed = f"error: torchtitan failed:\n{out[-3000:]}"
             return titan_tps(out, args.warmup) or sys.exit(failed)
         runs = {"ours": lambda: trainer_tps(extra, args, args.nproc), "torchtitan": theirs}
-        side_by_side(runs, args.repeats)
+        measure.side_by_side(runs, args.repeats)
 
 
 def main(argv: list):
@@ -531,7 +513,8 @@ def main(argv: list):
                       ("mask", "the trainer with block_causal and causal attention in turn: the ratio of tokens/s"),
                       ("loader", "the data loader alone, one stream: realised token shares and tokens/s"),
                       ("gpu", "one command for a GPU node: the GPU self-test, then tokens/s, MFU and memory "
-                              "of 1B and 8B-wide runs (bf16, float8, block_causal) into DIR/summary.md")]:
+                              "of 1B and 8B-wide runs (bf16, float8, block_causal) into DIR/summary.md"),
+                      ("profile", "torch.profiler over a few steps: top kernels, idle gaps, a trace in DIR")]:
         reads = ("It reads train.py's --model.tokenizer_path, --training.seq_len, --training.local_batch_size, "
                  "--data.num_workers and --data.seed; other" if what == "loader" else "Other")
         job = sub.add_parser(what, help=doc, description=doc, epilog=f"{reads} --section.key value arguments set "
@@ -568,10 +551,16 @@ def main(argv: list):
     jobs["gpu"].add_argument("--only", type=lambda v: v.split(","), metavar="STEP,...",
                              help="run only these steps: self-test, 1B, 8B-wide, 8B-wide-float8-rowwise, "
                                   "8B-wide-float8-tensorwise, 8B-wide-block-causal")
+    jobs["profile"].add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="where it runs")
+    jobs["profile"].add_argument("--warmup", type=int, default=10, help="steps before the profiled ones")
+    jobs["profile"].add_argument("--active", type=int, default=3, help="steps profiled")
+    jobs["profile"].add_argument("--top", type=int, default=25, help="rows in the table of kernels (ops)")
+    jobs["profile"].add_argument("--out", default="outputs/bench_profile", metavar="DIR",
+                                 help="where profile.md and trace.json.gz go")
     a, rest = p.parse_known_args(argv)
     configs = [arg for path in a.config or [] for arg in ("--config", path)]
     rest = configs + rest  # train.py refuses two
-    for name in ("warmup", "repeats", "world_size", "nproc"):
+    for name in ("warmup", "repeats", "world_size", "nproc", "active"):
         if getattr(a, name, None) is not None and getattr(a, name) < 1:
             fail(f"--{name} {getattr(a, name)}: must be >= 1")
     if "steps" in a and (a.steps <= a.warmup or a.steps % a.warmup):
@@ -589,7 +578,8 @@ def main(argv: list):
     import train
     try:
         commands = {"overhead": overhead, "startup": startup, "memory": estimate, "matrix": matrix,
-                    "titan": titan, "loader": loader, "mask": mask, "gpu": gpu}
+                    "titan": titan, "loader": loader, "mask": mask, "gpu": gpu,
+                    "profile": profile}
         commands[a.what](a, rest)
     except (train.ConfigError, train.DataError) as e:  # a bad key, value or data source: one line
         fail(str(e))

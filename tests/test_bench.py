@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import SMALL
+from conftest import DEVICES, SMALL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,7 +50,7 @@ def test_memory_prints_the_estimate_for_a_big_flavor_with_fewer_layers(capsys):
     full, short = memory("--world_size", "8"), memory("--world_size", "1", "--model.n_layers", "8")
     gib = [float(re.search(r"estimate per device: ([\d.]+) GiB", o).group(1)) for o in (full, short)]
     assert 20 < gib[0] < 80 and gib[1] > gib[0]  # one GPU holds all states of the 8-layer model
-    # Whether it fits the two GPUs the configs are written for: "fits" leaves 15% to the allocator.
+    # Whether it fits the two GPUs the configs are written for: "fits" leaves 25% to the allocator.
     assert re.search(r"^H100 80 GB: fits \(\d+% of its memory\)\nH200 141 GB: fits \(\d+% of its memory\)$", full, re.M)
     whole = memory("--world_size", "1")  # 129 GiB
     assert "H100 80 GB: too big (162%" in whole and "H200 141 GB: tight (92%" in whole, whole
@@ -135,7 +135,7 @@ def test_bad_arguments_are_one_line_and_exit_2(args, message, capsys, monkeypatc
 # --- bench.py titan: the parts that need no torchtitan, then one real run where it is installed
 
 def test_side_by_side_alternates_and_reports_medians_and_load(capsys):
-    import bench as b
+    import measure
 
     calls, loads = [], iter([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0])
 
@@ -143,8 +143,8 @@ def test_side_by_side_alternates_and_reports_medians_and_load(capsys):
         values = iter(values)
         return lambda: calls.append(name) or next(values)
 
-    got = b.side_by_side({"ours": side("ours", [100, 90, 120]), "theirs": side("theirs", [100, 100, 60])}, 3,
-                         load=lambda: (next(loads), 0, 0))
+    got = measure.side_by_side({"ours": side("ours", [100, 90, 120]), "theirs": side("theirs", [100, 100, 60])}, 3,
+                               load=lambda: (next(loads), 0, 0))
     assert calls == ["ours", "theirs"] * 3  # A B A B: a change in load hits both sides
     assert got["ratios"] == [1.0, 0.9, 2.0] and got["ratio"] == 1.0  # the median pair, not the outlier
     assert got["medians"] == {"ours": 100, "theirs": 100} and got["load"] == (1.0, 9.0)
@@ -307,3 +307,36 @@ def test_gpu_runs_every_step_end_to_end_on_the_cpu(tmp_path):
         assert os.path.getsize(tmp_path / f"{step}.log") > 0
     assert "float8 rowwise" in rows["8B-wide-float8-rowwise"][0] and "block_causal" in rows["8B-wide-block-causal"][0]
     assert re.search(r"\d+ skipped, \d+ deselected", (tmp_path / "self-test.log").read_text())  # no GPU: skipped
+
+
+def test_device_timeline_counts_overlaps_once_and_finds_the_gaps():
+    import measure
+    kernels = [(20, 30, "c"), (0, 10, "a"), (5, 12, "b"), (31, 35, "d"), (32, 33, "e")]  # (start, end, name)
+    busy, span, gaps = measure.device_timeline(kernels)
+    assert (busy, span) == (10 + 2 + 10 + 4, 35)
+    assert gaps == [(8, "b", "c"), (1, "c", "d")]  # longest first, between the kernels that bound them
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_profile_says_where_the_steps_time_goes(device, tmp_path, monkeypatch, capsys):
+    """bench.py profile: train.py in-process, profiled for --active steps; on a GPU its kernels, how busy the
+    device was and the allocator's retries, on the CPU its ops; and the Chrome trace."""
+    import gzip
+    import json
+
+    import bench as b
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", ""))  # restored after
+    monkeypatch.chdir(ROOT)
+    b.main(["profile", "--device", device, "--config", "configs/debug_model.toml", *SMALL, "--warmup", "2",
+            "--active", "2", "--top", "5", "--out", str(tmp_path)])
+    report = (tmp_path / "profile.md").read_text()
+    assert report.startswith("# bench.py profile: steps 3-4") and report in capsys.readouterr().out
+    if device == "cuda":
+        busy = float(re.search(r"Device busy ([\d.]+)% of [\d,.]+ ms", report).group(1))
+        assert 0 < busy <= 100 and "Allocator: " in report and "| kernel | calls | ms a step |" in report
+    else:
+        assert re.search(r"aten::mm +[\d.]+%", report), report
+    with gzip.open(tmp_path / "trace.json.gz") as f:
+        steps = {e["name"] for e in json.load(f)["traceEvents"] if e["name"].startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#2", "ProfilerStep#3"}, steps  # the profiler counts from 0: steps 3 and 4
