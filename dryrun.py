@@ -16,7 +16,7 @@ the bytes of each tensor storage once while it lives (a weakref's callback takes
 freed; FSDP2's storage resizes are followed). The peak is taken after every op, so it is the steps'
 true peak at op granularity, not a sample at phase boundaries (the peak sits inside step 2's
 backward). Not counted: NCCL's buffers, the CUDA context, the caching allocator's fragmentation,
-compile's workspaces and a validation or eval round: the verdicts keep 15% free for them, as
+compile's workspaces and a validation or eval round: the verdicts keep 25% free for them, as
 `bench.py memory` does. Errors are train.py's: one `error:` line, exit 2."""
 
 import argparse
@@ -210,7 +210,7 @@ def run(world_size: int, rest: list) -> int:
               f"checkpoint: {r['items']} items, {r['written'] / GIB:.2f} GiB from this rank")
     print("not counted: NCCL's buffers, the CUDA context, the caching allocator's fragmentation, "
           "compile's workspaces, a validation or eval round; "
-          "\"fits\" keeps 15% of the GPU free for them")
+          "\"fits\" keeps 25% of the GPU free for them")
     estimate = memory.estimate_memory(model, cfg, sizes, cuda=True)
     print(f"bench.py memory's {memory.format_estimate(estimate)}")
     peak = max(r["peak"] for r in results)

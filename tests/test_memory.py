@@ -127,14 +127,14 @@ def test_estimate_scales_with_the_layout():
 @pytest.mark.parametrize("name,world", [("llama3_1b", 8), ("llama3_3b", 8), ("llama3_8b", 8), ("llama3_70b", 32),
                                         ("llama3_405b", 128)])
 def test_shipped_configs_fit_an_80_gib_gpu(name, world):
-    """Each GPU config, on the smallest job its header names, fits an H100 80 GB with 15% to spare
+    """Each GPU config, on the smallest job its header names, fits an H100 80 GB with 25% to spare
     for the allocator's fragmentation (what `bench.py memory` calls "fits")."""
     import bench
     import memory
 
     cfg, model, sizes = bench.planned(["--config", os.path.join(ROOT, f"configs/{name}.toml")], world)
     total = memory.estimate_memory(model, cfg, sizes, cuda=True)["total"]
-    assert 1.15 * total < 80 * 2**30, f"{name} on {world} GPUs: {total / 2**30:.1f} GiB estimated"
+    assert memory.FRAGMENTATION * total < 80 * 2**30, f"{name} on {world} GPUs: {total / 2**30:.1f} GiB estimated"
 
 
 def test_resident_memory_without_proc(monkeypatch):
