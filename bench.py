@@ -132,7 +132,7 @@ def overhead(args, extra):
     import train
     cfg = train.load_config(extra)
     measure.side_by_side({"trainer": lambda: trainer_tps(extra, args),
-                  "bare loop": lambda: bare_tps(cfg, args.steps, args.warmup)}, args.repeats)
+                          "bare loop": lambda: bare_tps(cfg, args.steps, args.warmup)}, args.repeats)
 
 
 def mask(args, extra):
@@ -140,7 +140,7 @@ def mask(args, extra):
     block_causal = [*extra, "--model.attn_mask_type", "block_causal"]
     causal = [*extra, "--model.attn_mask_type", "causal"]
     measure.side_by_side({"block_causal": lambda: trainer_tps(block_causal, args, args.nproc),
-                  "causal": lambda: trainer_tps(causal, args, args.nproc)}, args.repeats)
+                          "causal": lambda: trainer_tps(causal, args, args.nproc)}, args.repeats)
 
 
 def startup(args, extra):
