@@ -1,17 +1,28 @@
-"""Reference training runs shared by test_smoke.py and tests/: each costs ~10 s, run once; the
+"""What test_smoke.py and tests/ share: one thread a process in the whole suite; training runs forked
+from one process that imported train.py (run_training); the reference runs, each ~10 s, run once; the
 tests marked starts_early first; and the two tiers' times at the end of every run.
 
 Training tests pass --validation.enable false: the held-out rounds (about 2 s a run) are tested in
 tests/test_validation.py, and they would add minutes to the suite."""
 
+import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# The whole suite runs a test file per core (pytest-xdist): there every process, and each it starts, gets
+# one thread, as torchrun gives each of several ranks. Two threads would spin on a core the other file's
+# process holds: a 10-step run beside a busy core took 15.6 s of CPU with 2 threads, 7.3 s with 1, with
+# the same losses. The quick tier runs in one process and keeps both cores. Set before torch's import.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _cuda() -> bool:
@@ -36,12 +47,71 @@ DEVICES = ["cpu", pytest.param("cuda", marks=_CUDA_MARKS)]
 SMALL = ("--model.n_layers", "2", "--training.seq_len", "64")
 
 
+# --- Training runs forked from one process that imported train.py once (tests/fork_server.py). A run
+# launched for real pays for its imports on every rank (~3 s of CPU each) and for torchrun's (~2.5 s):
+# a 2-rank run of 10 small steps costs ~17 s of CPU, half of it imports. Forked, a training program
+# (train.py or a fork of it) runs as __main__ with what torchrun gives each rank: RANK, WORLD_SIZE and
+# MASTER_* in its environment, one thread, SIGTERM when another rank fails. Tests of torchrun itself
+# (restarts, signals to the launcher, a killed rank) launch it for real, as do runs that need a fresh
+# interpreter: an edited copy of the repo, memory measured by the process, a resource limit.
+_forking = []  # that process, started by the first run of this pytest worker
+
+
+class Run:
+    """A training program started by start_training(): wait() gives a subprocess.CompletedProcess."""
+
+    def __init__(self, program, argv, env, nproc, timeout):
+        if not _forking:
+            server = os.path.join(ROOT, "tests", "fork_server.py")
+            _forking.append(subprocess.Popen([sys.executable, server], cwd=ROOT, stdin=subprocess.PIPE))
+        folder = tempfile.mkdtemp(prefix="run-")
+        self.result = os.path.join(folder, "code")
+        open(self.result + ".out", "w").close()
+        open(self.result + ".err", "w").close()
+        self.args = [program, *argv]
+        self.deadline = time.monotonic() + timeout
+        request = [program, [str(a) for a in argv], dict(env or {}), nproc, self.result]
+        _forking[0].stdin.write((json.dumps(request) + "\n").encode())
+        _forking[0].stdin.flush()
+
+    def wait(self) -> subprocess.CompletedProcess:
+        while not os.path.exists(self.result):
+            assert _forking[0].poll() is None, "the forking process ended"
+            if time.monotonic() > self.deadline:
+                raise subprocess.TimeoutExpired(self.args, 0)
+            time.sleep(0.05)
+        with open(self.result) as f:
+            code = int(f.read())
+        with open(self.result + ".out") as f:
+            out = f.read()
+        with open(self.result + ".err") as f:
+            err = f.read()
+        shutil.rmtree(os.path.dirname(self.result))
+        return subprocess.CompletedProcess(self.args, code, out, err)
+
+
+def start_training(argv, nproc=1, program="train.py", env=None, timeout=600) -> Run:
+    """`torchrun --nproc_per_node nproc program argv` (`python program argv` for 1), forked as above, in
+    the repo's folder; env: variables set in each rank's environment (None: unset)."""
+    return Run(program, argv, env, nproc, timeout)
+
+
+def run_training(argv, nproc=1, program="train.py", env=None, timeout=600) -> subprocess.CompletedProcess:
+    """start_training(), then wait for it: stdout and stderr hold every rank's, as under torchrun."""
+    return start_training(argv, nproc, program, env, timeout).wait()
+
+
+def pytest_sessionfinish():
+    for proc in _forking:
+        proc.stdin.close()  # its loop ends
+        proc.wait(timeout=60)
+
+
 def _train_2proc(dump, *args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "train.py", "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump),
-           "--metrics.log_freq", "1", "--validation.enable", "false", "--training.steps", "10",
-           *SMALL, *map(str, args)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    argv = ["--config", "configs/debug_model.toml", "--job.dump_folder", str(dump),
+            "--metrics.log_freq", "1", "--validation.enable", "false", "--training.steps", "10",
+            *SMALL, *args]
+    proc = run_training(argv, nproc=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return dump, proc.stdout + proc.stderr
 

@@ -7,12 +7,10 @@ HSDP).
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from conftest import SMALL
+from conftest import SMALL, run_training
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 LOG_LINE = re.compile(r"^step: +(\d+)  loss: +[\d.]+  grad_norm: +[\d.]+  lr: [\d.]+e[-+]\d+  "
@@ -21,15 +19,12 @@ LOG_LINE = re.compile(r"^step: +(\d+)  loss: +[\d.]+  grad_norm: +[\d.]+  lr: [\
 
 
 def train(dump, *args, nproc=1):
-    cmd = [sys.executable]
-    if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd += ["train.py", "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump),
-            "--metrics.log_freq", "1", "--validation.enable", "false", *SMALL, *map(str, args)]
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    return proc.stdout
+    """train.py's output, on nproc ranks (forked as under torchrun: conftest.run_training)."""
+    argv = ["--config", "configs/debug_model.toml", "--job.dump_folder", str(dump),
+            "--metrics.log_freq", "1", "--validation.enable", "false", *SMALL, *args]
+    proc = run_training(argv, nproc)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
 
 
 def losses(dump):

@@ -11,12 +11,11 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 
 import pytest
 
-from conftest import SMALL
+from conftest import SMALL, run_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("the of and to in is was for on that with as by at from his her an were which are this be or had "
@@ -44,14 +43,11 @@ def short_docs(tmp_path_factory):
 
 
 def train(toml, dump, *args, nproc=1):
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    f"--nproc_per_node={nproc}"]
-    cmd = [*launcher, "train.py", "--config", str(toml), "--job.dump_folder", str(dump), "--metrics.log_freq", "1",
-           "--model.attn_mask_type", "block_causal", "--training.steps", "4", "--training.global_batch_size", "8",
-           "--validation.freq", "4", "--validation.sequences", "-1", "--validation.local_batch_size", "4",
-           *SMALL, *map(str, args)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    argv = ["--config", toml, "--job.dump_folder", dump, "--metrics.log_freq", "1",
+            "--model.attn_mask_type", "block_causal", "--training.steps", "4", "--training.global_batch_size", "8",
+            "--validation.freq", "4", "--validation.sequences", "-1", "--validation.local_batch_size", "4",
+            *SMALL, *args]
+    proc = run_training(argv, nproc, env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     with open(os.path.join(dump, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]

@@ -12,13 +12,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import SMALL
+from conftest import SMALL, run_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FSDP = ("--training.local_batch_size", 4)  # 2 ranks x 4 = the debug config's global batch of 8
@@ -38,58 +37,12 @@ def launch(dump, *args):
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-# A 1-process run is train.py as __main__ in a forked child of one process that imported torch once (as in
-# tests/test_float8.py): ~4.5 s of imports less a run. That process reads [arguments, log file] a line and
-# answers the child's exit code once it has ended; the child writes its stdout and stderr to the log file.
-FORKED = """import json, os, runpy, signal, sys, train
-for line in sys.stdin:
-    argv, log = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        out = os.open(log, os.O_WRONLY | os.O_TRUNC)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        signal.alarm(600)  # a hung run ends, as at a subprocess timeout
-        sys.argv = ["train.py", *argv]
-        runpy.run_path("train.py", run_name="__main__")
-        os._exit(0)  # train.py leaves by os._exit itself; never back to this loop
-    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
-"""
-forking = []  # that process, started by the first 1-process run of this module
-
-
-@pytest.fixture(scope="module", autouse=True)
-def end_forking():
-    yield
-    for proc in forking:
-        proc.stdin.close()  # its loop ends
-        proc.wait(timeout=60)
-
-
-def run_forked(argv):
-    """(exit code, stdout and stderr) of `python train.py argv`."""
-    if not forking:
-        forking.append(subprocess.Popen([sys.executable, "-c", FORKED], cwd=ROOT, stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True))
-    fd, log = tempfile.mkstemp(suffix=".log")
-    os.close(fd)
-    forking[0].stdin.write(json.dumps([argv, log]) + "\n")
-    forking[0].stdin.flush()
-    code = int(forking[0].stdout.readline())
-    with open(log) as f:
-        out = f.read()
-    os.remove(log)
-    return code, out
-
-
 def run(dump, *args, nproc=2, expect=0):
-    if nproc == 1:
-        code, out = run_forked(train_args(dump, *args))
-    else:
-        proc = launch(dump, *args)
-        out, _ = proc.communicate(timeout=600)
-        code = proc.returncode
-    assert code == expect, out[-3000:]
+    """train.py's output on nproc ranks, forked as under torchrun (conftest.run_training); launch() is torchrun
+    itself, for the tests that signal its ranks."""
+    proc = run_training(train_args(dump, *args), nproc)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == expect, out[-3000:]
     return out
 
 

@@ -13,14 +13,13 @@ run i and rank r: {"real": i, "rank": r, "peak": bytes}.
 import glob
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from conftest import SMALL  # noqa: E402
+from conftest import SMALL, run_training  # noqa: E402
 
 # The SMALL shape (2 blocks, seq 64), not the debug model's 6 blocks at seq 256: the three real steps and the
 # dry run's two cost a fraction of one step of 6 blocks; both sides count the same storages at any shape
@@ -56,9 +55,7 @@ def real_runs(dump: str, runs: list):
 
 
 def launch(dump, runs: list, nproc: int) -> dict:
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    proc = subprocess.run([sys.executable, *launcher, __file__, str(dump), json.dumps(runs)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_training([dump, json.dumps(runs)], nproc, program=__file__, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [json.load(open(p)) for p in glob.glob(os.path.join(dump, "peak-*.json"))]
     return {(r["real"], r["rank"]): r["peak"] for r in lines}

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import SMALL
+from conftest import SMALL, run_training
 from hub_fixture import Hub, make_repos, task_repos, write_mirror
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,10 +56,9 @@ def config(dump, tasks: dict) -> str:
 
 
 def train(dump, cfg: str, *args, nproc=1, env=None, expect=0):
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    f"--nproc_per_node={nproc}"]
-    cmd = [*launcher, "train.py", "--config", cfg, "--job.dump_folder", str(dump), *COMMON, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    if env is not None:  # the whole environment: what it leaves out is unset
+        env = {**{key: None for key in os.environ if key not in env}, **env}
+    proc = run_training(["--config", cfg, "--job.dump_folder", dump, *COMMON, *args], nproc, env=env)
     assert proc.returncode == expect, proc.stdout[-2000:] + proc.stderr[-3000:]
     records = [json.loads(ln) for ln in open(os.path.join(dump, "metrics.jsonl"))] if expect == 0 else []
     return proc, [r for r in records if "loss" in r], [r for r in records if "eval_acc" in r], \

@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from conftest import DEVICES, SMALL as SHAPE
+from conftest import DEVICES, SMALL as SHAPE, start_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -40,29 +40,21 @@ NOISE = ["Failed to load", "_C.", ".so", "Enum subclass", "Traceback"]  # torcha
 
 
 def start(dump, *args, nproc=1, device="cpu", env=()):
-    """(the process, dump) of train.py started on the debug config, on `device` (the CPU even where a GPU is:
-    these runs check float8's numbers against the CPU's fp32 run); its output goes to files, not pipes, so
-    that runs side by side never wait on a full pipe."""
-    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    cmd = [sys.executable, *launch, "train.py", "--config", "configs/debug_model.toml", "--job.dump_folder",
-           str(dump), "--metrics.log_freq", "1", "--validation.enable", "false", *map(str, args)]
-    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", **dict(env)}  # deterministic GPU runs need it
+    """(the run, dump) of train.py started on the debug config (conftest.start_training), on `device` (the CPU
+    even where a GPU is: these runs check float8's numbers against the CPU's fp32 run)."""
+    argv = ["--config", "configs/debug_model.toml", "--job.dump_folder", dump, "--metrics.log_freq", "1",
+            "--validation.enable", "false", *args]
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", **dict(env)}  # deterministic GPU runs need it
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # train.py takes a GPU when it sees one
-    os.makedirs(dump, exist_ok=True)
-    out = open(os.path.join(dump, "stdout.txt"), "w+")
-    err = open(os.path.join(dump, "stderr.txt"), "w+")
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, text=True, env=env), dump
+    return start_training(argv, nproc, env=env, timeout=900), dump
 
 
 def finish(started, expect=0):
     """(stdout, stderr, training records) of a run from start(), once it ends."""
-    proc, dump = started
-    proc.wait(timeout=900)
-    with open(os.path.join(dump, "stdout.txt")) as f:
-        stdout = f.read()
-    with open(os.path.join(dump, "stderr.txt")) as f:
-        stderr = f.read()
+    run, dump = started
+    proc = run.wait()
+    stdout, stderr = proc.stdout, proc.stderr
     assert proc.returncode == expect, stdout[-2000:] + stderr[-3000:]
     path = os.path.join(dump, "metrics.jsonl")
     records = [r for r in map(json.loads, open(path)) if "loss" in r] if os.path.exists(path) else []

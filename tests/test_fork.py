@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import SMALL
+from conftest import SMALL, run_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -26,11 +26,9 @@ def step_losses(dump):
 
 
 def qknorm_losses(dump, *args, nproc=1):
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    f"--nproc_per_node={nproc}"]
-    cmd = [*launcher, "tests/qknorm_train.py", "--config", "configs/debug_model.toml", "--job.dump_folder", str(dump),
-           "--training.steps", "3", "--metrics.log_freq", "1", "--validation.enable", "false", *SMALL, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    argv = ["--config", "configs/debug_model.toml", "--job.dump_folder", dump, "--training.steps", "3",
+            "--metrics.log_freq", "1", "--validation.enable", "false", *SMALL, *args]
+    proc = run_training(argv, nproc, program="tests/qknorm_train.py")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return step_losses(dump)
 

@@ -29,7 +29,7 @@ import data_manifest  # noqa: E402
 import sources  # noqa: E402
 from sources import DataError, DataSource  # noqa: E402
 from hub_fixture import Hub, make_repos, point_libraries_at, write_mirror  # noqa: E402
-from conftest import SMALL  # noqa: E402
+from conftest import SMALL, run_training  # noqa: E402
 
 TOKEN = "hf_testTokenThatMustNeverBePrinted123"
 # What huggingface_hub 2.4 and datasets 5.2 asked for while these tests ran (the fixture serves these only).
@@ -382,17 +382,16 @@ def test_train_py_on_the_shipped_hub_sources_trains_resumes_and_eats_the_mirrors
     cfg.validation.sources = train.load_config(["--config", os.path.join(ROOT, "configs", "llama3_8b.toml")]
                                                ).validation.sources
     (tmp_path / "hub.toml").write_text(train.to_toml(cfg))
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
-    env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf"), HF_TOKEN=TOKEN, OMP_NUM_THREADS="1")
+    env = {"HF_HUB_OFFLINE": None, "HF_DATASETS_OFFLINE": None, "HF_ENDPOINT": hub.endpoint,
+           "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}  # None: unset
     dump = tmp_path / "dump"
 
     def run(*args):
         # SMALL's 64 tokens a sequence, 8 sequences a step: the 512 tokens a step of 4 x 128 read before
-        proc = subprocess.run([sys.executable, "train.py", "--config", str(tmp_path / "hub.toml"), "--job.dump_folder",
-                               str(dump), "--training.steps", "4", *SMALL, "--training.local_batch_size", "8",
-                               "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "2",
-                               "--validation.freq", "4", *args],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+        proc = run_training(["--config", tmp_path / "hub.toml", "--job.dump_folder", dump, "--training.steps", "4",
+                             *SMALL, "--training.local_batch_size", "8", "--metrics.log_freq", "1",
+                             "--checkpoint.enable", "--checkpoint.interval", "2", "--validation.freq", "4", *args],
+                            env=env, timeout=300)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert TOKEN not in proc.stdout + proc.stderr
         return [json.loads(ln) for ln in open(dump / "metrics.jsonl")]

@@ -30,7 +30,7 @@ import mirror as mirrors  # noqa: E402  (tests name their mirror folders `mirror
 import data_manifest  # noqa: E402
 from sources import DataError, DataSource  # noqa: E402
 from hub_fixture import Hub, _jsonl_gz, _parquet, make_repos, point_libraries_at, push  # noqa: E402
-from conftest import SMALL  # noqa: E402
+from conftest import SMALL, run_training  # noqa: E402
 
 SHIPPED = tomllib.load(open(os.path.join(ROOT, "configs", "llama3_8b.toml"), "rb"))
 TOKENIZER = os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model")
@@ -39,12 +39,8 @@ TRAIN = [*SMALL, "--training.local_batch_size", "4", "--metrics.log_freq", "1",
 
 
 def train(config, dump, *args, nproc=1, env=None, expect=0):
-    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-                                 if nproc > 1 else [])
-    proc = subprocess.run(launch + ["train.py", "--config", str(config), "--job.dump_folder", str(dump), *TRAIN,
-                                    *map(str, args)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    proc = run_training(["--config", config, "--job.dump_folder", dump, *TRAIN, *args], nproc,
+                        env={"OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 

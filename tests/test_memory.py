@@ -3,18 +3,21 @@
 The measurement is torch's FSDPMemTracker: it counts every tensor storage alive (weights, gradients,
 optimizer states, activations, temporaries) through a real step of the trainer's parallelize() on CPU,
 so the comparison is exact at the tensor level and free of the allocator noise in a process's RSS.
-Run as a script under torchrun, this file prints one JSON line per config: {"args", "estimate", "measured"}.
+Run as a script (under torchrun for several ranks), this file prints one JSON line per config: {"args", "estimate",
+"measured"}.
 """
 
 import contextlib
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from conftest import run_training  # noqa: E402
+
 # 2 of the debug model's blocks at its seq 256, batch 4: activations and the logits are ~2/3 of the measured
 # peak without AC, model states the rest (the estimate: -1.4%..+3.0% off, 2026-11-26), at a third of the
 # time of 6 blocks
@@ -41,7 +44,10 @@ def measure(configs):
     import train
     from model import Transformer
 
-    dist.init_process_group("gloo")
+    if "RANK" in os.environ:  # several ranks
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     for extra in configs:
         cfg = train.load_config([*SHAPE, *extra])
         sizes = train.validate(cfg, dist.get_world_size())
@@ -82,10 +88,8 @@ def measure(configs):
 
 
 def run(configs, nproc):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           os.path.abspath(__file__), json.dumps(configs)], cwd=ROOT, text=True, timeout=600,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    proc = run_training([json.dumps(configs)], nproc, program=os.path.abspath(__file__))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
@@ -156,5 +160,4 @@ def test_resident_memory_without_proc(monkeypatch):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
     measure(json.loads(sys.argv[1]))

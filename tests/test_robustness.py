@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # this file run as a script (two_runs, slow_runs) imports conftest and train
     sys.path.insert(0, ROOT)
 
-from conftest import SMALL  # noqa: E402
+from conftest import SMALL, run_training  # noqa: E402
 
 
 def cmd(dump, *args):
@@ -26,8 +26,9 @@ def cmd(dump, *args):
             "--metrics.log_freq", "1", "--validation.enable", "false", *SMALL, *map(str, args)]
 
 
-def run(dump, *args, **kwargs):
-    return subprocess.run(cmd(dump, *args), cwd=ROOT, capture_output=True, text=True, timeout=600, **kwargs)
+def run(dump, *args, env=None):
+    """`python train.py` (cmd) forked as conftest.run_training forks it; env: variables to set."""
+    return run_training(cmd(dump, *args)[2:], env=env)
 
 
 def errors(proc):
@@ -87,7 +88,7 @@ def two_steps(tmp_path_factory):
     environment: one launch for two tests."""
     dump = tmp_path_factory.mktemp("two_steps")
     proc = run(dump, "--training.steps", 2, "--checkpoint.enable", "--checkpoint.interval", 2,
-               env={**os.environ, "HF_TOKEN": SECRET})
+               env={"HF_TOKEN": SECRET})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return dump, proc
 
@@ -100,8 +101,8 @@ def test_failed_save_keeps_the_previous_checkpoint(two_steps, tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
 
-    proc = run(dump, "--training.steps", 6, "--checkpoint.enable", "--checkpoint.interval", 2,
-               preexec_fn=small_disk)
+    proc = subprocess.run(cmd(dump, "--training.steps", 6, "--checkpoint.enable", "--checkpoint.interval", 2),
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, preexec_fn=small_disk)
     out = proc.stdout
     assert "checkpoint step-4 failed (" in out, out[-3000:]
     assert f"the newest complete checkpoint is still {dump}/checkpoint/step-2" in out
@@ -299,6 +300,7 @@ def test_a_data_error_on_one_rank_ends_every_rank_with_the_same_line(tmp_path):
     (tmp_path / "c.toml").write_text(toml)
     start = time.time()
     # SMALL's 2 blocks at the config's seq 256: the micro-batch that meets the cut follows the sequence length
+    # torchrun itself: the test reads its report
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "train.py", "--config", str(tmp_path / "c.toml"), "--job.dump_folder", str(tmp_path / "d"),
                            "--metrics.log_freq", "1", "--validation.enable", "false", "--training.steps", "40", "--training.local_batch_size", "1",

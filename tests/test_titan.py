@@ -24,7 +24,7 @@ sys.path.insert(0, ROOT)
 
 import bench  # noqa: E402
 import checkpoint_convert as C  # noqa: E402
-from conftest import SMALL  # noqa: E402
+from conftest import SMALL, run_training  # noqa: E402
 import model as M  # noqa: E402
 from titan_run import titan_command, titan_tokenizer  # noqa: E402
 import train  # noqa: E402
@@ -53,13 +53,12 @@ def torchtitan(folder, steps: int, *flags) -> dict:
 
 def ours(dump, *args, nproc=1) -> tuple:
     """(output, metrics.jsonl's training records) of a train.py run of the debug config, SMALL shape."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    cmd = [sys.executable, *launcher, "train.py", "--config", CONFIG, "--job.dump_folder", str(dump),
-           "--metrics.log_freq", "1", "--validation.enable", "false", *WARMUP, *SMALL, *map(str, args)]
-    proc = subprocess.run(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    argv = ["--config", CONFIG, "--job.dump_folder", dump, "--metrics.log_freq", "1", "--validation.enable", "false",
+            *WARMUP, *SMALL, *args]
+    proc = run_training(argv, nproc)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(os.path.join(dump, "metrics.jsonl")) as f:
-        return proc.stdout, [r for r in map(json.loads, f) if "loss" in r]
+        return proc.stdout + proc.stderr, [r for r in map(json.loads, f) if "loss" in r]
 
 
 @pytest.fixture(scope="module")

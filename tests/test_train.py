@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import SMALL
+from conftest import SMALL, run_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,8 +22,7 @@ def steps(dump):
 
 
 def train(dump, *args):
-    cmd = [sys.executable, "train.py", *ARGS, "--job.dump_folder", str(dump), *map(str, args)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = run_training([*ARGS, "--job.dump_folder", dump, *args])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout, steps(dump)
 

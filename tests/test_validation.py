@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import SMALL
+from conftest import SMALL, run_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,8 +26,7 @@ def steps_and_rounds(dump):
 
 
 def train(dump, *args, env=None, expect=0):
-    cmd = [sys.executable, "train.py", *ARGS, "--job.dump_folder", str(dump), *map(str, args)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    proc = run_training([*ARGS, "--job.dump_folder", dump, *args], env=env)
     assert proc.returncode == expect, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc, *(steps_and_rounds(dump) if expect == 0 else ([], []))
 
@@ -94,8 +93,7 @@ def test_validation_rounds_are_reported_and_leave_training_untouched(tmp_path):
 def test_a_missing_validation_source_stops_before_training(tmp_path):
     toml = open(os.path.join(ROOT, "configs", "debug_model.toml")).read()
     (tmp_path / "c.toml").write_text(toml.replace("validation/fwe3/*.parquet", "validation/no-such-file/*.parquet"))
-    proc = subprocess.run([sys.executable, "train.py", "--config", str(tmp_path / "c.toml"), "--job.dump_folder",
-                           str(tmp_path / "d")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_training(["--config", tmp_path / "c.toml", "--job.dump_folder", tmp_path / "d"], timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip().startswith("error: ") and len(proc.stderr.splitlines()) == 1
     assert "'zyda2_fwe3'" in proc.stderr and "step: " not in proc.stdout
 
