@@ -8,6 +8,7 @@ tests/test_validation.py, and they would add minutes to the suite."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -69,16 +70,18 @@ class Run:
         open(self.result + ".out", "w").close()
         open(self.result + ".err", "w").close()
         self.args = [program, *argv]
+        self.timeout = timeout
         self.deadline = time.monotonic() + timeout
-        request = [program, [str(a) for a in argv], dict(env or {}), nproc, self.result]
+        request = [program, [str(a) for a in argv], dict(env or {}), nproc, int(timeout), self.result]
         _forking[0].stdin.write((json.dumps(request) + "\n").encode())
         _forking[0].stdin.flush()
 
     def wait(self) -> subprocess.CompletedProcess:
         while not os.path.exists(self.result):
             assert _forking[0].poll() is None, "the forking process ended"
-            if time.monotonic() > self.deadline:
-                raise subprocess.TimeoutExpired(self.args, 0)
+            # the ranks' alarm (from their fork, after the process's own start) has not ended them
+            if time.monotonic() > self.deadline + 60:
+                raise subprocess.TimeoutExpired(self.args, self.timeout)
             time.sleep(0.05)
         with open(self.result) as f:
             code = int(f.read())
@@ -87,6 +90,8 @@ class Run:
         with open(self.result + ".err") as f:
             err = f.read()
         shutil.rmtree(os.path.dirname(self.result))
+        if code == -signal.SIGALRM:  # the ranks' alarm: the run outlived its timeout, as subprocess.run says it
+            raise subprocess.TimeoutExpired(self.args, self.timeout, out, err)
         return subprocess.CompletedProcess(self.args, code, out, err)
 
 

@@ -1,5 +1,5 @@
 """The process the tests fork training runs from (conftest.start_training). It imports train.py once, then
-reads requests from stdin, a JSON line each: [program, argv, env, nproc, result file]. For each it forks
+reads requests from stdin, a JSON line each: [program, argv, env, nproc, timeout, result file]. For each it forks
 nproc ranks that run `program argv` as __main__, each with what torchrun gives a rank, and once all have
 ended writes their exit code (the first failed rank's, else 0) to the result file; their stdout and
 stderr go to the result file's name + .out and .err. Runs may overlap. It ends when stdin closes."""
@@ -25,7 +25,7 @@ assert "huggingface_hub" not in sys.modules and "datasets" not in sys.modules
 GRACE = 30  # seconds between the SIGTERM that ends the other ranks of a failed run and a SIGKILL (torchrun's)
 
 
-def rank(program: str, argv: list, env: dict, nproc: int, r: int, port: int, result: str):
+def rank(program: str, argv: list, env: dict, nproc: int, timeout: int, r: int, port: int, result: str):
     """The forked child: rank r of nproc. Never returns."""
     os.dup2(os.open(result + ".out", os.O_WRONLY | os.O_APPEND), 1)
     os.dup2(os.open(result + ".err", os.O_WRONLY | os.O_APPEND), 2)
@@ -41,7 +41,7 @@ def rank(program: str, argv: list, env: dict, nproc: int, r: int, port: int, res
     threads = os.environ.get("OMP_NUM_THREADS", "1" if nproc > 1 else "")
     if threads:
         torch.set_num_threads(int(threads))
-    signal.alarm(900)  # a hung run ends, as at a subprocess's timeout
+    signal.alarm(timeout)  # a hung run ends when the test stops waiting for it
     sys.argv = [program, *argv]
     try:
         runpy.run_path(program, run_name="__main__")
@@ -60,7 +60,7 @@ def rank(program: str, argv: list, env: dict, nproc: int, r: int, port: int, res
 
 def start(request: bytes) -> list:
     """Fork the request's ranks: [{pid: exit code or None}, when the others got SIGTERM or None]."""
-    program, argv, env, nproc, result = json.loads(request)
+    program, argv, env, nproc, timeout, result = json.loads(request)
     with socket.socket() as s:  # a free port for rank 0's store, as `torchrun --standalone` finds one
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -68,7 +68,7 @@ def start(request: bytes) -> list:
     for r in range(nproc):
         pid = os.fork()
         if pid == 0:
-            rank(program, argv, env, nproc, r, port, result)
+            rank(program, argv, env, nproc, timeout, r, port, result)
         pids[pid] = None
     return [pids, None]
 
