@@ -78,7 +78,7 @@ class Run:
 
     def wait(self) -> subprocess.CompletedProcess:
         while not os.path.exists(self.result):
-            assert _forking[0].poll() is None, "the forking process ended"
+            assert _forking[0].poll() is None, "tests/fork_server.py ended: its error is on this worker's stderr"
             # the ranks' alarm (from their fork, after the process's own start) has not ended them
             if time.monotonic() > self.deadline + 60:
                 raise subprocess.TimeoutExpired(self.args, self.timeout)
