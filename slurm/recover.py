@@ -1,15 +1,19 @@
-"""slurm/multinode.sbatch's bookkeeping: what a failed launch cost, what the script does next, and the job's goodput.
+"""slurm/multinode.sbatch's bookkeeping: what a failed launch cost, what the script does next, and
+the job's goodput.
 
-The script calls it; a person reads its lines in the job's log. The job's record (when it first started, its
-failures, the nodes left out) is a JSON file next to the log, which outlives the job's requeues. It imports no
-torch: it runs between a failure and the next launch, where every second counts.
+The script calls it; a person reads its lines in the job's log. The job's record (when it first
+started, its failures, the nodes left out) is a JSON file next to the log, which outlives the job's
+requeues. It imports no torch: it runs between a failure and the next launch, where every second
+counts.
 
     python slurm/recover.py start RECORD --job JOBID          # at every start of the job
-    python slurm/recover.py failed RECORD --log LOG --offset N --since T --nodes "n1 n2" --spares "n3" --down ""
+    python slurm/recover.py failed RECORD --log LOG --offset N --since T \
+        --nodes "n1 n2" --spares "n3" --down ""
     python slurm/recover.py end RECORD --log LOG --offset N   # the goodput line, also into metrics.jsonl
 
-`failed` reads the log from byte N (where the launch began), names the failed node and prints on stdout what to do:
-`spare NODE SPARE` (relaunch with SPARE in place of NODE), `relaunch` (same nodes), `requeue [NODE]`, `stop CODE`.
+`failed` reads the log from byte N (where the launch began), names the failed node and prints on
+stdout what to do: `spare NODE SPARE` (relaunch with SPARE in place of NODE), `relaunch` (same
+nodes), `requeue [NODE]`, `stop CODE`.
 """
 
 import argparse
@@ -22,7 +26,8 @@ import sys
 import time
 import tomllib
 
-LOST = ("lost its connection to another rank", "for a rank that never joined it")  # train.py's lost_rank() lines
+# the lines of a rank that lost its peer (pretrain/distributed.py's lost_rank)
+LOST = ("lost its connection to another rank", "for a rank that never joined it")
 
 
 def say(line: str):
@@ -45,18 +50,20 @@ def save(record: dict, path: str):
 # -------------------------------------------------------------------------------------------------
 
 def start(path: str, job: str):
-    """The job's record at `path`, made at its first start; every start (1 + its requeues) counts."""
+    """The job's record at `path`, made at its first start; every start (1 + its requeues)
+    counts."""
     old = load(path) if os.path.exists(path) else {}
-    record = old if old.get("job") == job else {  # another job's record: a log name without %j
-        "job": job, "first_start": time.time(), "starts": 0, "failures": [], "restarts": 0, "left_out": [],
-        "stalled": 0, "dump_folder": ""}
+    record = old
+    if old.get("job") != job:  # another job's record: a log name without %j
+        record = {"job": job, "first_start": time.time(), "starts": 0, "failures": [], "restarts": 0,
+                  "left_out": [], "stalled": 0, "dump_folder": ""}
     record["starts"] += 1
     save(record, path)
 
 
 def dump_folder(record: dict, lines: list) -> str:
-    """The run's dump folder, from train.py's first log line ("...; config in DUMP/config.toml"): neither the
-    script nor this program reads train.py's config (that would import torch)."""
+    """The run's dump folder, from train.py's first log line ("...; config in DUMP/config.toml"):
+    neither the script nor this program reads train.py's config (that would import torch)."""
     for line in lines:
         if m := re.search(r"; config in (.+)/config\.toml$", line):
             record["dump_folder"] = m[1]
@@ -68,7 +75,8 @@ def dump_folder(record: dict, lines: list) -> str:
 # -------------------------------------------------------------------------------------------------
 
 def newest_checkpoint(dump: str) -> int:
-    """The newest step-N with DCP's .metadata, the mark of a complete save (train.py's resume checks more)."""
+    """The newest step-N with DCP's .metadata, the mark of a complete save (train.py's resume checks
+    more)."""
     folder = "checkpoint"
     try:
         with open(os.path.join(dump, "config.toml"), "rb") as f:
@@ -78,7 +86,8 @@ def newest_checkpoint(dump: str) -> int:
     folder = os.path.join(dump, folder)
     names = os.listdir(folder) if dump and os.path.isdir(folder) else []
     steps = [int(m[1]) for d in names if (m := re.fullmatch(r"step-(\d+)", d))]
-    return max((s for s in steps if os.path.isfile(os.path.join(folder, f"step-{s}", ".metadata"))), default=0)
+    complete = [s for s in steps if os.path.isfile(os.path.join(folder, f"step-{s}", ".metadata"))]
+    return max(complete, default=0)
 
 
 def trained_records(metrics: str, since: float) -> list:
@@ -100,8 +109,8 @@ def how_it_ended(code: int) -> str:
 
 
 def reports(lines: list) -> tuple:
-    """What each srun task (node) said: torchrun's (rank, exit code) per failed rank, train.py's `error:` lines,
-    and srun's own `error: NODE: task N: ...` lines (node, line), in log order."""
+    """What each srun task (node) said: torchrun's (rank, exit code) per failed rank, train.py's
+    `error:` lines, and srun's own `error: NODE: task N: ...` lines (node, line), in log order."""
     ranks, codes, errors, sruns = {}, {}, {}, []
     for line in lines:
         if m := re.match(r"srun: error: (\S+): tasks? [\d\-,]+: ", line):
@@ -120,9 +129,12 @@ def reports(lines: list) -> tuple:
 
 
 def diagnose(lines: list, nodes: list, down: list) -> dict:
-    """The failed node of a launch on `nodes` (srun's task i ran on nodes[i]), from the launch's log lines: one
-    Slurm marks down; a rank that died by itself (a signal, a traceback), not one that lost its peer (exit 3);
-    srun's first failed task that lost no peer; the one node that said nothing while the others lost a peer.
+    """The failed node of a launch on `nodes` (srun's task i ran on nodes[i]), from the launch's log
+    lines, in this order:
+    1. one Slurm marks down;
+    2. a rank that died by itself (a signal, a traceback), not one that lost its peer (exit 3);
+    3. srun's first failed task that lost no peer;
+    4. the one node that said nothing while the others lost a peer.
     Returns node (None: not named), how, error (the line to quote) and user (some rank's exit 2)."""
     failed, errors, sruns = reports(lines)
     def own(task):  # the task's first error line that is not a lost peer's
@@ -132,17 +144,22 @@ def diagnose(lines: list, nodes: list, down: list) -> dict:
 
     for task, ended in failed.items():
         if any(code == 2 for _, code in ended):
-            return {"node": None, "how": "a user error (exit 2)", "error": own(task) or "", "user": True}
+            error = own(task) or ""
+            return {"node": None, "how": "a user error (exit 2)", "error": error, "user": True}
     for node in down:
         if node in nodes:
             return named(node, "Slurm marks it down, drained or not responding")
-    culprits = [(t, rank, code) for t, ended in failed.items() for rank, code in ended if code != 3 or own(t)]
+    # ranks that ended by themselves: any exit but 3 (lost a peer), or 3 with an error line of their own
+    culprits = [(t, rank, code) for t, ended in failed.items() for rank, code in ended
+                if code != 3 or own(t)]
     alike = {own(t) for t, _, _ in culprits}
-    if len(alike) == 1 and None not in alike and len({t for t, _, _ in culprits}) == len(nodes):
-        return named(None, "every node's ranks stopped alike", alike.pop())  # a non-finite loss, a full disk
+    every_node = len({t for t, _, _ in culprits}) == len(nodes)
+    if len(alike) == 1 and None not in alike and every_node:  # a non-finite loss, a full disk
+        return named(None, "every node's ranks stopped alike", alike.pop())
     for task, rank, code in culprits:
         who = f"rank {rank}" if rank is not None else "a rank"
-        return named(nodes[task] if task < len(nodes) else None, f"{who} {how_it_ended(code)}", own(task))
+        node = nodes[task] if task < len(nodes) else None
+        return named(node, f"{who} {how_it_ended(code)}", own(task))
     lost_peer = {nodes[t] for t in set(failed) | set(errors) if t < len(nodes)}
     for node, line in sruns:
         if node in nodes and node not in lost_peer:
@@ -155,7 +172,8 @@ def diagnose(lines: list, nodes: list, down: list) -> dict:
 
 
 def launch_lines(log: str, offset: int) -> list:
-    """The job log's lines from byte `offset` on: what srun, torchrun and the ranks printed since the launch."""
+    """The job log's lines from byte `offset` on: what srun, torchrun and the ranks printed since
+    the launch."""
     with open(log, "rb") as f:
         f.seek(offset)
         return f.read().decode(errors="replace").splitlines()
@@ -174,19 +192,23 @@ def failed(path: str, a) -> str:
     newest = newest_checkpoint(dump)
     metrics = os.path.join(dump, "metrics.jsonl")
     trained = [step for step, _ in trained_records(metrics, a.since)]
-    again = max(0, max(trained, default=newest) - newest)  # steps this launch trained that the next one trains again
+    # steps this launch trained that the next one trains again
+    again = max(0, max(trained, default=newest) - newest)
     if record["failures"] and newest <= record["failures"][-1]["resumed"]:
         record["stalled"] += 1  # the last restart got no checkpoint further: a crash loop, if it goes on
-    failure = {"time": time.time(), "node": found["node"], "how": found["how"], "error": found["error"],
-               "resumed": newest, "again": again}
+    failure = {"time": time.time(), "node": found["node"], "how": found["how"],
+               "error": found["error"], "resumed": newest, "again": again}
     record["failures"].append(failure)
     n = len(record["failures"])
     if n > a.max_restarts or record["stalled"] > a.max_stalled:
-        why = (f"past MAX_RESTARTS={a.max_restarts}" if n > a.max_restarts else
-               f"restarts without a newer checkpoint: {record['stalled']}, MAX_STALLED_RESTARTS={a.max_stalled}")
+        why = f"past MAX_RESTARTS={a.max_restarts}"
+        if n <= a.max_restarts:
+            why = (f"restarts without a newer checkpoint: {record['stalled']}, "
+                   f"MAX_STALLED_RESTARTS={a.max_stalled}")
         save(record, path)
         _, kept, all_trained = kept_time(trained_records(metrics, record["first_start"]))
-        say(f"giving up after {n} failures ({why}): nodes left out: {' '.join(record['left_out']) or 'none'}; "
+        left_out = " ".join(record["left_out"]) or "none"
+        say(f"giving up after {n} failures ({why}): nodes left out: {left_out}; "
             f"steps trained twice: {all_trained - kept}; newest checkpoint step-{newest}; "
             f"last error: {found['error'] or found['how']}")
         end(path, lines)
@@ -206,8 +228,8 @@ def failed(path: str, a) -> str:
     record["restarts"] = n
     save(record, path)
     failed_node = f"{node} failed" if node else "a launch failed"
-    say(f"restart {n} of {a.max_restarts} (MAX_RESTARTS): {failed_node}: {found['how']}; {replacement}; "
-        f"resuming from step-{newest}; steps to train again: {again}")
+    say(f"restart {n} of {a.max_restarts} (MAX_RESTARTS): {failed_node}: {found['how']}; "
+        f"{replacement}; resuming from step-{newest}; steps to train again: {again}")
     return action
 
 
@@ -216,13 +238,14 @@ def failed(path: str, a) -> str:
 # -------------------------------------------------------------------------------------------------
 
 def kept_time(records: list) -> tuple:
-    """(seconds, steps kept, steps trained) from (step, time) records in file order. A record whose step is not
-    above the previous one starts a launch that resumed below it: the steps it trains again replace the old
-    ones. A record's time covers the steps since the previous record; a launch's first step (its start-up
-    inside) is counted at the launch's median step time."""
+    """(seconds, steps kept, steps trained) from (step, time) records in file order. A record whose
+    step is not above the previous one starts a launch that resumed below it: the steps it trains
+    again replace the old ones. A record's time covers the steps since the previous record; a
+    launch's first step (its start-up inside) is counted at the launch's median step time."""
     kept, trained, launch = {}, 0, []
     for step, t in records + [(None, None)]:
-        if launch and (step is None or step <= launch[-1][0]):  # the launch before this record has ended
+        # the launch before this record has ended
+        if launch and (step is None or step <= launch[-1][0]):
             per_step = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(launch, launch[1:])]
             median = statistics.median(per_step) if per_step else 0.0
             resumed = max((s for s in kept if s < launch[0][0]), default=0)
@@ -249,26 +272,29 @@ def end(path: str, lines: list):
     goodput = seconds / wall if wall > 0 else 0.0
     failures, restarts = len(record["failures"]), record["restarts"]
     requeues = record["starts"] - 1  # for the time limit too
-    say(f"goodput {100 * goodput:.1f}%: {seconds:.1f} s of the {wall:.1f} s since the job's first start trained "
-        f"the {steps} steps kept; failures: {failures}, restarts: {restarts}, requeues: {requeues}, "
-        f"steps trained twice: {trained - steps}")
+    say(f"goodput {100 * goodput:.1f}%: {seconds:.1f} s of the {wall:.1f} s since the job's first "
+        f"start trained the {steps} steps kept; failures: {failures}, restarts: {restarts}, "
+        f"requeues: {requeues}, steps trained twice: {trained - steps}")
     if os.path.exists(metrics):
+        summary = {"step": steps, "goodput": goodput, "goodput_seconds": seconds, "wall_seconds": wall,
+                   "failures": failures, "restarts": restarts, "requeues": requeues,
+                   "steps_trained_twice": trained - steps, "job": record["job"], "time": now}
         with open(metrics, "a") as f:
-            f.write(json.dumps({"step": steps, "goodput": goodput, "goodput_seconds": seconds, "wall_seconds": wall,
-                                "failures": failures, "restarts": restarts, "requeues": requeues,
-                                "steps_trained_twice": trained - steps,
-                                "job": record["job"], "time": now}) + "\n")
+            f.write(json.dumps(summary) + "\n")
 
 
 def main(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    raw = argparse.RawDescriptionHelpFormatter  # the docstring's commands, as written
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
     sub = p.add_subparsers(dest="command", required=True)
     for name in ("start", "failed", "end"):
         c = sub.add_parser(name)
         c.add_argument("record", help="the job's record (a JSON file)")
         c.add_argument("--job", default="")
-        c.add_argument("--log", default="/dev/null", help="the job's log, where srun's and the ranks' lines land")
-        c.add_argument("--offset", type=int, default=0, help="where in the log the last launch began (bytes)")
+        c.add_argument("--log", default="/dev/null",
+                       help="the job's log, where srun's and the ranks' lines land")
+        c.add_argument("--offset", type=int, default=0,
+                       help="where in the log the last launch began (bytes)")
     f = sub.choices["failed"]
     f.add_argument("--since", type=float, default=0.0, help="when the launch began (unix s)")
     f.add_argument("--nodes", required=True, help="the launch's nodes, srun's task 0 first")
