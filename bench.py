@@ -28,9 +28,9 @@ import sys
 import tempfile
 import time
 
-import measure
-import memory
-import titan_run
+from pretrain import measure
+from pretrain import memory
+from pretrain import titan_run
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -182,7 +182,7 @@ def loader(args, extra):
     import torch  # noqa: F401  (the first batch would import it, and be timed with it)
     import train
     from data import DataLoader, Tokenizer
-    from data_manifest import pinned_manifest
+    from pretrain.data_manifest import pinned_manifest
     cfg = train.load_config(extra)
     train.validate(cfg, world_size=1)
     d = cfg.data
@@ -279,9 +279,9 @@ GPU_SHARED = ["--activation_checkpoint.mode", "selective", "--data.num_streams",
               "--optimizer.lr", "3e-4"]
 # --device cpu: a pretend device, so the estimate picks the blocks as it does on a GPU
 CPU_CAPACITY = 80 * 2**20
-# Seconds a step needs, with some room (an H100, 2026-11-26: the self-test 97 s, 1B 27 s, the 8B-wide
-# runs 35-65 s): a step that no longer fits the budget's remainder is skipped; one is stopped at the
-# budget's end or, on a GPU, at twice its time (a hang).
+# Seconds a step needs: the first H100 run's (docs/performance.md#one-h100) with some room. A step that
+# no longer fits the budget's remainder is skipped; one is stopped at the budget's end or, on a GPU, at
+# twice its time (a hang).
 STEP_SECONDS = {"cuda": {"self-test": 120, "1B": 40, "8B": 80},
                 "cpu": {"self-test": 60, "1B": 30, "8B": 30}}
 
@@ -379,7 +379,7 @@ def summary_header(name: str, args, shared: list, shape: dict, blocks: int, capa
             f"Every run: `{' '.join(shared)}`, {shape['steps']} steps, the first {shape['warmup']} "
             f"untimed; PYTORCH_ALLOC_CONF={alloc}.",
             f"The {shape['wide']} width: {blocks} blocks fit {capacity / 2**30:.1f} GiB by the "
-            f"estimate ({memory.FRAGMENTATION - 1:.0%} kept free).",
+            f"estimate ({memory.FREE:.0%} kept free).",
             "Each step's output: `<step>.log` beside this file.", "",
             "| step | what ran | tokens/s | TFLOP/s | MFU | peak memory GiB | peak allocated GiB "
             "| estimate GiB | seconds |",
@@ -394,7 +394,7 @@ def gpu(args, extra):
     cuda = args.device == "cuda"
     if not cuda:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # train.py and the tests take a GPU they see
-    else:  # as torchtitan's runs: less fragmentation on a GPU the estimate fills to 85%
+    else:  # as torchtitan's runs: less fragmentation on a GPU the estimate fills
         os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     name, capacity = device_memory(args.device)
     shape = GPU_SHAPES[args.device]
@@ -438,7 +438,7 @@ def gpu(args, extra):
     append(summary, f"\nDone: {spent:.0f} s of the {args.budget:.0f} s budget.")
 
 
-# --- where a step's time goes (measure.py)
+# --- where a step's time goes (pretrain/measure.py)
 
 def profile(args, extra):
     """train.py in this process under torch.profiler: where --active steps after --warmup spend their
@@ -467,7 +467,7 @@ def profile(args, extra):
     print("\n".join(lines), flush=True)
 
 
-# --- side by side with torchtitan 0.2.2 (titan_run.py; the trainer never imports it)
+# --- side by side with torchtitan 0.2.2 (pretrain/titan_run.py; the trainer never imports it)
 
 def titan_tps(log: str, warmup: int):
     """Steady-state tokens/s per process from torchtitan's log; None if no step after the warmup."""

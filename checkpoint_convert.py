@@ -30,10 +30,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from data import Tokenizer
-from hf_layout import args_from_hf, hf_config, hf_name, hf_tokenizer, permute_rope, tokenizer_files
 from model import ModelArgs, Transformer, flavors
-from sources import DataError
-from titan_layout import model_keys
+from pretrain.hf_layout import args_from_hf, hf_config, hf_name, hf_tokenizer, permute_rope, tokenizer_files
+from pretrain.sources import DataError
+from pretrain.titan_layout import model_keys
 
 MAX_SHARD_BYTES = 5 * 10**9  # per safetensors file, as Hugging Face does by default; tests lower it
 DEFAULT_TOKENIZER = "assets/tokenizer/tokenizer.model"  # train.py's [model] tokenizer_path default
@@ -204,7 +204,7 @@ def save_titan(dcp_dir: str, out: str, params: str):
     write_json(out, "params.json", args.params())
 
 
-# --- Hugging Face: config.json + safetensors shards (hf_layout.py: names, rope, config) -----------
+# --- Hugging Face: config.json + safetensors shards (pretrain/hf_layout.py: names, rope, config)
 def load_hf(dir: str):
     config_path = os.path.join(dir, "config.json")
     index_path = os.path.join(dir, "model.safetensors.index.json")
@@ -286,7 +286,7 @@ def find_tokenizer(dcp_dir: str, given) -> str:
 
 
 def save_tokenizer(path: str, config: dict, out: str):
-    """The tokenizer files of a Llama 3 Hub repo from a tiktoken tokenizer.model (hf_layout.py)."""
+    """The tokenizer files of a Llama 3 Hub repo from a tiktoken tokenizer.model (pretrain/hf_layout.py)."""
     fix = ("pass --tokenizer_path with the run's tokenizer.model, or --tokenizer_path '' for the "
            "weights only")
     if not os.path.isfile(path):

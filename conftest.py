@@ -20,8 +20,8 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # The whole suite runs a test file per core (pytest-xdist): there every process, and each it starts, gets
 # one thread, as torchrun gives each of several ranks. Two threads would spin on a core the other file's
-# process holds: a 10-step run beside a busy core took 15.6 s of CPU with 2 threads, 7.3 s with 1, with
-# the same losses. The quick tier runs in one process and keeps both cores. Set before torch's import.
+# process holds, for the same losses (docs/performance.md#the-test-suite). The quick tier runs in one
+# process and keeps both cores. Set before torch's import.
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 

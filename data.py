@@ -1,5 +1,5 @@
 """Data: the Llama 3 tokenizer, per-source readers, a token-weighted mixture, packing, loader
-workers, exact resume. Where each source's files are (the Hub, the manifest): sources.py.
+workers, exact resume. Where each source's files are (the Hub, the manifest): pretrain/sources.py.
 
     python bench.py loader --config configs/debug_model.toml           # token shares, tokens/s
     python bench.py loader --config configs/debug_model.toml --show 2  # decode 2 packed samples
@@ -29,9 +29,9 @@ from typing import Optional
 import fsspec
 import pyarrow.parquet as pq
 
-from mirror import open_file
-from data_manifest import make_manifest, source_files
-from sources import HUB_TIMEOUT, MIB, DataError, DataSource, HubFile, retry_or_raise
+from pretrain.data_manifest import make_manifest, source_files
+from pretrain.mirror import open_file
+from pretrain.sources import HUB_TIMEOUT, MIB, DataError, DataSource, HubFile, retry_or_raise
 
 
 # --------------------------------------------------------------------------------------------------

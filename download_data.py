@@ -6,8 +6,8 @@
     python download_data.py --help  # every option
 
 Train from the mirror with `--data.mirror DIR` ([data] mirror; HF_HUB_OFFLINE=1 where no Hub
-answers), or with `--data.manifest m.json` to skip the resolution at the first start
-(docs/data.md#offline-nodes). Other `--section.key value` arguments set train.py's config.
+answers), or with `--data.manifest m.json` to skip the resolution at the first start. Other
+`--section.key value` arguments set train.py's config. docs/data.md#the-data-manifest says more.
 """
 
 import argparse
@@ -20,13 +20,13 @@ import fsspec
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-import evals
 import train
-from config import ConfigError
 from data import SourceReader, Tokenizer
-from mirror import fetch_file, mirror_paths
-from data_manifest import make_manifest, manifest_sha256, pinned_manifest, source_files, write_manifest
-from sources import DataError
+from pretrain import evals
+from pretrain.config import ConfigError
+from pretrain.data_manifest import make_manifest, manifest_sha256, pinned_manifest, source_files, write_manifest
+from pretrain.mirror import fetch_file, mirror_paths
+from pretrain.sources import DataError
 
 SAMPLE_TOKENS = 2_000_000  # tokens read from a source's first file to estimate its tokens per byte
 MARGIN = 1.25  # files fetched for this much more than each stream's share: shares vary file to file

@@ -8,7 +8,7 @@
 prints a row per rank (node, device, versions, matmul TFLOP/s), then one line per check, OK, WARN or
 FAIL, each with its threshold: software versions, matmul speed, bus bandwidth within and across
 nodes, the data (rank 0 resolves the sources once, every node checks its files and reads each
-source: data_check.py), the dump folder (writable, shared), free space for the run's checkpoints,
+source: pretrain/data_check.py), the dump folder (writable, shared), free space for the run's checkpoints,
 the tokenizer. Exit 1 on a FAIL.
 Other `--section.key value` arguments set train.py's config, as for the training job."""
 
@@ -25,15 +25,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import checkpoint_folder
-import data_check
-import distributed
-import dryrun
-import memory
-import sources
 import train
-from metrics import peak_tflops
 from model import Transformer
+from pretrain import checkpoint_folder
+from pretrain import data_check
+from pretrain import distributed
+from pretrain import dryrun
+from pretrain import memory
+from pretrain import sources
+from pretrain.metrics import peak_tflops
 
 # FOR TESTS ONLY: that rank sleeps inside its matmul timing (20x slower)
 SLOW_RANK = "PREFLIGHT_TEST_SLOW_RANK"
@@ -262,7 +262,7 @@ def report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> int:
     peak_rule = ""
     if peak:
         peak_rule = ("; or below 35% of the peak: metrics.peak_tflops, else the datasheet table in "
-                     "metrics.py")
+                     "pretrain/metrics.py")
     slowest = "".join(f"; {what}: ranks {r}" for what, r in (("FAIL", failed), ("WARN", bad)) if r)
     if failed:
         matmul = "FAIL"
@@ -353,7 +353,7 @@ def report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> int:
     newest = done[-1] if done else 0
     left = len([s for s in saves if s > newest])
     # on disk at most: every one (keep_latest_k = 0), else k kept and the next being written
-    # (checkpoint_folder.py deletes the old only then); those in the folder already need no new
+    # (pretrain/checkpoint_folder.py deletes the old only then); those in the folder already need no new
     # space, a save still to come needs one
     on_disk = len(done) + left
     if c.keep_latest_k:
@@ -408,7 +408,7 @@ def main(argv: list):
     a, rest = p.parse_known_args(argv)
     configs = [arg for path in a.config or [] for arg in ("--config", path)]  # train.py refuses two
     rest = configs + rest
-    if a.what == "dryrun":  # one CPU process, no GPU: dryrun.py
+    if a.what == "dryrun":  # one CPU process, no GPU: pretrain/dryrun.py
         sys.exit(dryrun.run(a.world_size, rest))
     try:
         check(a, rest)

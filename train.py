@@ -37,19 +37,19 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 from torch.distributed.tensor.parallel import SequenceParallel, loss_parallel, parallelize_module
 
-import config
-import evals
-import float8
-from checkpoint import Checkpointer, CheckpointError
-from checkpoint_folder import SaveError, newest
-from config import ConfigError, to_toml, unknown
 from data import DataLoader, Tokenizer
-from float8 import Float8
-from data_manifest import manifest_sha256, pinned_manifest, shared_manifest, verify_manifest
-from distributed import agree, agree_on_reads, init_distributed, lost_rank
-from metrics import MetricsLogger, memory_stats, peak_tflops
 from model import Transformer, flavors, keyed_normal_
-from sources import DataError, DataSource
+from pretrain import config
+from pretrain import evals
+from pretrain import float8
+from pretrain.checkpoint import Checkpointer, CheckpointError
+from pretrain.checkpoint_folder import SaveError, newest
+from pretrain.config import ConfigError, to_toml, unknown
+from pretrain.data_manifest import manifest_sha256, pinned_manifest, shared_manifest, verify_manifest
+from pretrain.distributed import agree, agree_on_reads, init_distributed, lost_rank
+from pretrain.float8 import Float8
+from pretrain.metrics import MetricsLogger, memory_stats, peak_tflops
+from pretrain.sources import DataError, DataSource
 
 logger = logging.getLogger("train")
 LEFT_OPEN = []  # main()'s checkpoint saver and metrics logger: an error exit closes them first
@@ -57,7 +57,7 @@ LEFT_OPEN = []  # main()'s checkpoint saver and metrics logger: an error exit cl
 
 # -------------------------------------------------------------------------------------------------
 # Config: each field is `name: type = default  # one-line doc` (the doc is what --help prints;
-# config.py reads it, or a comment line just above a field whose doc is long)
+# pretrain/config.py reads it, or a comment line just above a field whose doc is long)
 # -------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -192,12 +192,12 @@ class Config:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
-    float8: Float8 = field(default_factory=Float8)  # float8.py: the section and its rules
+    float8: Float8 = field(default_factory=Float8)  # pretrain/float8.py: the section and its rules
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)
-    eval: evals.Eval = field(default_factory=evals.Eval)  # evals.py: downstream tasks, the section and its rules
+    eval: evals.Eval = field(default_factory=evals.Eval)  # pretrain/evals.py: the section, its rules
 
 
 class RunError(RuntimeError):
@@ -205,7 +205,7 @@ class RunError(RuntimeError):
 
 
 def load_config(argv) -> Config:
-    """Defaults, then the TOML file (--config), then --section.key overrides (config.py parses)."""
+    """Defaults, then the TOML file (--config), then --section.key overrides (pretrain/config.py)."""
     return config.load(Config, argv, __doc__)
 
 
@@ -521,8 +521,8 @@ def layout_independent_normal(seed: int):
 
 
 # -------------------------------------------------------------------------------------------------
-# Optimizer, lr schedule, the data loader, the loss (validation and evals: evals.py; where the
-# numbers go: metrics.py)
+# Optimizer, lr schedule, the data loader, the loss (validation and evals: pretrain/evals.py;
+# where the numbers go: pretrain/metrics.py)
 # -------------------------------------------------------------------------------------------------
 
 def build_optimizer(model, cfg: Config, device: torch.device):
@@ -600,7 +600,7 @@ def lr_factor(step: int, cfg: Config) -> float:
 
 # -------------------------------------------------------------------------------------------------
 # Every rank alike: the dump folder, the data manifest, the sources' first reads, preemption,
-# each step's agreement (distributed.py: the process group, agree)
+# each step's agreement (pretrain/distributed.py: the process group, agree)
 # -------------------------------------------------------------------------------------------------
 
 def open_dump_folder(cfg: Config, rank: int, device):

@@ -21,7 +21,7 @@ import train  # noqa: E402,F401  everything train.py imports, once
 
 # A variable these read at import (HF_ENDPOINT, HF_HOME) must reach a rank's own import of them
 early = [name for name in ("huggingface_hub", "datasets") if name in sys.modules]
-assert not early, f"train.py's imports now import {early}: import them where they are used, as sources.py does"
+assert not early, f"train.py's imports now import {early}: import them where they are used, as pretrain/sources.py does"
 
 GRACE = 30  # seconds between the SIGTERM that ends the other ranks of a failed run and a SIGKILL (torchrun's)
 

@@ -50,7 +50,7 @@ def test_memory_prints_the_estimate_for_a_big_flavor_with_fewer_layers(capsys):
     full, short = memory("--world_size", "8"), memory("--world_size", "1", "--model.n_layers", "8")
     gib = [float(re.search(r"estimate per device: ([\d.]+) GiB", o).group(1)) for o in (full, short)]
     assert 20 < gib[0] < 80 and gib[1] > gib[0]  # one GPU holds all states of the 8-layer model
-    # Whether it fits the two GPUs the configs are written for: "fits" leaves 25% to the allocator.
+    # Whether it fits the two GPUs the configs are written for: "fits" leaves a fifth to the allocator.
     assert re.search(r"^H100 80 GB: fits \(\d+% of its memory\)\nH200 141 GB: fits \(\d+% of its memory\)$", full, re.M)
     whole = memory("--world_size", "1")  # 129 GiB
     assert "H100 80 GB: too big (162%" in whole and "H200 141 GB: tight (92%" in whole, whole
@@ -135,7 +135,7 @@ def test_bad_arguments_are_one_line_and_exit_2(args, message, capsys, monkeypatc
 # --- bench.py titan: the parts that need no torchtitan, then one real run where it is installed
 
 def test_side_by_side_alternates_and_reports_medians_and_load(capsys):
-    import measure
+    from pretrain import measure
 
     calls, loads = [], iter([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0])
 
@@ -176,14 +176,15 @@ def test_titan_runs_torchtitan_on_our_shapes_and_tokens_per_step(tmp_path):
 
     import bench as b
     import data
-    import titan_run
+    from pretrain import titan_run
 
     cfg, model, sizes = b.planned(["--config", os.path.join(ROOT, "configs/debug_model.toml"),
                                            "--training.seq_len", "512", "--activation_checkpoint.mode", "selective"], 2)
     args = argparse.Namespace(nproc=2, steps=30, warmup=10, device="cpu")
     cmd = titan_run.titan_command(cfg, model.args, sizes, args, str(tmp_path))
-    assert cmd[cmd.index("titan_run.py") + 2] == "cpu"
-    shape = json.loads(cmd[cmd.index("titan_run.py") + 1])
+    assert cmd[cmd.index("pretrain.titan_run") - 1] == "-m"  # run as a module from the root: it imports model.py
+    assert cmd[cmd.index("pretrain.titan_run") + 2] == "cpu"
+    shape = json.loads(cmd[cmd.index("pretrain.titan_run") + 1])
     assert shape == {"dim": 256, "n_layers": 6, "n_heads": 16, "n_kv_heads": 8, "vocab_size": 2048, "multiple_of": 256,
                      "ffn_dim_multiplier": None, "norm_eps": 1e-5, "rope_theta": 500000.0}
     flags = dict(zip(cmd, cmd[1:]))
@@ -237,7 +238,7 @@ def test_memory_and_the_bare_loop_take_the_tokenizers_vocabulary(capsys, monkeyp
     """With the bundled 2,048-token tokenizer the loss is over 2,048 words, not the flavor's 128,256: an 8B-wide
     run here is estimated (memory, matrix, gpu) and built (titan, the bare loop) with the vocabulary it trains."""
     import bench as b
-    import memory
+    from pretrain import memory
     import model
     import train
 
@@ -310,7 +311,7 @@ def test_gpu_runs_every_step_end_to_end_on_the_cpu(tmp_path):
 
 
 def test_device_timeline_counts_overlaps_once_and_finds_the_gaps():
-    import measure
+    from pretrain import measure
     kernels = [(20, 30, "c"), (0, 10, "a"), (5, 12, "b"), (31, 35, "d"), (32, 33, "e")]  # (start, end, name)
     busy, span, gaps = measure.device_timeline(kernels)
     assert (busy, span) == (10 + 2 + 10 + 4, 35)

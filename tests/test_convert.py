@@ -34,7 +34,7 @@ if REPO_ROOT not in sys.path:
 
 import checkpoint_convert as C  # noqa: E402
 import data as D  # noqa: E402
-import hf_layout as H  # noqa: E402
+from pretrain import hf_layout as H  # noqa: E402
 import model as M  # noqa: E402
 import train as T  # noqa: E402
 

@@ -18,11 +18,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import data  # noqa: E402
-import data_manifest  # noqa: E402
-import sources as S  # noqa: E402
+from pretrain import data_manifest  # noqa: E402
+from pretrain import sources as S  # noqa: E402
 import train  # noqa: E402
 from data import DataLoader, Tokenizer, heldout_windows  # noqa: E402
-from sources import DataError, DataSource  # noqa: E402
+from pretrain.sources import DataError, DataSource  # noqa: E402
 
 TOKENIZER = os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model")
 HELDOUT = [("c4", "assets/data/c4", "en/c4-validation.*.json.gz"),  # (name, path, data_files) as in a config
@@ -159,7 +159,7 @@ def test_bench_loader_prints_shares_and_throughput():
 
 @pytest.mark.slow
 def test_bench_loader_reads_train_pys_config_and_its_overrides(monkeypatch, capsys):
-    """`bench.py loader` reads train.py's config (config.py's parser) and takes --section.key overrides.
+    """`bench.py loader` reads train.py's config (pretrain/config.py's parser) and takes --section.key overrides.
     In this process: a launch would spend 4 s importing torch; the test above launches it whole."""
     import bench
     monkeypatch.chdir(ROOT)

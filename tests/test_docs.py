@@ -20,8 +20,9 @@ DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.pat
 TOOLS = ("bench", "download_data", "checkpoint_convert", "preflight")
 # Not in the repo, made by a documented command (python download_tokenizer.py ... --tokenizer_path original).
 MADE_BY_USER = {"assets/tokenizer/original/tokenizer.model"}
-# Wrong on purpose: docs/internals.md's example of an abbreviation argparse refuses.
-NOT_A_KEY_ON_PURPOSE = {"--training.step"}
+# Wrong on purpose: docs/internals.md's example of an abbreviation argparse refuses. And `--config` under
+# torchtitan's name, an option of train.py that is no config key (pretrain/config.py).
+NOT_A_KEY_ON_PURPOSE = {"--training.step", "--job.config_file"}
 
 
 def config_keys() -> dict:
@@ -111,8 +112,9 @@ def problems(name: str, text: str, keys: dict, parsers: dict) -> list:
                     continue  # a value, or a train.py config key passed on (checked above)
                 if option not in parser._option_string_actions:
                     out.append(f"{name}: {tool}.py{' ' + words[0] if subs else ''} has no option {option}")
-    # repo paths named anywhere: configs/..., slurm/..., tests/..., assets/..., docs/..., .ci/..., top-level files
-    paths = re.findall(r"(?<![\w./@-])((?:configs|slurm|tests|assets|docs|\.ci)/[\w./{},*<>-]*)", text)
+    # repo paths named anywhere: configs/..., slurm/..., tests/..., assets/..., docs/..., .ci/..., pretrain/...,
+    # top-level files
+    paths = re.findall(r"(?<![\w./@-])((?:configs|slurm|tests|assets|docs|\.ci|pretrain)/[\w./{},*<>-]*)", text)
     paths += re.findall(r"(?<![\w./-])((?:[a-z_]+\.py|requirements[\w-]*\.txt|pytest\.ini|LICENSE))(?![\w/])", text)
     for path in {p.rstrip(".,") for p in paths}:
         if "<" not in path and path not in MADE_BY_USER and not exists(path):
@@ -152,5 +154,62 @@ def test_a_typo_is_caught(refs):
                  "`python bench.py memroy`", "`python bench.py memory --world-size 8`", "`python bench.py loader --shows 2`",
                  "`python download_data.py --data.sead 1`", "`checkpoint_convert.py dcp2torh`", "`checkpoint_convert.py dcp2hf --dtype x`",
                  "`configs/llama3_8.toml`", "`configs/llama3_{1b,9b}.toml`", "see tests/test_nothing.py", "`trian.py`",
+                 "`checkpoint.py`", "`pretrain/checkpoints.py`",
                  "[x](docs/slurn.md)", "[x](docs/slurm.md#resising)", "[x](#no-such-heading)"]:
         assert problems("README.md", typo, keys, parsers), typo
+
+
+# --- Each measured figure stands once, in docs/performance.md, in a table that names its machine, date and
+# command; other pages link there. A figure: a number with a decimal point or a thousands separator, of three
+# digits or more. These are settings, sizes and versions that any page may name, not measurements.
+FIGURE = re.compile(r"(?<![\w.,])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+)(?![\w]|[.,]\d)")
+NOT_FIGURES = {"1,024", "2,048", "4,096", "8,192", "16,384", "128,256", "131,072", "1,000", "2,000", "4,000",
+               "3.11", "3.12", "2.11", "2.13", "2.15", "0.18", "1.25", "1.15"}
+READ_WITH_FIGURES = ["docs/performance.md"]
+
+
+def significant(number: str) -> int:
+    """Its significant digits: 0.959 has 3, 1.00 and 0.15 have 1 and 2."""
+    digits = number.replace(",", "")
+    if "." in digits:
+        digits = digits.rstrip("0").rstrip(".")
+    return len(digits.replace(".", "").lstrip("0"))
+
+
+def figures(text: str) -> set:
+    return {f for f in FIGURE.findall(text) if significant(f) >= 3} - NOT_FIGURES
+
+
+def copied(name: str, text: str, measured: set) -> list:
+    """'file: figure' for each figure of performance.md that `text` repeats."""
+    return [f"{name}: {f}" for f in sorted(figures(text) & measured)]
+
+
+def test_each_figure_stands_once_in_performance_md():
+    measured = figures(open(os.path.join(ROOT, "docs", "performance.md")).read())
+    assert {"51,250", "47.1", "1.015", "0.959"} <= measured  # what the rule protects
+    elsewhere = [p for p in DOCS if p not in READ_WITH_FIGURES]
+    elsewhere += sorted(os.path.relpath(p, ROOT) for pattern in ("*.py", "pretrain/*.py", "slurm/*.py", "tests/*.py",
+                                                                 "configs/*.toml")
+                        for p in glob.glob(os.path.join(ROOT, pattern)))
+    found = [c for name in elsewhere if name != "tests/test_docs.py"
+             for c in copied(name, open(os.path.join(ROOT, name)).read(), measured)]
+    assert not found, "figures copied out of docs/performance.md (link to it instead): " + ", ".join(found)
+    assert copied("README.md", "1B: 51,250 tokens/s, 47.1% MFU", measured) == ["README.md: 47.1", "README.md: 51,250"]
+    assert copied("README.md", "vocabulary 128,256, torch 2.13, 0.2.2", measured) == []
+
+
+def test_the_code_points_at_headings_that_exist():
+    """`docs/X.md#heading` in a docstring, comment or error line: the page and the heading exist."""
+    code = [os.path.relpath(p, ROOT) for pattern in ("*.py", "pretrain/*.py", "slurm/*", "tests/*.py")
+            for p in glob.glob(os.path.join(ROOT, pattern)) if os.path.isfile(p)]
+    code.remove(os.path.join("tests", "test_docs.py"))  # its typos are on purpose
+    found = []
+    for name in code:
+        for page, anchor in re.findall(r"docs/(\w+\.md)(?:#([\w-]+))?", open(os.path.join(ROOT, name)).read()):
+            path = os.path.join(ROOT, "docs", page)
+            if not os.path.exists(path):
+                found.append(f"{name}: docs/{page} does not exist")
+            elif anchor and anchor not in {slug(h) for h in re.findall(r"^#+ (.*)$", open(path).read(), re.M)}:
+                found.append(f"{name}: docs/{page}#{anchor}: no such heading")
+    assert not found, "\n".join(found)

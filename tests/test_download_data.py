@@ -19,9 +19,9 @@ sys.path.insert(0, ROOT)
 
 import download_data  # noqa: E402
 import train  # noqa: E402
-from config import ConfigError  # noqa: E402
+from pretrain.config import ConfigError  # noqa: E402
 from data import Tokenizer  # noqa: E402
-from sources import DataError, DataSource  # noqa: E402
+from pretrain.sources import DataError, DataSource  # noqa: E402
 
 LLAMA3_8B = os.path.join(ROOT, "configs", "llama3_8b.toml")
 TOKENIZER = os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model")

@@ -108,7 +108,7 @@ def test_one_process_fsdp_and_tp_score_alike(runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     tb = EventAccumulator(str(dump / "tb"))
     tb.Reload()
-    for task in TASKS:  # a scalar per task and metric, as W&B gets them (metrics.py sends both the same dict)
+    for task in TASKS:  # a scalar per task and metric, as W&B gets them (pretrain/metrics.py sends both the same dict)
         assert [(e.step, e.value) for e in tb.Scalars(f"eval_acc_norm/{task}")] == \
             [(r["step"], pytest.approx(r["eval_acc_norm"][task])) for r in rounds]
     one = [(r["eval_acc"], r["eval_acc_norm"]) for r in rounds]
@@ -200,9 +200,9 @@ def test_a_missing_or_malformed_task_is_one_line_at_start_up(hub, tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith("error: data source 'arc_easy': no 'test' files")
     assert "Traceback" not in proc.stderr and "step: 1 " not in proc.stdout
     sys.path.insert(0, ROOT)
-    import evals
-    import data_manifest
-    import sources
+    from pretrain import evals
+    from pretrain import data_manifest
+    from pretrain import sources
     from data import Tokenizer
     e = evals.Eval(enable=True, limit=2, tasks=[evals.EvalTask(name="hellaswag", path=str(folder / "baber/piqa"))])
     manifest = data_manifest.make_manifest([], evals.sources(e))
@@ -215,7 +215,7 @@ def test_a_missing_or_malformed_task_is_one_line_at_start_up(hub, tmp_path):
 def test_an_unknown_task_or_a_bad_key_is_a_config_error(tmp_path):
     sys.path.insert(0, ROOT)
     import train
-    from config import ConfigError
+    from pretrain.config import ConfigError
     for extra, says in (('tasks = [{name = "hellaswg"}]', "unknown eval task 'hellaswg'; did you mean hellaswag?"),
                         ('limit = 0\ntasks = [{name = "piqa"}]', "eval.limit = 0: must be -1 or >= 1"),
                         ("", "eval.enable is set but eval.tasks is empty")):
@@ -232,7 +232,7 @@ def test_scoring_sums_each_choices_tokens_and_normalises_by_characters():
     import torch
     import torch.distributed as dist
     sys.path.insert(0, ROOT)
-    import evals
+    from pretrain import evals
 
     class NextId(torch.nn.Module):  # logits (bs, seqlen, vocab): 5 at input + 1, 0 elsewhere
         def forward(self, ids):

@@ -1,6 +1,6 @@
 """float8 training with torchao (`[model] converters = ["float8"]`), checked for correctness on the CPU.
 
-On a CPU torchao's float8 matmuls are emulated in fp32 (float8.py sets `emulate`): the values are still rounded
+On a CPU torchao's float8 matmuls are emulated in fp32 (pretrain/float8.py sets `emulate`): the values are still rounded
 to float8 with torchao's scales, the casts, the FSDP float8 all-gather and the scale precompute are the real
 code, so the loss moves away from the fp32 run by float8's rounding, and by no more. Speed is not measured here.
 
@@ -26,8 +26,8 @@ from conftest import DEVICES, SMALL as SHAPE, start_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import config  # noqa: E402
-import float8  # noqa: E402
+from pretrain import config  # noqa: E402
+from pretrain import float8  # noqa: E402
 import train as T  # noqa: E402
 
 BOUND = 0.01  # largest allowed |loss(float8) - loss(fp32)| per step over 10 steps (measured: <= 0.0046)
@@ -276,7 +276,7 @@ def test_config_lists_and_the_conversion_keep_meta_names():
 
 def test_memory_estimate_counts_the_float8_all_gather():
     import bench
-    import memory
+    from pretrain import memory
     base = ["--config", "configs/llama3_8b.toml", "--training.mixed_precision_param", "bfloat16"]
     cfg, model, sizes = bench.planned(base, 8)
     plain = memory.estimate_memory(model, cfg, sizes, cuda=True)

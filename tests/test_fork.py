@@ -16,7 +16,7 @@ from conftest import SMALL, run_training
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import config  # noqa: E402
+from pretrain import config  # noqa: E402
 import model  # noqa: E402
 import train  # noqa: E402
 

@@ -22,12 +22,12 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import data  # noqa: E402
-import evals  # noqa: E402
+from pretrain import evals  # noqa: E402
 import train  # noqa: E402
 from data import DataLoader, Tokenizer  # noqa: E402
-import data_manifest  # noqa: E402
-import sources  # noqa: E402
-from sources import DataError, DataSource  # noqa: E402
+from pretrain import data_manifest  # noqa: E402
+from pretrain import sources  # noqa: E402
+from pretrain.sources import DataError, DataSource  # noqa: E402
 from hub_fixture import Hub, make_repos, point_libraries_at, write_mirror  # noqa: E402
 from conftest import SMALL, run_training  # noqa: E402
 
@@ -213,7 +213,7 @@ def test_a_transient_error_mid_file_refetches_its_range_only_after_the_pause_the
     byte 0). A Retry-After that the retry budget cannot hold ends the read at once, with one line."""
     sleeps = []
     clock = type("clock", (), {"monotonic": staticmethod(time.monotonic), "sleep": staticmethod(sleeps.append)})
-    monkeypatch.setattr(sources, "time", clock)  # sources.py's pauses recorded, not slept (the fixture's are real)
+    monkeypatch.setattr(sources, "time", clock)  # pretrain/sources.py's pauses recorded, not slept (the fixture's are real)
     monkeypatch.setattr(data, "MIB", 4096)  # the reader's 8 "MiB" ranges are 32 KiB: 4 to a file
     src = DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz")
     name, commit = "c4-train.00000-of-00004.json.gz", repos["allenai/c4"]["refs"]["main"]
@@ -275,7 +275,7 @@ def test_a_stalled_listing_is_retried_and_ends_in_one_line_within_the_budget(hub
     """A listing page that never comes (the fixture keeps the connection open: huggingface_hub's client would wait
     forever) fails after the Hub timeout and is retried; one that keeps stalling ends the resolution with one line
     before the budget (comm.init_timeout_seconds) is spent."""
-    monkeypatch.setattr(time, "sleep", lambda s: None)  # huggingface_hub's and sources.py's pauses: the waits are real
+    monkeypatch.setattr(time, "sleep", lambda s: None)  # huggingface_hub's and pretrain/sources.py's pauses: the waits are real
     monkeypatch.setattr(sources, "RETRY_DELAYS", (0.01,) * 9)  # so that a retry of ours fits in the budget below
     src = DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz")
     hub.faults = {"/tree/": ["stall"]}

@@ -26,9 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import data  # noqa: E402
 import download_data  # noqa: E402
-import mirror as mirrors  # noqa: E402  (tests name their mirror folders `mirror`)
-import data_manifest  # noqa: E402
-from sources import DataError, DataSource  # noqa: E402
+from pretrain import mirror as mirrors  # noqa: E402  (tests name their mirror folders `mirror`)
+from pretrain import data_manifest  # noqa: E402
+from pretrain.sources import DataError, DataSource  # noqa: E402
 from hub_fixture import Hub, _jsonl_gz, _parquet, make_repos, point_libraries_at, push  # noqa: E402
 from conftest import SMALL, run_training  # noqa: E402
 
@@ -67,7 +67,7 @@ def hub_job(tmp_path_factory):
         # One resolution in a fresh process (this one has caches of earlier tests: the Hub client's one-time
         # lookups, dataset cards), with its own empty HF_HOME, as a rank starts. The config's tables are read
         # with tomllib, not train.load_config: importing train (torch) would add 4 s of CPU.
-        code = ("import json, sys, tomllib, data_manifest; from sources import DataSource; "
+        code = ("import json, sys, tomllib; from pretrain import data_manifest; from pretrain.sources import DataSource; "
                 "c = tomllib.load(open(sys.argv[1], 'rb')); "
                 "print(json.dumps(data_manifest.make_manifest(*([DataSource(**t) for t in c[k]['sources']] "
                 "for k in ('data', 'validation')))))")

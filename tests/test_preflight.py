@@ -46,7 +46,7 @@ def healthy(tmp_path_factory):
     """The debug config on 2 processes; its dump folder holds the data manifest a run made, with the training
     sources (each local folder's entry as data_manifest.resolve_source makes it); the validation sources are not pinned."""
     sys.path.insert(0, ROOT)
-    import data_manifest
+    from pretrain import data_manifest
     import train
     dump, entries = tmp_path_factory.mktemp("dump"), []
     for s in train.load_config(["--config", CONFIG]).data.sources:
@@ -115,8 +115,8 @@ def write_mirror(folder: str, repos: dict, wanted: dict):
     """What download_data.py would fetch into `folder` ([data] mirror): each repo's files at main whose paths start
     with wanted[repo], at DIR/<repo>@<commit>/<path>, each with its record of the download's checks."""
     sys.path.insert(0, ROOT)
-    import data_manifest
-    import mirror
+    from pretrain import data_manifest
+    from pretrain import mirror
     for repo, prefix in wanted.items():
         sha = repos[repo]["refs"]["main"]
         for path, body in repos[repo]["commits"][sha].items():

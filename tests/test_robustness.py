@@ -176,7 +176,7 @@ def test_an_error_exit_puts_the_async_save_in_flight_in_place(tmp_path):
 
     import torch.distributed as dist
 
-    import checkpoint
+    from pretrain import checkpoint
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = types.SimpleNamespace(args=types.SimpleNamespace(params=lambda: {"dim": 8}))
@@ -231,7 +231,7 @@ def test_a_frozen_rank_ends_a_2x2_job_within_the_timeout_on_every_group(tmp_path
     out = proc.stdout.read()
     print(f"seconds after the SIGSTOP until each other rank ended: {ended}")
     assert len(ended) == 3 and max(ended.values()) < 45, (ended, out[-3000:])  # 10 s plus the step it hit, not 30 min
-    lines = re.findall(r"error: rank (\d): a collective in \w+ \(\w+\.py:\d+\) (waited 10 s|lost its connection)", out)
+    lines = re.findall(r"error: rank (\d): a collective in \w+ \([\w/]+\.py:\d+\) (waited 10 s|lost its connection)", out)
     assert {r for r, _ in lines} == {"0", "1", "2"} and len(lines) == 3, out[-3000:]
     assert 'train.py", line' not in out and proc.returncode != 0  # no rank's traceback (torchrun prints its own)
 
@@ -263,7 +263,7 @@ def two_runs(dump: str):
     """The script side of the test above, on each rank of a 2-process torchrun."""
     import torch.distributed as dist
 
-    import checkpoint_folder
+    from pretrain import checkpoint_folder
     import train
     rank, args = int(os.environ["RANK"]), cmd(dump, "--training.steps", 6, "--checkpoint.enable", "--checkpoint.interval",
                                               2, "--training.local_batch_size", 4, "--comm.init_timeout_seconds", 30)[2:]
@@ -355,7 +355,7 @@ def slow_runs(dump: str):
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     import data
-    import evals
+    from pretrain import evals
     import train
     rank, port, now = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"]), {"run": "A", "saves": {}}
     slow(data.DataLoader, "check", lambda *args: 8 * (rank == 1 and now["run"] == "A"))  # its first documents
@@ -382,7 +382,7 @@ def test_a_killed_peer_is_a_lost_rank_not_a_traceback():
     """gloo's words when the peer of a collective was SIGKILLed (reset) or exited (closed): both are a lost rank,
     which train.py reports in one line and exit 3 (restarted by slurm/multinode.sbatch), not a bug's traceback."""
     sys.path.insert(0, ROOT)
-    import distributed
+    from pretrain import distributed
     for words in ("Connection reset by peer", "Connection closed by peer"):
         e = RuntimeError(f"[../third_party/gloo/gloo/transport/tcp/pair.cc:538] Read error [127.0.0.1]:41234: {words}")
         assert "lost its connection to another rank" in distributed.lost_rank(e), words

@@ -1,4 +1,4 @@
-"""Coming from torchtitan 0.2.2 and going back, against the real torchtitan (titan_run.py: our debug shape,
+"""Coming from torchtitan 0.2.2 and going back, against the real torchtitan (pretrain/titan_run.py: our debug shape,
 its c4_test loader on the bundled C4 sample, CPU): its checkpoints convert bit for bit and give our logits in
 transformers, train.py continues its run, and torchtitan starts from dcp2titan's folder with our model's loss.
 Slow, and skipped where torchtitan is not installed (CI): the layouts alone are tested without it in
@@ -26,7 +26,7 @@ import bench  # noqa: E402
 import checkpoint_convert as C  # noqa: E402
 from conftest import SMALL, run_training  # noqa: E402
 import model as M  # noqa: E402
-from titan_run import titan_command, titan_tokenizer  # noqa: E402
+from pretrain.titan_run import titan_command, titan_tokenizer  # noqa: E402
 import train  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "debug_model.toml")
@@ -119,7 +119,7 @@ def test_train_continues_its_run_or_takes_its_weights(titan_run, tmp_path):
 
 
 def first_batch(folder, seq_len=64, batch=8):
-    """torchtitan's first batch, from its own dataset class (as titan_run.py imports it: without triton
+    """torchtitan's first batch, from its own dataset class (as pretrain/titan_run.py imports it: without triton
     its MoE kernels, unused by llama3, are stubbed)."""
     if importlib.util.find_spec("triton") is None:
         kernels = sys.modules.setdefault("torchtitan.models.moe.kernels", types.ModuleType("kernels"))

@@ -18,9 +18,9 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-import checkpoint_folder
-from float8 import plain
-from titan_layout import load_torchtitan, model_prefix
+from pretrain import checkpoint_folder
+from pretrain.float8 import plain
+from pretrain.titan_layout import load_torchtitan, model_prefix
 
 logger = logging.getLogger("checkpoint")
 

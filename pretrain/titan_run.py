@@ -3,7 +3,7 @@ files it reads, the tokens/s its log reports, and (run as a program) the one tor
 torchrun starts. `bench.py titan` runs it side by side with ours; tests/test_titan.py trains with
 it. The trainer never imports it, and it imports nothing of bench.py.
 
-    torchrun ... titan_run.py SHAPE DEVICE --section.key value ...   # SHAPE: our model's, as JSON
+    torchrun ... -m pretrain.titan_run SHAPE DEVICE --section.key value ...   # SHAPE: our model's, as JSON
 """
 
 import importlib.util
@@ -12,7 +12,7 @@ import os
 import re
 import sys
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 # What torchtitan needs of our ModelArgs to build the same model (the same parameter count).
 SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
          "ffn_dim_multiplier", "norm_eps", "rope_theta")
@@ -113,7 +113,8 @@ def titan_command(cfg, a, sizes: dict, args, folder: str) -> list:
                 f"--nproc_per_node={args.nproc}", "--local-ranks-filter", "0", "--role", "rank",
                 "--tee", "3"]
     shape = json.dumps({k: getattr(a, k) for k in SHAPE})
-    rank = ["titan_run.py", shape, args.device]  # this file's __main__, in each process
+    # this file's __main__ in each process, run from the repository's root (bench.py's cwd)
+    rank = ["-m", "pretrain.titan_run", shape, args.device]
     cli = [x for k, v in flags.items() for x in (f"--{k}", str(v))]
     compiling = ["--compile.enable"] if cfg.compile.enable else []
     return [*torchrun, *rank, *cli, "--metrics.disable_color_printing", *compiling]

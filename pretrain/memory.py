@@ -18,11 +18,12 @@ from torch.utils._pytree import tree_leaves
 GIB = 2**30
 # What the devices report (nvidia-smi's MiB): "fits" is judged against these.
 GPUS = [("H100 80 GB", 81559 * 2**20), ("H200 141 GB", 143771 * 2**20)]
-# "fits" keeps 25% free: the caching allocator's fragmentation, NCCL, the CUDA context. Measured on
-# an H100 (2026-11-26, seq 8192, bf16, compile): reserved was 1.20-1.21 x the peak allocated (1B; 8B
-# width at 16 blocks). With 15%, 20 blocks of the 8B width filled 98% of the GPU, the allocator freed
-# its cache and retried 18 times in 10 steps, and the device idled 19% of the step: 11% fewer tokens/s.
+# "fits" adds this share to the estimate for what it does not count: the caching allocator's
+# fragmentation, NCCL, the CUDA context. On an H100 the allocator reserved about this much over the
+# peak allocated, and a smaller margin filled the GPU until the allocator stalled mid-step to free
+# its cache and retry (docs/performance.md#one-h100).
 FRAGMENTATION = 1.25
+FREE = 1 - 1 / FRAGMENTATION  # the share of a GPU's memory that "fits" leaves free
 
 
 def peak_resident_bytes() -> int:

@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 from typing import Callable
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 
 
 def run_command(cmd: list, timeout: float = None):

@@ -18,9 +18,9 @@ import time
 
 import fsspec
 
-from data_manifest import ends_sha256, write_manifest
-from sources import HF_URL, HUB_TIMEOUT, MIB, RETRY_DELAYS, DataError, HubFile
-from sources import bound_hub_requests, retry_or_raise
+from pretrain.data_manifest import ends_sha256, write_manifest
+from pretrain.sources import HF_URL, HUB_TIMEOUT, MIB, RETRY_DELAYS, DataError, HubFile
+from pretrain.sources import bound_hub_requests, retry_or_raise
 
 
 def open_file(path: str, size: int, timeout: float = HUB_TIMEOUT, budget: float = math.inf,

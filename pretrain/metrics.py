@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from memory import peak_resident_bytes
+from pretrain.memory import peak_resident_bytes
 
 logger = logging.getLogger("metrics")
 

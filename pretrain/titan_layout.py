@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-from float8 import plain
+from pretrain.float8 import plain
 
 # a full torchtitan save, beside the model
 TITAN_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")

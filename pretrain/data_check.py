@@ -16,10 +16,10 @@ import urllib.request
 import torch.distributed as dist
 
 import data
-import data_manifest
-import evals
-import mirror
-import sources
+from pretrain import data_manifest
+from pretrain import evals
+from pretrain import mirror
+from pretrain import sources
 
 
 def hub_unreachable() -> str:

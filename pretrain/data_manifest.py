@@ -23,8 +23,8 @@ from datetime import timedelta
 
 import fsspec
 
-from sources import HF_URL, HUB_TIMEOUT, MIB, RETRY_DELAYS, DataError, DataSource, resolve_files
-from sources import retry_or_raise
+from pretrain.sources import HF_URL, HUB_TIMEOUT, MIB, RETRY_DELAYS, DataError, DataSource, resolve_files
+from pretrain.sources import retry_or_raise
 
 logger = logging.getLogger("data")  # as sources.py's: the data's lines read "data"
 

@@ -33,12 +33,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from config import ConfigError, unknown
 from data import heldout_windows
-from mirror import open_file
-from data_manifest import source_files
-from distributed import from_rank0, wait_for_rank0
-from sources import RETRY_DELAYS, DataError, DataSource, HubFile, retry_or_raise
+from pretrain.config import ConfigError, unknown
+from pretrain.data_manifest import source_files
+from pretrain.distributed import from_rank0, wait_for_rank0
+from pretrain.mirror import open_file
+from pretrain.sources import RETRY_DELAYS, DataError, DataSource, HubFile, retry_or_raise
 
 
 @dataclass(frozen=True)

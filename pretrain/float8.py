@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
-from config import ConfigError
+from pretrain.config import ConfigError
 
 logger = logging.getLogger("train")
 # torchao's Float8LinearConfig.from_recipe_name

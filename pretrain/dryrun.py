@@ -16,8 +16,8 @@ the bytes of each tensor storage once while it lives (a weakref's callback takes
 freed; FSDP2's storage resizes are followed). The peak is taken after every op, so it is the steps'
 true peak at op granularity, not a sample at phase boundaries (the peak sits inside step 2's
 backward). Not counted: NCCL's buffers, the CUDA context, the caching allocator's fragmentation,
-compile's workspaces and a validation or eval round: the verdicts keep 25% free for them, as
-`bench.py memory` does. Errors are train.py's: one `error:` line, exit 2."""
+compile's workspaces and a validation or eval round: the verdicts leave memory.FREE of the GPU for
+them, as `bench.py memory` does. Errors are train.py's: one `error:` line, exit 2."""
 
 import argparse
 import dataclasses
@@ -33,14 +33,14 @@ import torch.distributed.checkpoint as dcp
 import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers the "fake" backend)
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import distributed
-import float8
-import memory
 import train
-from checkpoint import Checkpointer
-from config import ConfigError
-from memory import GIB, LiveStorages
 from model import Transformer
+from pretrain import distributed
+from pretrain import float8
+from pretrain import memory
+from pretrain.checkpoint import Checkpointer
+from pretrain.config import ConfigError
+from pretrain.memory import GIB, LiveStorages
 
 
 class NoData:
@@ -210,7 +210,7 @@ def run(world_size: int, rest: list) -> int:
               f"checkpoint: {r['items']} items, {r['written'] / GIB:.2f} GiB from this rank")
     print("not counted: NCCL's buffers, the CUDA context, the caching allocator's fragmentation, "
           "compile's workspaces, a validation or eval round; "
-          "\"fits\" keeps 25% of the GPU free for them")
+          f"\"fits\" keeps {memory.FREE:.0%} of the GPU free for them")
     estimate = memory.estimate_memory(model, cfg, sizes, cuda=True)
     print(f"bench.py memory's {memory.format_estimate(estimate)}")
     peak = max(r["peak"] for r in results)

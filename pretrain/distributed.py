@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from config import ConfigError
-from sources import DataError
+from pretrain.config import ConfigError
+from pretrain.sources import DataError
 
-# this trainer's folder: its files' frames are the ones lost_rank's line names
-HERE = os.path.dirname(os.path.abspath(__file__))
+# the repository's root: frames of its files (train.py, model.py, pretrain/) are the ones lost_rank's line names
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OURS = (ROOT, os.path.join(ROOT, "pretrain"))
 
 
 def lost_rank(e: BaseException) -> str:
@@ -32,11 +33,11 @@ def lost_rank(e: BaseException) -> str:
     if not isinstance(e, RuntimeError) or not (waited or gone):
         return ""
     frames = traceback.extract_tb(e.__traceback__)
-    ours = [f for f in frames if os.path.dirname(os.path.abspath(f.filename)) == HERE]
+    ours = [f for f in frames if os.path.dirname(os.path.abspath(f.filename)) in OURS]
     where = ""
     if ours:
         last = ours[-1]  # the innermost frame of our files
-        where = f" in {last.name} ({os.path.basename(last.filename)}:{last.lineno})"
+        where = f" in {last.name} ({os.path.relpath(last.filename, ROOT)}:{last.lineno})"
     rank = os.environ.get("RANK", "0")
     if waited:
         seconds = int(waited[1]) / 1000

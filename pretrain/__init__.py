@@ -1,0 +1,22 @@
+"""The trainer's plumbing: what train.py, model.py and data.py (at the root) stand on. Imported as
+`from pretrain.checkpoint import Checkpointer`; nothing here imports a program at the root.
+
+    config             TOML and `--section.key value` into train.py's dataclasses; --help
+    distributed        process group and mesh, bounded waits, one rank's error on all, lost ranks
+    sources            where each source's files are (Hub or local), bounded Hub reads, retries
+    data_manifest      each source's files pinned once per run, shared through the store
+    mirror             a local copy of pinned Hub files, per commit; where each file is read from
+    data_check         preflight.py check's test that each node reads the run's data
+    checkpoint         what a checkpoint holds, resume, initial loads (ours, Meta, torchtitan)
+    checkpoint_folder  atomic sync/async DCP saves, which step-N are complete, pruning
+    titan_layout       torchtitan's checkpoint layout, read as ours
+    hf_layout          Hugging Face's names, config and tokenizer files
+    metrics            the log line, metrics.jsonl, TensorBoard, W&B, MFU
+    memory             memory per device: estimated from the layout, or counted live
+    measure            how bench.py measures: timed commands, side by side, steady rates, profiles
+    float8             torchao float8: the config rules, conversion, TP styles
+    evals              held-out loss; downstream tasks scored as lm-evaluation-harness does
+    dryrun             preflight.py dryrun: set-up and two steps at the real world size, fake tensors
+    titan_run          torchtitan on our shapes; bench.py titan launches it as
+                       `torchrun ... -m pretrain.titan_run` from the repository root
+"""
