@@ -23,8 +23,8 @@ import math
 import os
 import signal
 import sys
-import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from functools import partial
 from typing import ClassVar
@@ -664,25 +664,26 @@ def check_sources(loader: DataLoader, rank: int, wait: float):
     agree_on_reads(error, rank, wait)
 
 
-def stop_on_signals() -> threading.Event:
-    """Preemption (Slurm's warning signal, or a plain kill): the event is set; the loop finishes the
-    step, saves and exits 0. Under torchrun the launcher's death reaches each rank as SIGTERM."""
-    stop = threading.Event()
+def stop_on_signals() -> list:
+    """Preemption (Slurm's warning signal, or a plain kill; torchrun's death reaches a rank as SIGTERM):
+    the list gets the signal, and the loop finishes the step, saves and exits 0. Not a threading.Event:
+    a second signal inside the first handler's Event.set() would wait on its lock forever."""
+    stop = []
     for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, lambda signum, frame: stop.set())
+        signal.signal(sig, lambda signum, frame: stop.append(signum))
     if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     return stop
 
 
-def agree_on_step(stop: threading.Event, data_error: str, checkpointer: Checkpointer,
+def agree_on_step(stop: list, data_error: str, checkpointer: Checkpointer,
                   grad_norm: torch.Tensor, loss_sum: torch.Tensor, device) -> list:
     """[stopping, data_failed, save_running, diverged], alike on every rank: all must agree, at the
     same step, to stop (a signal or a data error), that an async save is complete and that the step
     is finite, or the saves would deadlock. One tiny all-reduce per step (the loop's one host sync),
     before optimizer.step(), so a non-finite step or a bad batch never reaches the weights."""
     saving = checkpointer.saver.pending is not None and not checkpointer.saver.pending[0].done()
-    flags = torch.tensor([stop.is_set(), bool(data_error), saving], device=device)
+    flags = torch.tensor([bool(stop), bool(data_error), saving], device=device)
     not_finite = ~torch.isfinite(grad_norm.reshape(1)) | ~torch.isfinite(loss_sum.reshape(1))
     flags = torch.cat([flags, not_finite]).int()
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -876,20 +877,22 @@ def main(cfg: Config):
 if __name__ == "__main__":
     try:
         main(load_config(sys.argv[1:]))
-    except Exception as e:
+    except (Exception, KeyboardInterrupt) as e:
         expected = (ConfigError, DataError, CheckpointError, RunError, SaveError)  # one line each
         line = str(e) if isinstance(e, expected) else lost_rank(e)
-        if not line:
-            raise  # a bug: its traceback
-        print(f"error: {line}", file=sys.stderr, flush=True)
+        if line:
+            print(f"error: {line}", file=sys.stderr, flush=True)
+        else:  # a bug, or Ctrl-C: its traceback
+            traceback.print_exc()
         # an async save of an earlier step (it waits, bounded), TensorBoard's buffered events
         for held in LEFT_OPEN:
             with contextlib.suppress(Exception):
                 held.close()
-        sys.stdout.flush()
+        sys.stdout.flush()  # stderr is line-buffered
         # Then leave at once: a rank lingering in teardown gets torchrun's SIGTERM, a process group
-        # freed at shutdown can abort in gloo's threads. Loader workers end when their rank is gone.
-        os._exit(2 if isinstance(e, (ConfigError, DataError, CheckpointError)) else 3)
+        # freed at shutdown can abort in gloo's threads, and Python's exit would wait forever for the
+        # loader workers, which ignore its SIGTERM. They end by themselves when their rank is gone.
+        os._exit(2 if isinstance(e, (ConfigError, DataError, CheckpointError)) else 3 if line else 1)
     # main() closed the loader, the logs and the process group: skip torch's teardown (0.7 s a run)
     logging.shutdown()
     sys.stdout.flush()

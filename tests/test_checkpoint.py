@@ -391,6 +391,25 @@ def test_preemption_signal_saves_and_ends_the_job_however_it_is_delivered(refere
     assert logged(tmp_path) == reference["fsdp"]
 
 
+@pytest.mark.slow
+def test_ctrl_c_with_loader_workers_ends_the_process(tmp_path):
+    """Ctrl-C (a bug's traceback exits the same way) on `python train.py` with loader workers: its traceback,
+    then the process and its workers are gone. Python's own exit waited forever for the workers, which ignore
+    the SIGTERM it sends them (they must outlive a job-wide preemption signal until their rank has saved)."""
+    cmd = [sys.executable, "train.py", *train_args(tmp_path, *SMALL, "--training.steps", 1000,
+                                                   "--data.num_workers", 1)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_step(proc, tmp_path, 2)
+    job = [proc.pid] + descendants(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    start = time.time()
+    while any(alive(p) for p in job) and time.time() - start < 10:  # workers see their rank gone
+        time.sleep(0.2)
+    assert proc.returncode == 1 and "KeyboardInterrupt" in out, out[-3000:]
+    assert not [p for p in job if alive(p)], out[-3000:]
+
+
 # --- torchtitan's layout (written here with stock DCP; tests/test_titan.py runs the real torchtitan) ---------
 
 def titan_save(path, model, optimizer=None, scheduler=None, step=0, dtype=None):
