@@ -1,23 +1,15 @@
 """A dry run of train.py at the job's real world size, on a laptop: `python preflight.py dryrun
 --config C --world_size N [--section.key value ...]`. One CPU process, no GPU.
 
-Each rank shown (rank 0 and the last, each in a forked process) joins a "fake" process group of N
-ranks (collectives return at once) and runs under fake tensors (ops run on shapes and dtypes only,
-no data), through the trainer's own code: train.validate and the config rules of a GPU job
-(float8.check(gpu=True): what the cluster's start-up refuses), distributed.init_distributed, the
-model on the meta device, float8.convert, train.parallelize (TP, activation checkpointing, FSDP2;
-not torch.compile: fake tensors are not compiled here, so the step is eager's, which keeps more than
-compiled blocks), train.build_optimizer, two steps (train.forward_backward, gradient clipping,
-optimizer.step, the lr schedule: AdamW makes its moments in the first step, so the second is the
-steady state's) and the checkpoint's state dict (Checkpointer.state) planned as DCP would write it.
-
-Memory per rank is counted, not estimated: memory.LiveStorages sees the output of every op and adds
-the bytes of each tensor storage once while it lives (a weakref's callback takes it off when it is
-freed; FSDP2's storage resizes are followed). The peak is taken after every op, so it is the steps'
-true peak at op granularity, not a sample at phase boundaries (the peak sits inside step 2's
-backward). Not counted: NCCL's buffers, the CUDA context, the caching allocator's fragmentation,
-compile's workspaces and a validation or eval round: the verdicts leave memory.FREE of the GPU for
-them, as `bench.py memory` does. Errors are train.py's: one `error:` line, exit 2."""
+Rank 0 and the last rank, each in a forked process, join a "fake" process group of N ranks
+(collectives return at once) and run the trainer's own code under fake tensors (shapes and dtypes,
+no data): train.validate and the GPU job's config rules (float8.check(gpu=True)),
+distributed.init_distributed, the model on the meta device, float8.convert, train.parallelize
+(without torch.compile: fake tensors are not compiled here), train.build_optimizer, two steps (AdamW
+makes its moments in the first, so the second is the steady state's) and Checkpointer.state planned
+as DCP would write it. memory.LiveStorages counts each rank's memory at every op. Errors are
+train.py's: one `error:` line, exit 2. What it leaves out, and how close it comes to a real run:
+docs/performance.md#dry-run."""
 
 import argparse
 import dataclasses
