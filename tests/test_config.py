@@ -143,6 +143,8 @@ def test_argparse_cli_forms_and_config_given_twice(tmp_path):
     other.write_text("[training]\nsteps = 3\n")
     with pytest.raises(train.ConfigError, match=f"--config given 2 times \\({DEBUG}, {other}\\)"):
         train.load_config(["--config", DEBUG, "--config", str(other)])
+    # torchtitan's name for --config (the README names it)
+    assert train.load_config(["--job.config_file", str(other)]).training.steps == 3
 
 
 def test_lr_schedule_warmup_stable_decay():
