@@ -15,7 +15,7 @@ from conftest import SMALL, run_training
 ROOT = os.path.dirname(os.path.abspath(__file__))
 LOG_LINE = re.compile(r"^step: +(\d+)  loss: +[\d.]+  grad_norm: +[\d.]+  lr: [\d.]+e[-+]\d+  "
                       r"memory: [\d.]+GiB\([\d.]+%\)  tps: [\d,]+  tflops: [\d.]+  "
-                      r"mfu: (n/a|[\d.]+%)  data_wait: [\d.]+%$", re.M)
+                      r"mfu: (n/a|[\d.]+%)  data_wait: [\d.]+%  elapsed \d+m\d\ds  eta \d+m\d\ds$", re.M)
 
 
 def train(dump, *args, nproc=1):

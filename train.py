@@ -48,7 +48,7 @@ from pretrain.config import ConfigError, to_toml, unknown
 from pretrain.data_manifest import manifest_sha256, pinned_manifest, shared_manifest, verify_manifest
 from pretrain.distributed import agree, agree_on_reads, init_distributed, lost_rank
 from pretrain.float8 import Float8
-from pretrain.metrics import MetricsLogger, memory_stats, peak_tflops
+from pretrain.metrics import MetricsLogger, RunClock, memory_stats, peak_tflops
 from pretrain.sources import DataError, DataSource
 
 logger = logging.getLogger("train")
@@ -696,6 +696,7 @@ def agree_on_step(stop: list, data_error: str, checkpointer: Checkpointer,
 
 def main(cfg: Config):
     # --- 1. config: validated before any process group or model exists, on every rank alike -----
+    clock = RunClock(cfg)  # elapsed time and the ETA, from here; the rounds' time apart
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     sizes = validate(cfg, world_size)
@@ -754,7 +755,7 @@ def main(cfg: Config):
                     "nothing left to do (raise --training.steps to train further)")
 
     # --- 7. training loop ------------------------------------------------------------------------
-    metrics = MetricsLogger(cfg, rank)
+    metrics = MetricsLogger(cfg, rank, clock)
     LEFT_OPEN[:] = [checkpointer.saver, metrics]  # an error exit finishes their save and logs first
     peak = peak_tflops(device, cfg.metrics.peak_tflops)  # per device, for MFU; 0: unknown
     grad_accum = sizes["grad_accum"]
@@ -762,9 +763,9 @@ def main(cfg: Config):
     tokens_per_step = sizes["global_batch_size"] * cfg.training.seq_len
     params = [q for q in model.parameters() if q.requires_grad]
     memory_stats(device)  # reset the GPU peak so the first log covers training only
+    clock.lap(0)  # and the first log's tps
     peak_gib = peak_allocated = 0.0  # the largest figures logged, reported at the end
-    log_t0 = time.perf_counter()  # the steps since the last training log: when they began,
-    log_steps = 0  # how many
+    log_steps = 0  # the steps since the last training log
     data_time = 0.0  # and their seconds waiting for batches
     loss_sum = torch.zeros((), device=device)  # summed on the device; read at log time only
     counted_sum = torch.zeros((), device=device)  # positions whose loss counted, logged steps
@@ -818,7 +819,7 @@ def main(cfg: Config):
             sums[-1] = loss_sum
             # tokens per source, and the loss, over dp ranks
             dist.all_reduce(sums, group=dp_mesh.get_group())
-            dt = time.perf_counter() - log_t0
+            dt = clock.lap(log_steps)  # their seconds, the validation, eval and save rounds left out
             tps = log_steps * tokens_per_step / dt / world_size
             mfu = 100 * flops_per_token * tps / 1e12 / peak if peak else None
             mem_gib, mem_pct, allocated = memory_stats(device)
@@ -835,27 +836,25 @@ def main(cfg: Config):
                          "loss_tokens_pct": loss_tokens_pct})
             loss_sum.zero_()
             counted_sum.zero_()
-            log_t0 = time.perf_counter()
             log_steps = 0
             data_time = 0.0
 
         if cfg.validation.enable and (step % cfg.validation.freq == 0 or last):
-            t0 = time.perf_counter()
-            result = evals.validate(model, heldout, cfg.validation.local_batch_size, device,
-                                    dp_mesh.get_group(), tp)
-            metrics.log({"step": step, **result, "validation_seconds": time.perf_counter() - t0})
-            log_t0 += time.perf_counter() - t0  # the next training log's tps leaves the round out
+            with clock.timed("validation") as took:
+                result = evals.validate(model, heldout, cfg.validation.local_batch_size, device,
+                                        dp_mesh.get_group(), tp)
+            metrics.log({"step": step, **result, "validation_seconds": took.seconds})
         if cfg.eval.enable and (step % cfg.eval.freq == 0 or last):
-            t0 = time.perf_counter()
-            result = evals.evaluate(model, tasks, cfg.eval.local_batch_size, device,
-                                    dp_mesh.get_group(), tp)
-            metrics.log({"step": step, **result, "eval_seconds": time.perf_counter() - t0})
-            log_t0 += time.perf_counter() - t0
+            with clock.timed("eval") as took:
+                result = evals.evaluate(model, tasks, cfg.eval.local_batch_size, device,
+                                        dp_mesh.get_group(), tp)
+            metrics.log({"step": step, **result, "eval_seconds": took.seconds})
 
         if checkpointer.saver.pending is not None and not save_running:
             checkpointer.saver.finish()
         if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or last or stopping):
-            checkpointer.save(step, tokens_seen, final=last or stopping)
+            with clock.timed("checkpoint"):
+                checkpointer.save(step, tokens_seen, final=last or stopping)
         if stopping:
             logger.info(f"stopping at step {step} on signal")
             break
@@ -864,6 +863,7 @@ def main(cfg: Config):
         logger.info(f"memory: peak {peak_allocated:.2f} GiB allocated, {peak_gib:.2f} GiB reserved")
     elif peak_gib:
         logger.info(f"memory: peak {peak_gib:.2f} GiB RSS")
+    metrics.summary()  # steps, tokens, wall time, the last losses, the rounds' time
     # A second preemption signal during shutdown must not kill a rank that already saved (Python
     # would restore the default, fatal, handler while exiting): ignore them from here on.
     for sig in (signal.SIGTERM, signal.SIGUSR1):

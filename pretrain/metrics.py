@@ -3,12 +3,15 @@ dict) that rank 0 sends to the console (torchtitan's log line, so existing parse
 metrics.jsonl, TensorBoard and W&B: a new scalar is one more key in the record. Plus the device
 figures a record carries: peak memory and the peak FLOP/s that MFU is measured against."""
 
+import collections
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
 import time
+import types
 
 import torch
 
@@ -43,13 +46,85 @@ def memory_stats(device: torch.device):
     return peak / 2**30, 100 * peak / total, None
 
 
+def duration(seconds: float) -> str:
+    """12m05s, 1h02m, 2d03h: the log line's elapsed time and ETA."""
+    s = int(round(seconds))
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+class RunClock:
+    """This launch's elapsed time, and its ETA to training.steps: the recent steps' training time for
+    each step left, plus the validation, eval and checkpoint rounds still due, each at the cost its
+    last round took (a round not yet run counts nothing). The rounds are timed apart (timed), so the
+    log line's tps and the steps' time leave them out (lap)."""
+
+    def __init__(self, cfg, now=time.perf_counter):  # cfg: train.py's Config
+        self.now = now
+        self.start = now()
+        self.steps = cfg.training.steps
+        self.every = {"validation": cfg.validation.freq if cfg.validation.enable else 0,
+                      "eval": cfg.eval.freq if cfg.eval.enable else 0,
+                      "checkpoint": cfg.checkpoint.interval if cfg.checkpoint.enable else 0}
+        self.cost = {}  # kind -> its last round's seconds
+        self.spent = dict.fromkeys(self.every, 0.0)  # kind -> all its rounds' seconds
+        self.mark = self.start  # where the steps of the next lap began
+        self.paused = 0.0  # the rounds' seconds since then
+        self.laps = collections.deque(maxlen=9)  # (steps, training seconds) of the recent laps
+
+    @contextlib.contextmanager
+    def timed(self, kind: str):
+        """`with clock.timed("validation") as took:` a round; took.seconds once it ends."""
+        took = types.SimpleNamespace(seconds=0.0)
+        t0 = self.now()
+        yield took
+        took.seconds = self.now() - t0
+        self.cost[kind] = took.seconds
+        self.spent[kind] += took.seconds
+        self.paused += took.seconds
+
+    def lap(self, steps: int) -> float:
+        """The training seconds of the `steps` since the last lap, its rounds left out (lap(0): the
+        laps start here)."""
+        now = self.now()
+        seconds = now - self.mark - self.paused
+        self.mark = now
+        self.paused = 0.0
+        if steps:
+            self.laps.append((steps, seconds))
+        return seconds
+
+    def due(self, kind: str, step: int) -> int:
+        """Rounds of `kind` at `step` and after (every `every` steps, and at the last step): a step's
+        rounds come after its log line."""
+        every = self.every[kind]
+        if not every:
+            return 0
+        return self.steps // every - (step - 1) // every + (self.steps % every != 0)
+
+    def times(self, step: int) -> dict:
+        """At `step`'s log line: elapsed_seconds and eta_seconds."""
+        recent = list(self.laps)[1:] or list(self.laps)  # the first: start-up, compile, warm-up
+        steps = sum(n for n, _ in recent)
+        per_step = sum(s for _, s in recent) / steps if steps else 0.0
+        rounds = sum(self.due(kind, step) * self.cost.get(kind, 0.0) for kind in self.every)
+        eta = (self.steps - step) * per_step + rounds
+        return {"elapsed_seconds": self.now() - self.start, "eta_seconds": eta}
+
+
 class MetricsLogger:
     """Rank 0 sends each record where the module's docstring says; other ranks drop everything."""
 
     HIDDEN = {"step", "tokens_seen", "source_tokens", "memory_allocated_gib", "memory_pct",
-              "validation_tokens", "loss_tokens", "loss_tokens_pct", "eval_examples", "time"}
+              "validation_tokens", "loss_tokens", "loss_tokens_pct", "eval_examples", "time",
+              "elapsed_seconds", "eta_seconds"}
 
-    def __init__(self, cfg, rank: int):  # cfg: train.py's Config
+    def __init__(self, cfg, rank: int, clock: RunClock):  # cfg: train.py's Config
+        self.clock = clock
+        self.last = {}  # the latest value of each key logged: the summary line
         self.jsonl = self.tb = self.wandb = None
         dump = cfg.job.dump_folder
         if rank != 0:
@@ -74,7 +149,8 @@ class MetricsLogger:
         if self.jsonl is None:
             return
         if "loss" in r:  # a training step, in torchtitan's format so existing log parsers work
-            r = {**r, "time": time.time()}  # when it ended (unix s): the job's goodput (slurm/recover.py)
+            # when it ended (unix s): the job's goodput (slurm/recover.py)
+            r = {**r, "time": time.time(), **self.clock.times(r["step"])}
             mfu = f"{r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
             line = (f"step: {r['step']}  loss: {r['loss']:.4f}  grad_norm: {r['grad_norm']:.4f}  "
                     f"lr: {r['lr']:.1e}  memory: {r['memory_gib']:.2f}GiB({r['memory_pct']:.1f}%)  "
@@ -82,6 +158,7 @@ class MetricsLogger:
                     f"data_wait: {r['data_wait_pct']:.1f}%")
             if r.get("loss_tokens_pct", 100) < 100:  # block_causal: boundaries not in the loss
                 line += f"  loss_tokens: {r['loss_tokens_pct']:.1f}%"
+            line += f"  elapsed {duration(r['elapsed_seconds'])}  eta {duration(r['eta_seconds'])}"
             shown = {"loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu", "data_wait_pct"}
         elif "eval_acc" in r:  # an [eval] round (evals.py): acc/acc_norm per task
             norm = r["eval_acc_norm"]
@@ -99,6 +176,7 @@ class MetricsLogger:
         numbers = {k: v for k, v in r.items() if isinstance(v, (int, float))}
         extra = [f"{k}: {v:.4g}" for k, v in numbers.items() if k not in shown | self.HIDDEN]
         logger.info("  ".join([line, *extra]))
+        self.last.update(r)
         self.jsonl.write(json.dumps(r) + "\n")
         self.jsonl.flush()
         scalars = {}  # what TensorBoard and W&B plot: the numbers, a nested dict's as "key/name"
@@ -111,6 +189,18 @@ class MetricsLogger:
                 self.tb.add_scalar(k, x, r["step"])
         if self.wandb:
             self.wandb.log(scalars, step=r["step"])
+
+    def summary(self):
+        """One line at the end of a run: steps, tokens, wall time, the last losses, the rounds' time."""
+        if self.jsonl is None or "loss" not in self.last:
+            return
+        last = self.last
+        validation = f", validation {last['validation_loss']:.4f}" if "validation_loss" in last else ""
+        spent = self.clock.spent
+        logger.info(f"done: step {last['step']}, {last['tokens_seen']:,} tokens, "
+                    f"{duration(self.clock.now() - self.clock.start)} wall; loss {last['loss']:.4f}"
+                    f"{validation}; validation {spent['validation']:.1f}s, evals {spent['eval']:.1f}s, "
+                    f"saves {spent['checkpoint']:.1f}s")
 
     def close(self):
         for sink in (self.jsonl, self.tb):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -49,6 +50,7 @@ IN_ONE_PROCESS = r"""
 import contextlib
 import json
 import os
+import re
 import sys
 
 import train
@@ -182,3 +184,54 @@ def test_the_config_goes_to_config_toml_and_one_summary_line(runs):
     assert len(summary) == 1 and f"config in {dump}/config.toml" in summary[0]
     out = runs["peak"][1]  # --job.print_config
     assert "[training]" in out and "local_batch_size = 8" in out
+
+
+def test_the_eta_counts_the_steps_left_and_the_rounds_still_due():
+    """A run of 100 steps, validation every 20, evals every 25, a save every 30 (and each at the last step),
+    on a fake clock: steps take 2 s after a first one of 30 s (compile), validation 5 s, an eval 7 s, a save
+    3 s, and a log line every 10 steps comes before its step's rounds. At step 40's line the ETA is 60 steps
+    x 2 s plus the rounds at steps 40-100 at their measured cost: validation at 40, 60, 80, 100 (4 x 5 s),
+    evals at 50, 75, 100 (3 x 7 s), saves at 60, 90, 100 (3 x 3 s)."""
+    import types
+
+    from pretrain.metrics import RunClock, duration
+    t = [0.0]
+    cfg = types.SimpleNamespace(training=types.SimpleNamespace(steps=100),
+                                validation=types.SimpleNamespace(enable=True, freq=20),
+                                eval=types.SimpleNamespace(enable=True, freq=25),
+                                checkpoint=types.SimpleNamespace(enable=True, interval=30))
+    clock = RunClock(cfg, now=lambda: t[0])
+    t[0] = 10.0  # start-up
+    clock.lap(0)
+    logged = 0
+    for step in range(1, 41):
+        t[0] += 30.0 if step == 1 else 2.0
+        if step in (1, 10, 20, 30, 40):
+            lap = clock.lap(step - logged)
+            logged = step
+            if step == 40:
+                break
+        for kind, every, seconds in (("validation", 20, 5.0), ("eval", 25, 7.0), ("checkpoint", 30, 3.0)):
+            if step % every == 0:
+                with clock.timed(kind):
+                    t[0] += seconds
+    assert lap == 20.0  # steps 31-40, the save at 30 left out
+    times = clock.times(40)
+    assert times["eta_seconds"] == 60 * 2.0 + 4 * 5.0 + 3 * 7.0 + 3 * 3.0  # the 30 s step left out
+    assert times["elapsed_seconds"] == 10.0 + 30.0 + 39 * 2.0 + 5.0 + 7.0 + 3.0
+    assert clock.spent == {"validation": 5.0, "eval": 7.0, "checkpoint": 3.0}
+    assert clock.times(100)["eta_seconds"] == 5.0 + 7.0 + 3.0  # the last step's rounds, after its line
+    assert [duration(s) for s in (59.6, 3725, 52260, 183600)] == ["1m00s", "1h02m", "14h31m", "2d03h"]
+
+
+@pytest.mark.slow
+def test_each_log_line_ends_with_elapsed_and_eta_and_the_run_with_a_summary(runs):
+    dump, out, records = runs["plain"]
+    lines = [ln for ln in out.splitlines() if ln.startswith("step: ")]
+    assert len(lines) == 3 and all(re.search(r"  elapsed \d+m\d\ds  eta \d+m\d\ds$", ln) for ln in lines), lines
+    assert records[-1]["eta_seconds"] == 0 and records[0]["eta_seconds"] > 0
+    assert all(a["elapsed_seconds"] < b["elapsed_seconds"] for a, b in zip(records, records[1:]))
+    done = [ln for ln in out.splitlines() if ln.startswith("done: ")]
+    wall = re.search(r"tokens, (\d+m\d\ds) wall", done[0])[1]
+    assert done == [f"done: step 3, {records[-1]['tokens_seen']:,} tokens, {wall} wall; loss "
+                    f"{records[-1]['loss']:.4f}; validation 0.0s, evals 0.0s, saves 0.0s"], done
