@@ -10,6 +10,7 @@ an earlier checkpoint logged some steps twice: the last record of a step wins, s
 """
 
 import argparse
+import io
 import json
 import math
 import os
@@ -20,6 +21,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display on a login node or in a Slurm job
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import EngFormatter  # noqa: E402
+from PIL import Image  # noqa: E402  (matplotlib's own dependency)
 
 PANELS = ("training loss", "validation loss", "eval accuracy", "lr and grad norm", "tokens/s and MFU",
           "data wait and memory")
@@ -130,6 +132,13 @@ def plot(runs: dict, x: str = "step"):
     return fig
 
 
+def save_png(fig, out: str):
+    """The curves need few colours: a 64-colour palette keeps the PNG small to copy off a cluster."""
+    rendered = io.BytesIO()
+    fig.savefig(rendered, format="png", dpi=80)
+    Image.open(rendered).convert("RGB").quantize(colors=64).save(out, optimize=True)
+
+
 def main(argv) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a run's dump folder (job.dump_folder)")
@@ -142,8 +151,7 @@ def main(argv) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = args.out or os.path.join(args.runs[0], "curves.png")
-    fig = plot(runs, args.x)
-    fig.savefig(out, dpi=80)
+    save_png(plot(runs, args.x), out)
     print(f"wrote {out}")
     return 0
 
