@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from data import Tokenizer
 from model import ModelArgs, Transformer, flavors
 from pretrain.hf_layout import args_from_hf, hf_config, hf_name, hf_tokenizer, permute_rope, tokenizer_files
+from pretrain.progress import Progress
 from pretrain.sources import DataError
 from pretrain.titan_layout import model_keys
 
@@ -97,15 +98,19 @@ def load_meta(dir: str):
         # model.
         want = expected_shapes(args)
         merged = {}  # the merged tensors so far
-        for _, keys in itertools.groupby(shards[0], lambda k: re.match(r"layers\.\d+|[^.]+", k)[0]):
-            shards = shards or open_shards()
-            for k in keys:
-                missing = [p for p, s in zip(paths, shards) if k not in s]
-                if missing:
-                    raise ConvertError(f"{missing[0]} has no {k} but {paths[0]} has; are all "
-                                       f"consolidated.*.pth from one checkpoint?")
-                merged[k] = merge_shards(k, [s[k] for s in shards], paths, want.get(k))
-            shards = None
+        layer_of = lambda k: re.match(r"layers\.\d+|[^.]+", k)[0]  # noqa: E731
+        groups = [list(keys) for _, keys in itertools.groupby(shards[0], layer_of)]
+        with Progress(len(groups), f"merging {len(paths)} shards", "layers") as bar:
+            for keys in groups:
+                shards = shards or open_shards()
+                for k in keys:
+                    missing = [p for p, s in zip(paths, shards) if k not in s]
+                    if missing:
+                        raise ConvertError(f"{missing[0]} has no {k} but {paths[0]} has; are all "
+                                           f"consolidated.*.pth from one checkpoint?")
+                    merged[k] = merge_shards(k, [s[k] for s in shards], paths, want.get(k))
+                shards = None
+                bar.update(1)
         shards = [merged]
     sd = shards[0]
     sd.pop("rope.freqs", None)  # older Meta files carry the rope table; model.py computes it
@@ -139,7 +144,12 @@ def merge_shards(key: str, pieces: list, paths: list, full) -> torch.Tensor:
 
 def save_meta(dcp_dir: str, out: str, params: str, dtype: str = None):
     args, model = dcp_model(dcp_dir, params)
-    sd = load_dcp(dcp_dir, model)
+    sd = {}
+    groups = byte_groups(model)  # read a group at a time: a bar can say how far it has got
+    with Progress(sum(map(tensor_bytes, model.values())), f"reading {dcp_dir}", "B") as bar:
+        for keys in groups:
+            sd.update(load_dcp(dcp_dir, {k: model[k] for k in keys}))
+            bar.update(sum(tensor_bytes(model[k]) for k in keys))
     for k in sd if dtype else []:  # one at a time: each original is freed as it is replaced
         sd[k] = sd[k].to(getattr(torch, dtype))
     torch.save(sd, os.path.join(out, "consolidated.00.pth"))
@@ -178,6 +188,24 @@ def dcp_model(dir: str, params: str = None):
     args = dcp_args(dir, params)
     check_shapes({k: md.size for k, md in model.items()}, args, dir)
     return args, {k: model[k] for k in expected_shapes(args)}  # in Meta's order
+
+
+def tensor_bytes(md) -> int:
+    """The size of a tensor DCP's metadata describes."""
+    return md.size.numel() * md.properties.dtype.itemsize
+
+
+def byte_groups(model: dict) -> list:
+    """The keys of `model` (DCP metadata) in order, in groups of at most MAX_SHARD_BYTES."""
+    groups = [[]]
+    held = 0  # the last group's bytes
+    for k, md in model.items():
+        if groups[-1] and held + tensor_bytes(md) > MAX_SHARD_BYTES:
+            groups.append([])
+            held = 0
+        groups[-1].append(k)
+        held += tensor_bytes(md)
+    return groups
 
 
 def load_dcp(dir: str, model: dict) -> dict:
@@ -238,23 +266,21 @@ def save_hf(dcp_dir: str, out: str, params: str, tokenizer_path: str):
     config = hf_config(args, model["tok_embeddings.weight"].properties.dtype)
     if tokenizer_path:  # first: a wrong tokenizer stops before gigabytes are written
         save_tokenizer(tokenizer_path, config, out)
-    nbytes = {k: md.size.numel() * md.properties.dtype.itemsize for k, md in model.items()}
-    shards = [[]]
-    for k in model:
-        if shards[-1] and sum(nbytes[j] for j in shards[-1]) + nbytes[k] > MAX_SHARD_BYTES:
-            shards.append([])
-        shards[-1].append(k)
+    total = sum(map(tensor_bytes, model.values()))
+    shards = byte_groups(model)
     weight_map = {}
-    for i, keys in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        shard = load_dcp(dcp_dir, {k: model[k] for k in keys})
-        sd = {hf_name(k): permute_rope(k, w, args, to_hf=True) for k, w in shard.items()}
-        # "pt": transformers checks it
-        save_file(sd, os.path.join(out, file), metadata={"format": "pt"})
-        weight_map.update((name, file) for name in sd)
-        del shard, sd  # free this shard before reading the next
+    with Progress(total, "writing safetensors", "B") as bar:
+        for i, keys in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            shard = load_dcp(dcp_dir, {k: model[k] for k in keys})
+            sd = {hf_name(k): permute_rope(k, w, args, to_hf=True) for k, w in shard.items()}
+            # "pt": transformers checks it
+            save_file(sd, os.path.join(out, file), metadata={"format": "pt"})
+            weight_map.update((name, file) for name in sd)
+            del shard, sd  # free this shard before reading the next
+            bar.update(sum(tensor_bytes(model[k]) for k in keys), note=f"{i + 1}/{len(shards)} shards")
     write_json(out, "model.safetensors.index.json",
-               {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map})
+               {"metadata": {"total_size": total}, "weight_map": weight_map})
     write_json(out, "config.json", config)
 
 

@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import fsspec
 import pyarrow.parquet as pq
-from tqdm import tqdm
 
 import train
 from data import SourceReader, Tokenizer
@@ -26,6 +25,7 @@ from pretrain import evals
 from pretrain.config import ConfigError
 from pretrain.data_manifest import make_manifest, manifest_sha256, pinned_manifest, source_files, write_manifest
 from pretrain.mirror import fetch_file, mirror_paths
+from pretrain.progress import Progress
 from pretrain.sources import DataError
 
 SAMPLE_TOKENS = 2_000_000  # tokens read from a source's first file to estimate its tokens per byte
@@ -56,7 +56,7 @@ def fetch(todo: list, to: str, workers: int, timeout: float, budget: float) -> i
     rate, ETA). An error or Ctrl-C stops each fetch at its next chunk; a later run resumes it."""
     stop = threading.Event()
     total = sum(size for _, size in todo)
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024) as bar:
+    with Progress(total, f"fetching into {to}", "B") as bar:
         def progress(n: int):
             if stop.is_set():
                 raise Stopped
@@ -67,8 +67,8 @@ def fetch(todo: list, to: str, workers: int, timeout: float, budget: float) -> i
                 for url, size in todo}  # each fetch -> its file's size
         try:
             for done, job in enumerate(as_completed(jobs), 1):
-                bar.total -= jobs[job] - job.result()  # bytes there before: not in rate and ETA
-                bar.set_postfix_str(f"{done}/{len(jobs)} files")
+                total -= jobs[job] - job.result()  # bytes there before: not in rate and ETA
+                bar.update(0, total=total, note=f"{done}/{len(jobs)} files")
         finally:
             stop.set()
             pool.shutdown(wait=True, cancel_futures=True)  # running fetches end at their next chunk

@@ -42,10 +42,23 @@ class NoData:
         return {}
 
 
+def phase_lines(rank: int):
+    """done(name): a line on stderr for each phase as it ends, with its seconds. A 405B dry run at
+    2,048 ranks takes minutes: a silent one looks hung."""
+    last = [time.perf_counter()]
+
+    def done(name: str):
+        now = time.perf_counter()
+        print(f"dryrun: rank {rank}: {name} {now - last[0]:.1f}s", file=sys.stderr, flush=True)
+        last[0] = now
+    return done
+
+
 def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
     """train.main's set-up and two steps as `rank`, under fake tensors (`counter` counts their
     memory). Two: AdamW makes its moments (2 x fp32 a parameter shard) in the first optimizer.step,
     so only the second step's forward and backward hold them: its peak is the steady state's."""
+    done = phase_lines(rank)
     device, mesh = distributed.init_distributed(cfg, sizes, fake_rank=rank)
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     args = train.model_args(cfg)
@@ -57,6 +70,7 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
     with torch.device("meta"):
         model = Transformer(args)
     float8_scales = float8.convert(model, cfg, device)
+    done("build")
     train.parallelize(model, mesh, dataclasses.replace(cfg, compile=train.Compile(enable=False)))
     counter.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with counter.fake_mode, counter:
@@ -67,6 +81,7 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
         model.train()
         optimizer, scheduler = train.build_optimizer(model, cfg, device)
         setup = counter.live
+        done("parallelize")
         params = [q for q in model.parameters() if q.requires_grad]
         for step in (1, 2):
             counter.phase = f"forward and backward of step {step}"
@@ -90,6 +105,7 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
             if float8_scales:
                 float8_scales(model)
             scheduler.step()
+            done(f"step {step}")
         after = counter.live
         counter.phase = "checkpoint state dict"
         folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
@@ -102,6 +118,7 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
     items = planner.create_local_plan().items
     tensors = [i.tensor_data for i in items if i.tensor_data is not None]
     written = sum(d.properties.dtype.itemsize * torch.Size(d.chunk.sizes).numel() for d in tensors)
+    done("plan")
     dist.destroy_process_group()
     return {"rank": rank, "peak": counter.peak, "peak_phase": counter.peak_phase, "setup": setup,
             "after": after, "items": len(items), "written": written}

@@ -161,6 +161,28 @@ def test_dcp2torch_dtype(meta, dcp_dir, tmp_path):
     assert all(w.dtype == torch.float32 and torch.equal(w, meta[1][k].float()) for k, w in back.items())
 
 
+def test_long_conversions_say_how_far_they_got_in_plain_lines_in_a_log(meta, dcp_dir, tmp_path, monkeypatch, capsys):
+    """Where stderr is a file (a Slurm log), a bar is plain lines: here every update shows (no delay), in a
+    long conversion the first after 3 s and then every 15 s. On a terminal it is tqdm's bar."""
+    from pretrain import progress
+    monkeypatch.setattr(progress, "DELAY", 0.0)
+    monkeypatch.setattr(progress, "EVERY", 0.0)
+    monkeypatch.setattr(C, "MAX_SHARD_BYTES", 60_000)
+    convert("dcp2hf", dcp_dir, tmp_path / "hf", "--tokenizer_path", "")
+    convert("dcp2torch", dcp_dir, tmp_path / "meta")
+    lines = capsys.readouterr().err.splitlines()
+    shards = len(glob.glob(str(tmp_path / "hf" / "model-*.safetensors")))
+    writing = [ln for ln in lines if ln.startswith("writing safetensors: ")]
+    reading = [ln for ln in lines if ln.startswith(f"reading {dcp_dir}: ")]
+    assert shards > 1 and len(writing) == shards + 1 and len(reading) > 1, lines  # the last line once more
+    assert re.fullmatch(rf"writing .*: [\d.]+ KiB of [\d.]+ KiB \(100%\), {shards}/{shards} shards, 0 s", writing[-1])
+    assert "(100%), 0 s" in reading[-1]
+    monkeypatch.setattr(progress, "DELAY", 3.0)  # a quick one says nothing
+    with progress.Progress(10, "quick", "steps") as bar:
+        bar.update(10)
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("split,n_shards", [(LLAMA3_SPLIT, 8), (LLAMA2_SPLIT, 2)], ids=["llama3", "llama2"])
 def test_model_parallel_shards_merge(meta, tmp_path, split, n_shards):
     """Llama 3 (70B, 405B) shards split the embedding on the vocab, Llama 2's on dim: both merge exactly."""

@@ -13,6 +13,7 @@ run i and rank r: {"real": i, "rank": r, "peak": bytes}.
 import glob
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -130,6 +131,17 @@ def test_the_rules_are_the_targets_not_this_machines_gpu(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert code == 0 and err == "" and ", float8;" in out, out + err
     assert asked == []
+
+
+def test_each_phase_is_a_line_on_stderr_as_it_ends(capfd, tmp_path):
+    """The forked ranks say where they are: a dry run at 2,048 ranks takes minutes."""
+    from pretrain import dryrun
+    import train
+    cfg = train.load_config([*DEBUG, "--job.dump_folder", str(tmp_path), "--training.seq_len", "64"])
+    assert "error" not in dryrun.dry_run(cfg, 1)[0]
+    err = capfd.readouterr().err
+    phases = re.findall(r"^dryrun: rank 0: (.+) \d+\.\ds$", err, re.M)
+    assert phases == ["build", "parallelize", "step 1", "step 2", "plan"], err
 
 
 @pytest.mark.slow
