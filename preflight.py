@@ -172,13 +172,19 @@ def check(args, extra):
             f.write(token)
     dist.barrier()
     r["shared"] = os.path.isfile(shared) and open(shared).read() == token
+    ranks = gather(r)
     nodes = {}
-    for i, x in enumerate(gather(r)):
+    for i, x in enumerate(ranks):
         nodes.setdefault(x["node"], []).append(i)
     if rank == 0 and not r["dump"]:
         os.remove(shared)
+    # Rank 0 prints each check's line as its measurements end: with many nodes the data and the
+    # bandwidth take minutes, and a silent preflight looks hung.
+    verdict = Verdicts()
+    if rank == 0:
+        report_ranks(cfg, ranks, ckpt, gpu, verdict)
     try:  # rank 0 resolves, once
-        manifest, r["manifest"], resolved, fresh = data_check.share_sources(cfg, rank)
+        manifest, ranks[0]["manifest"], resolved, fresh = data_check.share_sources(cfg, rank)
     except sources.DataError as e:
         fail(str(e))
     # each node checks every local file, split over its ranks as train.share_manifest does
@@ -187,29 +193,52 @@ def check(args, extra):
     streams = cfg.data.num_streams or sizes["dp"]
     max_seq_len = train.flavor_args(cfg).max_seq_len  # the window evals.load cuts examples to
     unreadable = data_check.read_share(cfg, manifest, fresh, part, len(mine), streams, max_seq_len)
-    r["data"] = {**(resolved if rank == 0 else {}), **unreadable}
+    for x, data in zip(ranks, gather({**(resolved if rank == 0 else {}), **unreadable})):
+        x["data"] = data
+    if rank == 0:
+        report_data(cfg, ranks, nodes, verdict)
     sizes_b = [2**20, 2**24, 2**28, 2**30] if gpu else [2**18, 2**22]  # small on CPU (gloo)
     groups = node_groups(nodes, cfg.comm.init_timeout_seconds)
-    r["intra"] = None  # one rank on this node: nothing to measure within it
+    intra = None  # one rank on this node: nothing to measure within it
     if len(mine) > 1:
-        r["intra"] = bus_bandwidth(groups[r["node"]], device, sizes_b)
+        intra = bus_bandwidth(groups[r["node"]], device, sizes_b)
     inter = bus_bandwidth(None, device, sizes_b) if len(nodes) > 1 else None
-    ranks = gather(r)
-    code = [0]  # the exit code, rank 0's verdict for every rank
+    for x, measured in zip(ranks, gather(intra)):
+        x["intra"] = measured
+    code = [0]  # the exit code, rank 0's for every rank
     if rank == 0:
-        seconds = time.perf_counter() - t0
-        code = [report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds)]
+        report_bandwidth(ranks, nodes, inter, sizes_b, gpu, verdict)
+        code = [verdict.summary(time.perf_counter() - t0)]
     dist.broadcast_object_list(code)
     dist.barrier()  # no rank tears down its process group while another still uses it
     dist.destroy_process_group()
     sys.exit(code[0])
 
 
-def report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> int:
-    """Rank 0: one table, then one verdict line per check (with its threshold); 1 if any FAILs,
-    else 0."""
-    levels = []  # each check's verdict
+class Verdicts:
+    """Rank 0's verdict lines, each printed as its check ends, and the exit code from them: 1 if any
+    FAILs, else 0."""
+
+    def __init__(self):
+        self.levels = []  # each check's verdict
+
+    def __call__(self, level: str, check: str, text: str):
+        self.levels.append(level)
+        print(f"{level:<4} {check}: {text}", flush=True)
+
+    def summary(self, seconds: float) -> int:
+        fails = self.levels.count("FAIL")
+        warns = self.levels.count("WARN")
+        print(f"preflight: {fails} FAIL, {warns} WARN of {len(self.levels)} checks in {seconds:.1f} s",
+              flush=True)
+        return 1 if fails else 0
+
+
+def report_ranks(cfg, ranks: list, ckpt: float, gpu: bool, verdict: Verdicts):
+    """Rank 0: one table of every rank, then the checks of what each rank saw alone: software,
+    matmul, dump folder, free space, tokenizer (each line with its threshold)."""
     gib = memory.GIB
+    nodes = {x["node"] for x in ranks}
     print(f"preflight: {len(ranks)} ranks on {len(nodes)} node(s), {'NCCL' if gpu else 'gloo'}")
     print(f"{'rank':>4}  {'node':<12} {'device':<22} {'torch':<13} {'cuda/rocm':<11} {'nccl':<8} "
           f"{'TFLOP/s':>8}  {'tokenizer':<10} {'dump':<10} free GiB")
@@ -222,10 +251,6 @@ def report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> int:
         versions = f"{torch_v[:13]:<13} {runtime:<11} {nccl:<8}"
         print(f"{i:>4}  {x['node'][:12]:<12} {x['device'][:22]:<22} {versions} "
               f"{x['tflops']:>8.3f}  {x['tokenizer'][:10]:<10} {dump:<10} {free}")
-
-    def verdict(level, check, text):
-        levels.append(level)
-        print(f"{level:<4} {check}: {text}")
 
     versions = {x["versions"] for x in ranks}
     hidden = [i for i, x in enumerate(ranks) if x["hidden_gpus"]]
@@ -275,63 +300,6 @@ def report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> int:
             f"{of_peak}; slowest rank {slow} on {ranks[slow]['node']}: {tf[slow]:.3f} = "
             f"{100 * of[slow]:.0f}% of the others' median{slowest} (threshold: of the others' "
             f"median, FAIL below {fail_:.0%}, WARN below {warn:.0%}: {why}{peak_rule})")
-
-    at = "/".join(f"{s >> 20} MiB" if s >= 2**20 else f"{s >> 10} KiB" for s in sizes_b)
-    within = {n: ranks[m[0]]["intra"] for n, m in nodes.items() if ranks[m[0]]["intra"]}
-    across = {f"{len(nodes)} nodes": inter} if inter else {}
-    for check, meas in (("bandwidth within nodes", within), ("bandwidth across nodes", across)):
-        inside = "within" in check
-        if not meas:
-            alone = "one rank per node" if inside else "one node"
-            verdict("OK", check, f"n/a ({alone})")
-            continue
-        # the slowest node: by its largest all-reduce
-        worst = min(meas, key=lambda n: meas[n]["all-reduce"][-1])
-        big = meas[worst]["all-reduce"][-1]
-        fail_below = 0  # GB/s
-        warn_below = 0
-        if not gpu:
-            rule = "none on CPU (gloo): no line rate to compare with"
-        elif inside:
-            warn_below = 50
-            rule = "WARN below 50 GB/s, less than PCIe 5 x16's 64: no NVLink/xGMI"
-        else:
-            # busbw across nodes is about the node's NIC rate: NCCL runs a ring per NIC (rail), and
-            # GPU nodes have one NIC per GPU. The per-GPU figures and where they come from:
-            # docs/slurm.md#preflight. The node with the fewest GPUs (and NICs) sets the pace.
-            g = min(len(m) for m in nodes.values())
-            fail_below = 2.5 * g
-            warn_below = 20 * g
-            rule = (f"per GPU x {g} GPUs per node, FAIL below 2.5 GB/s: NCCL over TCP sockets, not "
-                    "EFA/InfiniBand; WARN below 20 GB/s: 8 x 400 Gbit/s nodes (H100, EFA or NDR "
-                    "InfiniBand) reach about 45 GB/s per GPU, 8 x 200 Gbit/s HDR nodes about 23; "
-                    "below it a rail is down, NCCL sees fewer NICs or no GPUDirect RDMA, or the "
-                    "nodes have fewer NICs than GPUs")
-        per_op = [f"{op} {' '.join(f'{v:.2f}' for v in gbs)} GB/s"
-                  for op, gbs in meas[worst].items()]
-        rates = "; ".join(per_op)
-        where = "slowest node " if inside else ""
-        text = f"{where}{worst}: busbw at {at}: {rates} (threshold, at the largest size: {rule})"
-        verdict(level(big, warn_below, fail_below), check, text)
-
-    manifest_level, text = ranks[0]["manifest"]  # rank 0's, from data_check.rank0_manifest
-    verdict(manifest_level, "data manifest", text)
-    from_mirror = ""
-    if cfg.data.mirror:
-        from_mirror = f", from the data mirror {cfg.data.mirror} where it holds the file"
-    for _, _, name in data_check.configured(cfg):
-        errors = {}
-        for x in ranks:  # a node's first error: its ranks checked a share each
-            if x["data"].get(name) and not errors.get(x["node"]):
-                errors[x["node"]] = x["data"][name]
-        read = "its local files match rank 0's and the first document reads"
-        if name.startswith("eval task"):
-            read = "its first example reads in the task's layout"
-        if errors:
-            first = next(iter(errors.values()))
-            verdict("FAIL", name, f"unreadable on node(s) {', '.join(errors)}: {first}")
-        else:
-            verdict("OK", name, f"{read} on every node ({len(nodes)}){from_mirror}")
 
     bad = {i: x["dump"] for i, x in enumerate(ranks) if x["dump"]}
     unshared = [i for i, x in enumerate(ranks) if not x["shared"]]
@@ -387,9 +355,69 @@ def report(cfg, ranks, nodes, inter, sizes_b, ckpt, gpu, seconds) -> int:
     differ = len(shas) > 1
     missing = "missing" in ranks[0]["tokenizer"]
     verdict("FAIL" if differ or missing else "OK", f"tokenizer {cfg.model.tokenizer_path}", text)
-    print(f"preflight: {levels.count('FAIL')} FAIL, {levels.count('WARN')} WARN of {len(levels)} "
-          f"checks in {seconds:.1f} s")
-    return 1 if "FAIL" in levels else 0
+
+
+def report_data(cfg, ranks: list, nodes: dict, verdict: Verdicts):
+    """Rank 0: the data manifest, and whether each node reads each source and eval task."""
+    manifest_level, text = ranks[0]["manifest"]  # rank 0's, from data_check.rank0_manifest
+    verdict(manifest_level, "data manifest", text)
+    from_mirror = ""
+    if cfg.data.mirror:
+        from_mirror = f", from the data mirror {cfg.data.mirror} where it holds the file"
+    for _, _, name in data_check.configured(cfg):
+        errors = {}
+        for x in ranks:  # a node's first error: its ranks checked a share each
+            if x["data"].get(name) and not errors.get(x["node"]):
+                errors[x["node"]] = x["data"][name]
+        read = "its local files match rank 0's and the first document reads"
+        if name.startswith("eval task"):
+            read = "its first example reads in the task's layout"
+        if errors:
+            first = next(iter(errors.values()))
+            verdict("FAIL", name, f"unreadable on node(s) {', '.join(errors)}: {first}")
+        else:
+            verdict("OK", name, f"{read} on every node ({len(nodes)}){from_mirror}")
+
+
+def report_bandwidth(ranks: list, nodes: dict, inter, sizes_b: list, gpu: bool, verdict: Verdicts):
+    """Rank 0: the bus bandwidth within the slowest node and across the nodes, against thresholds."""
+    at = "/".join(f"{s >> 20} MiB" if s >= 2**20 else f"{s >> 10} KiB" for s in sizes_b)
+    within = {n: ranks[m[0]]["intra"] for n, m in nodes.items() if ranks[m[0]]["intra"]}
+    across = {f"{len(nodes)} nodes": inter} if inter else {}
+    for check, meas in (("bandwidth within nodes", within), ("bandwidth across nodes", across)):
+        inside = "within" in check
+        if not meas:
+            alone = "one rank per node" if inside else "one node"
+            verdict("OK", check, f"n/a ({alone})")
+            continue
+        # the slowest node: by its largest all-reduce
+        worst = min(meas, key=lambda n: meas[n]["all-reduce"][-1])
+        big = meas[worst]["all-reduce"][-1]
+        fail_below = 0  # GB/s
+        warn_below = 0
+        if not gpu:
+            rule = "none on CPU (gloo): no line rate to compare with"
+        elif inside:
+            warn_below = 50
+            rule = "WARN below 50 GB/s, less than PCIe 5 x16's 64: no NVLink/xGMI"
+        else:
+            # busbw across nodes is about the node's NIC rate: NCCL runs a ring per NIC (rail), and
+            # GPU nodes have one NIC per GPU. The per-GPU figures and where they come from:
+            # docs/slurm.md#preflight. The node with the fewest GPUs (and NICs) sets the pace.
+            g = min(len(m) for m in nodes.values())
+            fail_below = 2.5 * g
+            warn_below = 20 * g
+            rule = (f"per GPU x {g} GPUs per node, FAIL below 2.5 GB/s: NCCL over TCP sockets, not "
+                    "EFA/InfiniBand; WARN below 20 GB/s: 8 x 400 Gbit/s nodes (H100, EFA or NDR "
+                    "InfiniBand) reach about 45 GB/s per GPU, 8 x 200 Gbit/s HDR nodes about 23; "
+                    "below it a rail is down, NCCL sees fewer NICs or no GPUDirect RDMA, or the "
+                    "nodes have fewer NICs than GPUs")
+        per_op = [f"{op} {' '.join(f'{v:.2f}' for v in gbs)} GB/s"
+                  for op, gbs in meas[worst].items()]
+        rates = "; ".join(per_op)
+        where = "slowest node " if inside else ""
+        text = f"{where}{worst}: busbw at {at}: {rates} (threshold, at the largest size: {rule})"
+        verdict(level(big, warn_below, fail_below), check, text)
 
 
 def main(argv: list):

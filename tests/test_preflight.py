@@ -78,6 +78,10 @@ def test_healthy_job_prints_the_table_and_every_check_ok(healthy):
     assert got["data manifest"][1].startswith(f"4 source(s) pinned in {dump}/data_manifest.json; rank 0 resolved 4 "
                                               "source(s) once"), proc.stdout  # the validation sources
     assert "0 FAIL, 0 WARN of 16 checks" in proc.stdout
+    # Each line as its check ends: what each rank saw alone, then the data (rank 0 resolves, every node reads),
+    # then the bandwidth (collectives), not all at the end in the order of a table.
+    order = [k.split(" ")[0] for k in verdicts(proc.stdout)]
+    assert order[:5] == ["software", "matmul", "dump", "free", "tokenizer"] and order[-2:] == ["bandwidth"] * 2, order
     assert os.listdir(dump) == ["data_manifest.json"]  # its probe files are gone, the manifest is as it was
     assert json.loads((dump / "data_manifest.json").read_text())["validation"] == []
 
@@ -213,12 +217,21 @@ def test_faults_are_named_and_exit_1(faulty):
     assert "7 FAIL, 0 WARN of 20 checks" in out
 
 
+def report(cfg, ranks, nodes, inter, sizes, ckpt) -> int:
+    """preflight.check's report on what its ranks gathered, on GPUs."""
+    import preflight
+    verdict = preflight.Verdicts()
+    preflight.report_ranks(cfg, ranks, ckpt, True, verdict)
+    preflight.report_data(cfg, ranks, nodes, verdict)
+    preflight.report_bandwidth(ranks, nodes, inter, sizes, True, verdict)
+    return verdict.summary(1.0)
+
+
 def test_gpu_thresholds_on_a_made_up_cluster(capsys):
-    """preflight.report with what 2 nodes x 4 H100s would gather: the GPU thresholds, without GPUs. A slow GPU and
+    """preflight's report with what 2 nodes x 4 H100s would gather: the GPU thresholds, without GPUs. A slow GPU and
     one 20x slower, PCIe-class bandwidth within a node, one rail's bandwidth across nodes (then TCP's), and free
     space for fewer checkpoints than the run keeps."""
     sys.path.insert(0, ROOT)
-    import preflight
     import train
     cfg = train.load_config(["--config", CONFIG, "--job.dump_folder", "/shared/run", "--checkpoint.enable", "true"])
     sha, sizes, gib = "ab" * 32, [2**20, 2**24, 2**28, 2**30], 2**30
@@ -232,7 +245,7 @@ def test_gpu_thresholds_on_a_made_up_cluster(capsys):
     tf = [720.0, 700.0, 35.0, 705.0, 510.0, 715.0, 710.0, 700.0]
     ranks = [rank("gpu-a" if i < 4 else "gpu-b", t, 300.0 if i < 4 else 40.0, 1.5 * gib) for i, t in enumerate(tf)]
     one_rail = {"all-reduce": [1, 8, 40, 45.0], "all-gather": [1, 8, 35, 42.0]}  # 1 x 400 Gbit/s of 4
-    code = preflight.report(cfg, ranks, nodes, one_rail, sizes, gib, True, 1.0)
+    code = report(cfg, ranks, nodes, one_rail, sizes, gib)
     got = verdicts(capsys.readouterr().out)
     assert code == 1
     level, text = got["matmul"]  # 35: 5% of the median of the others (705) FAILs; 510 (72%) WARNs
@@ -250,7 +263,7 @@ def test_gpu_thresholds_on_a_made_up_cluster(capsys):
     for r in ranks:
         r["tflops"], r["free"] = 700.0, 2.5 * gib
     tcp = {"all-reduce": [0.5, 2, 6, 9.0], "all-gather": [0.5, 2, 5, 8.0]}
-    code = preflight.report(cfg, ranks, nodes, tcp, sizes, gib, True, 1.0)
+    code = report(cfg, ranks, nodes, tcp, sizes, gib)
     got = verdicts(capsys.readouterr().out)
     assert code == 1 and got["matmul"][0] == "OK"
     level, text = got["bandwidth across nodes"]
