@@ -267,7 +267,7 @@ class Transformer(nn.Module):
             self.freqs_cis = freqs_cis.to(self.freqs_cis.device)
         return self
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, last_hidden: bool = False) -> torch.Tensor:
         seqlen = tokens.shape[1]
         if seqlen > self.args.max_seq_len:
             raise ValueError(f"sequence length {seqlen} exceeds max_seq_len={self.args.max_seq_len}")
@@ -277,6 +277,8 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, freqs_cis, mask)
         h = self.norm(h)
+        if last_hidden:  # the trainer's loss takes the output layer a chunk of positions at a time
+            return h  # (bs, seqlen, dim)
         return self.output(h).float()  # (bs, seqlen, vocab_size); fp32 for a stable loss
 
     @torch.no_grad()

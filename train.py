@@ -14,7 +14,6 @@ loop. What the files beside it do: the README's table.
 """
 
 import contextlib
-import ctypes
 import dataclasses
 import fcntl
 import hashlib
@@ -34,7 +33,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, PrepareModuleOutput
+from torch.distributed.tensor.parallel import RowwiseParallel
 from torch.distributed.tensor.parallel import SequenceParallel, loss_parallel, parallelize_module
 
 from data import DataLoader, Tokenizer
@@ -46,8 +46,9 @@ from pretrain.checkpoint import Checkpointer, CheckpointError
 from pretrain.checkpoint_folder import SaveError, newest
 from pretrain.config import ConfigError, to_toml, unknown
 from pretrain.data_manifest import manifest_sha256, pinned_manifest, shared_manifest, verify_manifest
-from pretrain.distributed import agree, agree_on_reads, init_distributed, lost_rank
+from pretrain.distributed import agree, agree_on_reads, init_distributed, lost_rank, stop_on_signals
 from pretrain.float8 import Float8
+from pretrain.loss import chunked_loss
 from pretrain.metrics import MetricsLogger, RunClock, memory_stats, peak_tflops
 from pretrain.sources import DataError, DataSource
 
@@ -338,9 +339,7 @@ def validate(cfg: Config, world_size: int) -> dict:
 RESUME_CHECKED = ("model", "training", "optimizer", "lr_scheduler", "data")
 # ...except these, which a resume may change: how long and how fast to train, clipping, precision
 # (float8 included: the weights are the same), the layout's batch split, workers, and where the
-# tokenizer, the data manifest and its mirror live (their sha256 is checked). The other sections
-# (job, parallelism, checkpoint, activation_checkpoint, compile, float8, metrics, comm, validation,
-# eval) may always change.
+# tokenizer, the data manifest and its mirror live (their sha256 is checked).
 RESUME_MAY_CHANGE = {
     "training.steps", "training.local_batch_size", "training.max_norm", "training.seed",
     "training.deterministic", "training.mixed_precision_param", "training.mixed_precision_reduce",
@@ -398,8 +397,7 @@ def parallelize(model: Transformer, mesh, cfg: Config):
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
     param_dtype = dtypes[cfg.training.mixed_precision_param]
     reduce_dtype = dtypes[cfg.training.mixed_precision_reduce]
-    # HSDP: shard within dp_shard, replicate across dp_replicate.
-    hsdp = mesh["dp_replicate"].size() > 1
+    hsdp = mesh["dp_replicate"].size() > 1  # HSDP: shard within dp_shard, replicate across groups
     dp_mesh = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
     apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype)
 
@@ -412,8 +410,9 @@ def apply_tp(model: Transformer, tp_mesh, float8_styles=None):
     root_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        # Logits stay sharded on the vocab (loss parallel): no rank holds (tokens x vocab) whole.
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+        # Logits stay sharded on the vocab (loss parallel): no rank holds (tokens x vocab) whole. Its
+        # input arrives replicated (below), so the loss can take it a chunk of positions at a time.
+        "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
                                   use_local_output=False),
     }
     block_plan = {
@@ -432,6 +431,9 @@ def apply_tp(model: Transformer, tp_mesh, float8_styles=None):
         "feed_forward.w3": col(),
     }
     parallelize_module(model, tp_mesh, root_plan)
+    gather = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
+                                 use_local_output=False)  # the final norm's output, whole
+    parallelize_module(model.norm, tp_mesh, gather)
     for block in model.layers:
         parallelize_module(block, tp_mesh, block_plan)
     replicate_unplanned(model, tp_mesh)
@@ -562,10 +564,11 @@ def forward_backward(model, inputs, labels, global_tokens: torch.Tensor, dp: int
     process, FSDP, TP and accumulation give the same loss. Returns the share (detached, plain) for
     the log. The place to change the objective (z-loss...): the loop only accumulates and steps."""
     with loss_parallel() if tp > 1 else contextlib.nullcontext():
-        logits = model(inputs)  # (local_batch_size, seq_len, vocab_size), vocab-sharded under TP
-        summed = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        h = model(inputs, last_hidden=True)  # (local_batch_size, seq_len, dim)
+        # the logits (vocab-sharded under TP) a chunk of positions at a time (FSDP2 keeps the root's
+        # weights gathered after forward): pretrain/loss.py
+        summed = chunked_loss(model.output, h, labels, partial(F.cross_entropy, reduction="sum"))
         loss = summed / global_tokens
-        del logits
         # FSDP averages the gradients over the dp ranks: undo its division by dp
         (loss * dp).backward()
     loss = loss.detach()
@@ -599,8 +602,8 @@ def lr_factor(step: int, cfg: Config) -> float:
 
 
 # -------------------------------------------------------------------------------------------------
-# Every rank alike: the dump folder, the data manifest, the sources' first reads, preemption,
-# each step's agreement (pretrain/distributed.py: the process group, agree)
+# Every rank alike: the dump folder, the data manifest, the sources' first reads, each step's
+# agreement (pretrain/distributed.py: the process group, agree, preemption signals)
 # -------------------------------------------------------------------------------------------------
 
 def open_dump_folder(cfg: Config, rank: int, device):
@@ -664,18 +667,6 @@ def check_sources(loader: DataLoader, rank: int, wait: float):
     agree_on_reads(error, rank, wait)
 
 
-def stop_on_signals() -> list:
-    """Preemption (Slurm's warning signal, or a plain kill; torchrun's death reaches a rank as SIGTERM):
-    the list gets the signal, and the loop finishes the step, saves and exits 0. Not a threading.Event:
-    a second signal inside the first handler's Event.set() would wait on its lock forever."""
-    stop = []
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, lambda signum, frame: stop.append(signum))
-    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    return stop
-
-
 def agree_on_step(stop: list, data_error: str, checkpointer: Checkpointer,
                   grad_norm: torch.Tensor, loss_sum: torch.Tensor, device) -> list:
     """[stopping, data_failed, save_running, diverged], alike on every rank: all must agree, at the
@@ -721,8 +712,8 @@ def main(cfg: Config):
     with torch.device("meta"):
         model = Transformer(model_args(cfg, tokenizer))  # the vocabulary follows the tokenizer
     args = model.args
-    # FLOPs per token, forward + backward: 6 per non-embedding weight plus attention scores (causal
-    # attention counted as full, as in the PaLM/torchtitan MFU convention).
+    # FLOPs per token, forward + backward: 6 per non-embedding weight, and attention counted in full
+    # (PaLM's and torchtitan's MFU convention: docs/performance.md#how-to-read-a-figure)
     flops_per_token = (6 * model.num_params(exclude_embedding=True)
                        + 12 * args.n_layers * args.dim * cfg.training.seq_len)
     logger.info(run_summary(cfg, model, world_size, sizes))

@@ -5,8 +5,11 @@ collective's timeout); and the one line for a rank that stopped answering (lost_
 dryrun.py and preflight.py start alike through init_distributed.
 """
 
+import ctypes
 import os
 import re
+import signal
+import sys
 import traceback
 from datetime import timedelta
 
@@ -178,3 +181,15 @@ def init_distributed(cfg, sizes: dict, fake_rank: int = -1):  # cfg: train.py's 
     for group in list(dist.distributed_c10d._world.pg_map) if backend != "fake" else []:
         set_timeout(timeout, group)
     return device, mesh
+
+
+def stop_on_signals() -> list:
+    """Preemption (Slurm's warning signal, or a plain kill; torchrun's death reaches a rank as SIGTERM):
+    the list gets the signal, and the loop finishes the step, saves and exits 0. Not a threading.Event:
+    a second signal inside the first handler's Event.set() would wait on its lock forever."""
+    stop = []
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda signum, frame: stop.append(signum))
+    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    return stop

@@ -15,6 +15,8 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from pretrain.loss import chunk_positions
+
 GIB = 2**30
 # What the devices report (nvidia-smi's MiB): "fits" is judged against these.
 GPUS = [("H100 80 GB", 81559 * 2**20), ("H200 141 GB", 143771 * 2**20)]
@@ -54,7 +56,8 @@ def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
       is kv, or d on CUDA in fp32 (model.causal_attention copies the kv heads there); selective op
       b(5d + 2kv + 2f) (the matmul and attention outputs); full bd (the block input). With AC one
       block's full set comes back during its backward.
-    The loss keeps fp32 log-probs (tokens x vocab) and its backward holds two more such tensors;
+    The loss keeps fp32 log-probs of a chunk of positions (pretrain/loss.py; at most the micro-batch's
+    tokens) x vocab, and its backward holds two more such tensors;
     under TP (loss parallel) the sharded log-softmax keeps its input, the fp32 logits, too, and the
     output layer keeps its all-gathered input whole.
     CPU adds the process's resident memory before the model exists (Python, torch, tokenizer).
@@ -105,7 +108,8 @@ def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
              "gathered": (b * root_and_last - float8_saves) / tp,
              # the blocks', plus the final norm's and the output layer's input
              "activations": tokens * (all_blocks + 4 * d / tp + b * d),
-             "loss": tokens * loss_bytes * a.vocab_size / tp,  # vocab-sharded under TP
+             # a chunk of positions at a time, vocab-sharded under TP
+             "loss": min(tokens, chunk_positions(a.vocab_size)) * loss_bytes * a.vocab_size / tp,
              "runtime": 0 if cuda else resident_bytes()}
     # Two candidate peaks. (1) The loss's backward: every block's activations and the loss tensors
     # (and the gradients under accumulation; otherwise zero_grad(set_to_none) freed them). (2) A

@@ -7,7 +7,6 @@ Run as a script (under torchrun for several ranks), this file prints one JSON li
 "measured"}.
 """
 
-import contextlib
 import json
 import os
 import sys
@@ -35,10 +34,8 @@ TWO_PROCESSES = [[], ["--parallelism.tensor_parallel_degree", "2"],
 def measure(configs):
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import loss_parallel
 
     from pretrain import memory
     import train
@@ -64,15 +61,14 @@ def measure(configs):
         tokens = torch.randint(0, model.args.vocab_size, (cfg.training.local_batch_size, cfg.training.seq_len + 1))
         tracker = None
 
-        def step():  # the trainer's step: accumulation, clipping, AdamW, gradients set to None
+        global_tokens = torch.tensor(float(tokens[:, 1:].numel() * sizes["grad_accum"] * sizes["dp"]))
+
+        def step():  # the trainer's step: accumulation, its loss, clipping, AdamW, gradients set to None
             for _ in range(sizes["grad_accum"]):
                 if tracker is not None:
                     tracker.reset_mod_stats()  # it tracks one forward per module unless reset
-                with loss_parallel() if cfg.parallelism.tensor_parallel_degree > 1 else contextlib.nullcontext():
-                    logits = model(tokens[:, :-1])
-                    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) / sizes["grad_accum"]
-                    del logits
-                    loss.backward()
+                train.forward_backward(model, tokens[:, :-1], tokens[:, 1:], global_tokens, sizes["dp"],
+                                       cfg.parallelism.tensor_parallel_degree)
             torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

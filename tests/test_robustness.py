@@ -393,8 +393,8 @@ def signals_in_a_handler(out: str):
     """A second preemption signal arrives while the first one's handler runs, at each line it runs, in Python
     and below it (sys.settrace sends it): Slurm's USR1 to every process, then the launcher's death (SIGTERM
     through PR_SET_PDEATHSIG). Writes how many signals the flag saw."""
-    import train
-    stop = train.stop_on_signals()
+    from pretrain import distributed
+    stop = distributed.stop_on_signals()
     sent = []
 
     def trace(frame, event, arg):

@@ -1,0 +1,38 @@
+"""The loss of a micro-batch without its whole logits. The output layer and the loss run a chunk of
+positions at a time, and a chunk's logits are recomputed in backward, not kept: with Llama 3's
+vocabulary the fp32 logits, their log-softmax and their gradient are the largest tensors of a step,
+about 12 bytes a logit. What to compute on the logits stays train.forward_backward's (loss_fn):
+cross-entropy, a z-loss.
+
+    h = model(inputs, last_hidden=True)  # (bs, seqlen, dim): the final norm's output
+    summed = chunked_loss(model.output, h, labels, loss_fn)
+"""
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+CHUNK_BYTES = 2**28  # fp32 logits per chunk at most: 523 positions with Meta's 128,256 words
+
+
+def chunk_positions(vocab_size: int) -> int:
+    return max(1, CHUNK_BYTES // (4 * vocab_size))
+
+
+def chunked_loss(output: torch.nn.Module, h: torch.Tensor, labels: torch.Tensor, loss_fn):
+    """loss_fn(logits, labels) summed over chunks of positions (loss_fn sums over its positions).
+    output: the model's output layer; under TP it is vocab-parallel (the logits are sharded on the
+    vocabulary) and h arrives replicated. One chunk: no recompute, the loss as it was unchunked."""
+    h = h.flatten(0, 1)  # (tokens, dim)
+    labels = labels.flatten()  # (tokens,)
+    n = chunk_positions(output.out_features)
+    if labels.numel() <= n:
+        return loss_fn(output(h).float(), labels)
+
+    def chunk(x, y):
+        return loss_fn(output(x).float(), y)  # (n, vocab) logits, freed once their loss is taken
+
+    total = 0
+    for start in range(0, labels.numel(), n):
+        part = checkpoint(chunk, h[start:start + n], labels[start:start + n], use_reentrant=False)
+        total = total + part
+    return total
