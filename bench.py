@@ -248,9 +248,18 @@ def matrix_row(extra: list, steps: int, warmup: int, nproc: int, cuda: bool, tim
             f"{allocated:.2f}" if allocated else "n/a", estimate], out
 
 
+def meta_vocabulary(extra: list, device: str) -> list:
+    """On a GPU the runs train Meta's vocabulary, unless --model.tokenizer_path names another."""
+    if device != "cuda" or "--model.tokenizer_path" in extra:
+        return []
+    path = measure.meta_tokenizer() or fail("no Llama 3 tokenizer: pip install llama-models==0.3.0")
+    return ["--model.tokenizer_path", path]
+
+
 def matrix(args, extra):
     """One trainer run per combination of the --vary values: a markdown table of what logs say."""
     import torch
+    extra = [*meta_vocabulary(extra, "cuda" if torch.cuda.is_available() else "cpu"), *extra]
     names = [v.partition("=")[0] for v in args.vary]
     choices = [v.partition("=")[2].split(",") for v in args.vary]
     columns = "tps | tflops | mfu | peak memory GiB | allocated GiB | estimate GiB"
@@ -368,6 +377,7 @@ def append(path: str, line: str, mode: str = "a"):
 def summary_header(name: str, args, shared: list, shape: dict, blocks: int, capacity: int) -> list:
     """summary.md's first lines: where and what ran, the settings all runs share, the table head."""
     import torch
+    vocab = planned(shared, 1)[1].args.vocab_size
     cuda = f", CUDA {torch.version.cuda}" if args.device == "cuda" else ""
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     python = sys.version.split()[0]
@@ -378,8 +388,8 @@ def summary_header(name: str, args, shared: list, shape: dict, blocks: int, capa
             f"Command: `python bench.py {' '.join(sys.argv[1:])}`.",
             f"Every run: `{' '.join(shared)}`, {shape['steps']} steps, the first {shape['warmup']} "
             f"untimed; PYTORCH_ALLOC_CONF={alloc}.",
-            f"The {shape['wide']} width: {blocks} blocks fit {capacity / 2**30:.1f} GiB by the "
-            f"estimate ({memory.FREE:.0%} kept free).",
+            f"Vocabulary {vocab:,} words. The {shape['wide']} width: {blocks} blocks fit "
+            f"{capacity / 2**30:.1f} GiB by the estimate ({memory.FREE:.0%} kept free).",
             "Each step's output: `<step>.log` beside this file.", "",
             "| step | what ran | tokens/s | TFLOP/s | MFU | peak memory GiB | peak allocated GiB "
             "| estimate GiB | seconds |",
@@ -399,7 +409,7 @@ def gpu(args, extra):
     name, capacity = device_memory(args.device)
     shape = GPU_SHAPES[args.device]
     config = [] if "--config" in extra else ["--config", "configs/debug_model.toml"]  # offline data
-    shared = [*config, *shape["flags"], *GPU_SHARED, *extra]  # the user's flags last: they win
+    shared = [*config, *shape["flags"], *GPU_SHARED, *meta_vocabulary(extra, args.device), *extra]
     blocks = blocks_that_fit([*shared, "--model.flavor", shape["wide"]], capacity)
     plan = gpu_plan(shape, blocks)
     steps = [step for step, _, _ in plan]
@@ -484,6 +494,7 @@ def titan(args, extra):
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # both trainers take a GPU when they see one
+    extra = [*meta_vocabulary(extra, args.device), *extra]
     cfg, model, sizes = planned(extra, args.nproc)
     tokens = sizes["global_batch_size"] * cfg.training.seq_len
     print(f"{cfg.model.flavor} {model.args.n_layers} layers, seq {cfg.training.seq_len}, "

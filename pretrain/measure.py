@@ -7,6 +7,7 @@ device was, its longest idle gaps and the caching allocator's retries; on a CPU 
 
 import gzip
 import json
+import importlib.util
 import os
 import shutil
 import signal
@@ -16,6 +17,14 @@ import tempfile
 from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
+
+
+def meta_tokenizer() -> str:
+    """Meta's Llama 3 tokenizer.model as llama-models ships it, or "": the vocabulary users train
+    (128,256 words), which GPU figures are measured with."""
+    spec = importlib.util.find_spec("llama_models")
+    path = os.path.join(os.path.dirname(spec.origin), "llama3", "tokenizer.model") if spec else ""
+    return path if os.path.isfile(path) else ""
 
 
 def run_command(cmd: list, timeout: float = None):

@@ -308,6 +308,7 @@ def test_gpu_runs_every_step_end_to_end_on_the_cpu(tmp_path):
         assert os.path.getsize(tmp_path / f"{step}.log") > 0
     assert "float8 rowwise" in rows["8B-wide-float8-rowwise"][0] and "block_causal" in rows["8B-wide-block-causal"][0]
     assert re.search(r"\d+ skipped, \d+ deselected", (tmp_path / "self-test.log").read_text())  # no GPU: skipped
+    assert "Vocabulary 2,048 words." in (tmp_path / "summary.md").read_text()  # the header names it
 
 
 def test_device_timeline_counts_overlaps_once_and_finds_the_gaps():
@@ -341,3 +342,19 @@ def test_profile_says_where_the_steps_time_goes(device, tmp_path, monkeypatch, c
     with gzip.open(tmp_path / "trace.json.gz") as f:
         steps = {e["name"] for e in json.load(f)["traceEvents"] if e["name"].startswith("ProfilerStep#")}
     assert steps == {"ProfilerStep#2", "ProfilerStep#3"}, steps  # the profiler counts from 0: steps 3 and 4
+
+
+def test_gpu_runs_measure_metas_vocabulary(monkeypatch):
+    """On a GPU every run trains Llama 3's 128,256 words (llama-models' tokenizer.model), not the bundled 2,048,
+    unless --model.tokenizer_path says otherwise; without llama-models it is one line."""
+    import bench as b
+    from pretrain import measure
+    meta = measure.meta_tokenizer()
+    assert meta.endswith("llama3/tokenizer.model")  # requirements-dev.txt installs llama-models
+    assert b.meta_vocabulary(["--config", "x"], "cuda") == ["--model.tokenizer_path", meta]
+    assert b.meta_vocabulary(["--model.tokenizer_path", "mine"], "cuda") == []
+    assert b.meta_vocabulary([], "cpu") == []  # --device cpu: the bundled data's own, tiny shapes
+    monkeypatch.setattr(measure, "meta_tokenizer", lambda: "")
+    with pytest.raises(SystemExit) as e:
+        b.meta_vocabulary([], "cuda")
+    assert e.value.code == 2
