@@ -49,7 +49,8 @@ from pretrain.data_manifest import manifest_sha256, pinned_manifest, shared_mani
 from pretrain.distributed import agree, agree_on_reads, init_distributed, lost_rank, stop_on_signals
 from pretrain.float8 import Float8
 from pretrain.loss import chunked_loss
-from pretrain.metrics import MetricsLogger, RunClock, memory_stats, peak_tflops
+from pretrain.metrics import MetricsLogger, memory_stats, peak_tflops
+from pretrain.progress import RunClock
 from pretrain.sources import DataError, DataSource
 
 logger = logging.getLogger("train")

@@ -1,6 +1,7 @@
-"""Progress on long work, on stderr: a tqdm bar on a terminal, and plain lines where stderr is a file (a
-Slurm job's log, where a bar's carriage returns would be one endless line). Work that ends within DELAY
-seconds shows nothing.
+"""How far work has got. A training run's clock (RunClock): its elapsed time and ETA, for the log line.
+And progress on long work, on stderr: a tqdm bar on a terminal, and plain lines where stderr is a file
+(a Slurm job's log, where a bar's carriage returns would be one endless line). Work that ends within
+DELAY seconds shows nothing.
 
     with Progress(len(shards), "dcp2hf", "shards") as bar:
         for shard in shards:
@@ -8,9 +9,12 @@ seconds shows nothing.
             bar.update(1)
 """
 
+import collections
+import contextlib
 import sys
 import threading
 import time
+import types
 
 from tqdm import tqdm
 
@@ -78,3 +82,72 @@ class Progress:
         note = f", {self.note}" if self.note else ""
         text = f"{self.desc}: {amount(self.done, self.unit)} of {amount(self.total, self.unit)}{share}{note}"
         print(f"{text}, {now - self.start:.0f} s", file=sys.stderr, flush=True)
+
+
+def duration(seconds: float) -> str:
+    """12m05s, 1h02m, 2d03h: the log line's elapsed time and ETA."""
+    s = int(round(seconds))
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+class RunClock:
+    """This launch's elapsed time, and its ETA to training.steps: the recent steps' training time for
+    each step left, plus the validation, eval and checkpoint rounds still due, each at the cost its
+    last round took (a round not yet run counts nothing). The rounds are timed apart (timed), so the
+    log line's tps and the steps' time leave them out (lap)."""
+
+    def __init__(self, cfg, now=time.perf_counter):  # cfg: train.py's Config
+        self.now = now
+        self.start = now()
+        self.steps = cfg.training.steps
+        self.every = {"validation": cfg.validation.freq if cfg.validation.enable else 0,
+                      "eval": cfg.eval.freq if cfg.eval.enable else 0,
+                      "checkpoint": cfg.checkpoint.interval if cfg.checkpoint.enable else 0}
+        self.cost = {}  # kind -> its last round's seconds
+        self.spent = dict.fromkeys(self.every, 0.0)  # kind -> all its rounds' seconds
+        self.mark = self.start  # where the steps of the next lap began
+        self.paused = 0.0  # the rounds' seconds since then
+        self.laps = collections.deque(maxlen=9)  # (steps, training seconds) of the recent laps
+
+    @contextlib.contextmanager
+    def timed(self, kind: str):
+        """`with clock.timed("validation") as took:` a round; took.seconds once it ends."""
+        took = types.SimpleNamespace(seconds=0.0)
+        t0 = self.now()
+        yield took
+        took.seconds = self.now() - t0
+        self.cost[kind] = took.seconds
+        self.spent[kind] += took.seconds
+        self.paused += took.seconds
+
+    def lap(self, steps: int) -> float:
+        """The training seconds of the `steps` since the last lap, its rounds left out (lap(0): the
+        laps start here)."""
+        now = self.now()
+        seconds = now - self.mark - self.paused
+        self.mark = now
+        self.paused = 0.0
+        if steps:
+            self.laps.append((steps, seconds))
+        return seconds
+
+    def due(self, kind: str, step: int) -> int:
+        """Rounds of `kind` at `step` and after (every `every` steps, and at the last step): a step's
+        rounds come after its log line."""
+        every = self.every[kind]
+        if not every:
+            return 0
+        return self.steps // every - (step - 1) // every + (self.steps % every != 0)
+
+    def times(self, step: int) -> dict:
+        """At `step`'s log line: elapsed_seconds and eta_seconds."""
+        recent = list(self.laps)[1:] or list(self.laps)  # the first: start-up, compile, warm-up
+        steps = sum(n for n, _ in recent)
+        per_step = sum(s for _, s in recent) / steps if steps else 0.0
+        rounds = sum(self.due(kind, step) * self.cost.get(kind, 0.0) for kind in self.every)
+        eta = (self.steps - step) * per_step + rounds
+        return {"elapsed_seconds": self.now() - self.start, "eta_seconds": eta}

@@ -194,7 +194,7 @@ def test_the_eta_counts_the_steps_left_and_the_rounds_still_due():
     evals at 50, 75, 100 (3 x 7 s), saves at 60, 90, 100 (3 x 3 s)."""
     import types
 
-    from pretrain.metrics import RunClock, duration
+    from pretrain.progress import RunClock, duration
     t = [0.0]
     cfg = types.SimpleNamespace(training=types.SimpleNamespace(steps=100),
                                 validation=types.SimpleNamespace(enable=True, freq=20),
