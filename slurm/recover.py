@@ -1,19 +1,23 @@
 """slurm/multinode.sbatch's bookkeeping: what a failed launch cost, what the script does next, and
 the job's goodput.
 
-The script calls it; a person reads its lines in the job's log. The job's record (when it first
-started, its failures, the nodes left out) is a JSON file next to the log, which outlives the job's
-requeues. It imports no torch: it runs between a failure and the next launch, where every second
-counts.
+The script calls it; a person reads its lines in the job's log. The job's record (its starts and
+launches with their times, its failures, the nodes left out) is a JSON file next to the log, which
+outlives the job's requeues. It imports no torch: it runs between a failure and the next launch,
+where every second counts.
 
-    python slurm/recover.py start RECORD --job JOBID          # at every start of the job
+    python slurm/recover.py start RECORD --job JOBID     # at every start; prints the nodes left out
+    python slurm/recover.py ended RECORD --log LOG --offset N --since T --code RC   # every launch
     python slurm/recover.py failed RECORD --log LOG --offset N --since T \
         --nodes "n1 n2" --spares "n3" --down ""
-    python slurm/recover.py end RECORD --log LOG --offset N   # the goodput line, also into metrics.jsonl
+    python slurm/recover.py requeue RECORD --excluded "n4" --partition "n1 n2 n3 n4" --nnodes 2
+    python slurm/recover.py end RECORD                   # the goodput line, also into metrics.jsonl
 
 `failed` reads the log from byte N (where the launch began), names the failed node and prints on
 stdout what to do: `spare NODE SPARE` (relaunch with SPARE in place of NODE), `relaunch` (same
-nodes), `requeue [NODE]`, `stop CODE`.
+nodes), `requeue [NODE]`, `stop CODE`. `requeue` prints the nodes the requeued job must exclude,
+comma-separated: those Slurm excludes already and every node the record left out; when that leaves
+the partition too few nodes, it stops the job instead, with one line (exit 1).
 """
 
 import argparse
@@ -35,8 +39,12 @@ def say(line: str):
 
 
 def load(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:  # a person may have edited it (left_out)
+        say(f"cannot read the job's record {path}: {e}: fix it, or delete it to start afresh")
+        sys.exit(1)
 
 
 def save(record: dict, path: str):
@@ -46,18 +54,33 @@ def save(record: dict, path: str):
 
 
 # -------------------------------------------------------------------------------------------------
-# start: the job's record
+# start and ended: the job's record, its starts and launches
 # -------------------------------------------------------------------------------------------------
 
-def start(path: str, job: str):
-    """The job's record at `path`, made at its first start; every start (1 + its requeues)
-    counts."""
+def start(path: str, job: str) -> str:
+    """The job's record at `path`, made at its first start; every start (1 + its requeues) counts,
+    with its time. Returns the nodes the job left out: none of them trains in it again."""
     old = load(path) if os.path.exists(path) else {}
     record = old
     if old.get("job") != job:  # another job's record: a log name without %j
-        record = {"job": job, "first_start": time.time(), "starts": 0, "failures": [], "restarts": 0,
-                  "left_out": [], "stalled": 0, "dump_folder": ""}
+        record = {"job": job, "first_start": time.time(), "starts": 0, "started": [],
+                  "launches": [], "failures": [], "restarts": 0, "left_out": [], "dump_folder": ""}
     record["starts"] += 1
+    record["started"].append(time.time())
+    save(record, path)
+    return " ".join(record["left_out"])
+
+
+def ended(path: str, a):
+    """A launch's start and end, its exit status, and the checkpoint step it resumed from
+    (train.py's `resumed from ... at step N` line; none: it started afresh, at step 0)."""
+    record = load(path)
+    lines = launch_lines(a.log, a.offset)
+    dump_folder(record, lines)
+    found = (re.search(r"resumed from .* at step (\d+)$", line) for line in lines)
+    resumed = next((int(m[1]) for m in found if m), 0)
+    launch = {"start": a.since, "end": time.time(), "code": a.code, "resumed": resumed}
+    record["launches"].append(launch)
     save(record, path)
 
 
@@ -74,28 +97,42 @@ def dump_folder(record: dict, lines: list) -> str:
 # failed: which node, how, and what next
 # -------------------------------------------------------------------------------------------------
 
+def checkpoint_config(dump: str) -> dict:
+    """The run's [checkpoint] section, from config.toml in its dump folder ({}: none readable)."""
+    try:
+        with open(os.path.join(dump, "config.toml"), "rb") as f:
+            return tomllib.load(f).get("checkpoint", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
+
+
 def newest_checkpoint(dump: str) -> int:
     """The newest step-N with DCP's .metadata, the mark of a complete save (train.py's resume checks
     more)."""
-    folder = "checkpoint"
-    try:
-        with open(os.path.join(dump, "config.toml"), "rb") as f:
-            folder = tomllib.load(f).get("checkpoint", {}).get("folder", folder)
-    except (OSError, tomllib.TOMLDecodeError):
-        pass
-    folder = os.path.join(dump, folder)
+    folder = os.path.join(dump, checkpoint_config(dump).get("folder", "checkpoint"))
     names = os.listdir(folder) if dump and os.path.isdir(folder) else []
     steps = [int(m[1]) for d in names if (m := re.fullmatch(r"step-(\d+)", d))]
     complete = [s for s in steps if os.path.isfile(os.path.join(folder, f"step-{s}", ".metadata"))]
     return max(complete, default=0)
 
 
-def trained_records(metrics: str, since: float) -> list:
-    """Training records (step, time) that metrics.jsonl got at or after `since`, in file order."""
+def metrics_records(metrics: str) -> list:
+    """metrics.jsonl's records in file order; a line half-written by a killed rank is skipped."""
     if not os.path.exists(metrics):
         return []
+    records = []
     with open(metrics) as f:
-        records = [json.loads(line) for line in f if '"loss"' in line]
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return records
+
+
+def trained_records(metrics: str, since: float) -> list:
+    """Training records (step, time) that metrics.jsonl got at or after `since`, in file order."""
+    records = [r for r in metrics_records(metrics) if "loss" in r]
     return [(r["step"], r["time"]) for r in records if r.get("time", 0) >= since]
 
 
@@ -194,24 +231,27 @@ def failed(path: str, a) -> str:
     trained = [step for step, _ in trained_records(metrics, a.since)]
     # steps this launch trained that the next one trains again
     again = max(0, max(trained, default=newest) - newest)
-    if record["failures"] and newest <= record["failures"][-1]["resumed"]:
-        record["stalled"] += 1  # the last restart got no checkpoint further: a crash loop, if it goes on
+    # the last restart got no checkpoint further: a crash loop, if it goes on
+    stalled = bool(record["failures"]) and newest <= record["failures"][-1]["resumed"]
+    launched = sum(run["end"] - run["start"] for run in record["launches"])  # the job's, so far
     failure = {"time": time.time(), "node": found["node"], "how": found["how"],
-               "error": found["error"], "resumed": newest, "again": again}
+               "error": found["error"], "resumed": newest, "again": again, "stalled": stalled,
+               "launched": launched}
     record["failures"].append(failure)
     n = len(record["failures"])
-    if n > a.max_restarts or record["stalled"] > a.max_stalled:
+    stalls = recent_stalls(record["failures"], a.stall_window)
+    if n > a.max_restarts or stalls > a.max_stalled:
         why = f"past MAX_RESTARTS={a.max_restarts}"
         if n <= a.max_restarts:
-            why = (f"restarts without a newer checkpoint: {record['stalled']}, "
-                   f"MAX_STALLED_RESTARTS={a.max_stalled}")
+            why = (f"restarts without a newer checkpoint in the last {a.stall_window / 3600:g} h "
+                   f"of launches: {stalls}, MAX_STALLED_RESTARTS={a.max_stalled}")
         save(record, path)
-        _, kept, all_trained = kept_time(trained_records(metrics, record["first_start"]))
+        twice = account(record, time.time())["steps_again"]
         left_out = " ".join(record["left_out"]) or "none"
         say(f"giving up after {n} failures ({why}): nodes left out: {left_out}; "
-            f"steps trained twice: {all_trained - kept}; newest checkpoint step-{newest}; "
+            f"steps trained twice: {twice}; newest checkpoint step-{newest}; "
             f"last error: {found['error'] or found['how']}")
-        end(path, lines)
+        end(path)
         return "stop 1"
 
     node = found["node"]
@@ -233,52 +273,191 @@ def failed(path: str, a) -> str:
     return action
 
 
+def recent_stalls(failures: list, window: float) -> int:
+    """Restarts that got no newer checkpoint within the job's last `window` seconds of launches
+    (their time training or starting, not queued): a crash loop repeats within it, where two
+    stalls weeks apart are bad luck twice."""
+    now = failures[-1].get("launched", 0.0)
+    return sum(1 for f in failures if f.get("stalled") and now - f.get("launched", 0.0) < window)
+
+
+# -------------------------------------------------------------------------------------------------
+# requeue: without every node the job left out
+# -------------------------------------------------------------------------------------------------
+
+def requeue(path: str, a) -> str:
+    """The nodes the requeued job excludes: those Slurm excludes already and every node the job left
+    out (a person brings one back by removing it from the record's left_out). Stops (exit 1) with
+    one line where the partition would have too few nodes for the job."""
+    record = load(path)
+    exclude = sorted(set(a.excluded.split()) | set(record["left_out"]))
+    partition = a.partition.split()  # empty: sinfo said nothing, no count to check
+    left = [node for node in partition if node not in exclude]
+    if partition and len(left) < a.nnodes:
+        left_out = " ".join(record["left_out"]) or "none"
+        say(f"not requeued: without {' '.join(exclude)} (failed and left out: {left_out}), the "
+            f"partition has {len(left)} node(s) for a job of {a.nnodes}: remove a repaired node "
+            f"from left_out in {path} and from the job's ExcNodeList (scontrol update "
+            f"job={record['job']} ExcNodeList=...), or resubmit with fewer nodes")
+        end(path)
+        sys.exit(1)
+    return ",".join(exclude)
+
+
 # -------------------------------------------------------------------------------------------------
 # end: the goodput line
 # -------------------------------------------------------------------------------------------------
 
-def kept_time(records: list) -> tuple:
-    """(seconds, steps kept, steps trained) from (step, time) records in file order. A record whose
-    step is not above the previous one starts a launch that resumed below it: the steps it trains
-    again replace the old ones. A record's time covers the steps since the previous record; a
-    launch's first step (its start-up inside) is counted at the launch's median step time."""
-    kept, trained, launch = {}, 0, []
-    for step, t in records + [(None, None)]:
-        # the launch before this record has ended
-        if launch and (step is None or step <= launch[-1][0]):
-            per_step = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(launch, launch[1:])]
-            median = statistics.median(per_step) if per_step else 0.0
-            resumed = max((s for s in kept if s < launch[0][0]), default=0)
-            kept = {s: v for s, v in kept.items() if s <= resumed}
-            prev = (resumed, None)
-            for s, t1 in launch:
-                seconds = median if prev[1] is None else (t1 - prev[1]) / (s - prev[0])
-                kept.update({k: seconds for k in range(prev[0] + 1, s + 1)})
-                trained += s - prev[0]
-                prev = (s, t1)
-            launch = []
-        if step is not None:
-            launch.append((step, t))
-    return sum(kept.values()), len(kept), trained
+def launch_records(records: list, launches: list) -> list:
+    """Per launch: its training records (step, time, rounds) in file order, where rounds are the
+    seconds of the validation and eval rounds logged since its previous training record, and
+    tail_rounds, those logged after its last one. A record belongs to the launch whose start and
+    end hold its time; one of no launch (an earlier job's, in the same dump folder) is left out."""
+    per = [{"steps": [], "tail_rounds": 0.0} for _ in launches]
+    current, pending = None, 0.0
+    for r in records:
+        if "loss" not in r:
+            pending += r.get("validation_seconds", 0.0) + r.get("eval_seconds", 0.0)
+            continue
+        inside = (j for j, run in enumerate(launches) if run["start"] <= r["time"] <= run["end"])
+        j = next(inside, None)
+        if j != current and current is not None:  # the previous launch's rounds after its last step
+            per[current]["tail_rounds"] += pending
+            pending = 0.0
+        current = j
+        if j is not None:
+            per[j]["steps"].append((r["step"], r["time"], pending))
+        pending = 0.0
+    if current is not None:
+        per[current]["tail_rounds"] += pending
+    return per
 
 
-def end(path: str, lines: list):
+def seconds_per_step(steps: list, saves) -> float | None:
+    """A launch's steady seconds per step: the median over its intervals between training records
+    but the first (start-up inside) and those that hold a save."""
+    rates = [(t - t0 - rounds) / (s - s0) for (s0, t0, _), (s, t, rounds) in zip(steps, steps[1:])
+             if not saves(s0, s)]
+    return statistics.median(rates) if rates else None
+
+
+def one_launch(run: dict, got: dict, rate: float | None, saves, next_resumed: int | None) -> tuple:
+    """({step: seconds} of the steps a launch trained, {cause: seconds} of its time lost). The time
+    from one training record to the next is its steps', less the rounds logged between them, less
+    what exceeds `rate` per step in the first interval (start-up) and in one that holds a save."""
+    lost = {"start_up": 0.0, "saving": 0.0, "failures": 0.0, "other": 0.0}
+    seconds = {}
+    prev_step, prev_time = run["resumed"], run["start"]
+    for i, (s, t, rounds) in enumerate(got["steps"]):
+        n = s - prev_step
+        if n <= 0:  # a step at or below the checkpoint it resumed from: a record of another run
+            continue
+        took = max(0.0, t - prev_time - rounds)
+        rate = rate if rate is not None else took / n  # no steady rate: start-up counts as steps
+        overhead = "start_up" if i == 0 else "saving" if saves(prev_step, s) else None
+        trained = min(took, n * rate) if overhead else took
+        if overhead:
+            lost[overhead] += took - trained
+        lost["other"] += rounds
+        seconds.update({k: trained / n for k in range(prev_step + 1, s + 1)})
+        prev_step, prev_time = s, t
+    # After the last record: a clean end's unlogged steps up to the checkpoint the next launch
+    # resumed from (a stop on the time-limit warning), then its save and exit; a failure's
+    # unlogged steps and the time until every rank had stopped.
+    tail = max(0.0, run["end"] - prev_time - got["tail_rounds"])
+    lost["other"] += got["tail_rounds"]
+    if run["code"] != 0:
+        lost["failures"] += tail
+        return seconds, lost
+    n = max(0, (next_resumed or 0) - prev_step)
+    trained = min(tail, n * rate) if n and rate is not None else 0.0
+    seconds.update({k: trained / n for k in range(prev_step + 1, prev_step + n + 1)})
+    lost["saving"] += tail - trained
+    return seconds, lost
+
+
+def between_launches(record: dict, now: float) -> dict:
+    """The job's time outside its launches, by cause: from a launch's end to the job's next start
+    (a requeue: the queue, the script's exit and start), from a start to its launch (start-up), and
+    from a failed launch's end to the next launch in the same allocation (failures)."""
+    cause = {("end", "start"): "queued", ("start", "start"): "queued",
+             ("start", "launch"): "start_up", ("end", "launch"): "failures"}
+    events = [(t, "start") for t in record.get("started", [])]
+    events += [(run["start"], "launch") for run in record["launches"]]
+    events += [(run["end"], "end") for run in record["launches"]]
+    lost = dict.fromkeys(("queued", "start_up", "failures", "other"), 0.0)
+    order = {"start": 0, "launch": 1, "end": 2}  # at the same time: a start comes first
+    events.sort(key=lambda event: (event[0], order[event[1]]))
+    for (t0, kind0), (t1, kind1) in zip(events, events[1:] + [(now, "now")]):
+        if (kind0, kind1) != ("launch", "end"):  # a launch's own time: one_launch
+            lost[cause.get((kind0, kind1), "other")] += t1 - t0
+    return lost
+
+
+def account(record: dict, now: float) -> dict:
+    """The job's wall time since its first start split into the training of the steps it kept (each
+    step's time in the launch that trained it last) and the time lost to each cause: queued,
+    start-up (to the first step), steps trained again, saving, failures, other (validation and
+    eval rounds, the bookkeeping)."""
+    dump = record["dump_folder"]
+    records = metrics_records(os.path.join(dump, "metrics.jsonl")) if dump else []
+    config = checkpoint_config(dump) if dump else {}
+    every = config.get("interval", 0) if config.get("enable", False) else 0
+
+    def saves(after: int, before: int) -> bool:
+        """Whether a checkpoint was saved after a step in [after, before)."""
+        return every > 0 and any(step % every == 0 for step in range(after, before))
+
+    launches = record["launches"]
+    per = launch_records(records, launches)
+    rates = [seconds_per_step(got["steps"], saves) for got in per]
+    known = [rate for rate in rates if rate is not None]
+    lost = {"queued": 0.0, "start_up": 0.0, "trained_again": 0.0, "saving": 0.0, "failures": 0.0,
+            "other": 0.0}
+    for cause, seconds in between_launches(record, now).items():
+        lost[cause] += seconds
+    kept = {}  # step: its seconds in the launch that trained it last
+    steps_again = 0
+    for j, (run, got) in enumerate(zip(launches, per)):
+        rate = rates[j] if rates[j] is not None else statistics.median(known) if known else None
+        next_resumed = launches[j + 1]["resumed"] if j + 1 < len(launches) else None
+        seconds, launch_lost = one_launch(run, got, rate, saves, next_resumed)
+        for cause, lost_seconds in launch_lost.items():
+            lost[cause] += lost_seconds
+        again = drop(kept, run["resumed"])  # the steps this launch trains again
+        lost["trained_again"] += sum(again)
+        steps_again += len(again)
+        kept.update(seconds)
+    return {"kept": sum(kept.values()), "steps_kept": len(kept), "steps_again": steps_again,
+            "lost": lost}
+
+
+def drop(kept: dict, above: int) -> list:
+    """Takes the steps above `above` out of `kept`: their seconds."""
+    return [kept.pop(step) for step in sorted(kept) if step > above]
+
+
+def end(path: str):
     record = load(path)
-    metrics = os.path.join(dump_folder(record, lines), "metrics.jsonl")
-    save(record, path)
     now = time.time()
-    seconds, steps, trained = kept_time(trained_records(metrics, record["first_start"]))
+    got = account(record, now)
     wall = now - record["first_start"]
-    goodput = seconds / wall if wall > 0 else 0.0
+    goodput = got["kept"] / wall if wall > 0 else 0.0
     failures, restarts = len(record["failures"]), record["restarts"]
     requeues = record["starts"] - 1  # for the time limit too
-    say(f"goodput {100 * goodput:.1f}%: {seconds:.1f} s of the {wall:.1f} s since the job's first "
-        f"start trained the {steps} steps kept; failures: {failures}, restarts: {restarts}, "
-        f"requeues: {requeues}, steps trained twice: {trained - steps}")
-    if os.path.exists(metrics):
-        summary = {"step": steps, "goodput": goodput, "goodput_seconds": seconds, "wall_seconds": wall,
-                   "failures": failures, "restarts": restarts, "requeues": requeues,
-                   "steps_trained_twice": trained - steps, "job": record["job"], "time": now}
+    lost = ", ".join(f"{cause.replace('_', ' ')} {s:.1f} s" for cause, s in got["lost"].items())
+    say(f"goodput {100 * goodput:.1f}%: {got['kept']:.1f} s of the {wall:.1f} s since the job's "
+        f"first start trained the {got['steps_kept']} steps kept; failures: {failures}, "
+        f"restarts: {restarts}, requeues: {requeues}, steps trained twice: {got['steps_again']}; "
+        f"time lost: {lost}")
+    metrics = os.path.join(record["dump_folder"], "metrics.jsonl")
+    if record["dump_folder"] and os.path.exists(metrics):
+        # "record" names the kind, and no "step": a reader takes a record with a step for a step's
+        summary = {"record": "goodput", "goodput": goodput, "steps_kept": got["steps_kept"],
+                   "goodput_seconds": got["kept"], "wall_seconds": wall,
+                   "lost_seconds": got["lost"], "failures": failures, "restarts": restarts,
+                   "requeues": requeues, "steps_trained_twice": got["steps_again"],
+                   "job": record["job"], "time": now}
         with open(metrics, "a") as f:
             f.write(json.dumps(summary) + "\n")
 
@@ -287,7 +466,7 @@ def main(argv):
     raw = argparse.RawDescriptionHelpFormatter  # the docstring's commands, as written
     p = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
     sub = p.add_subparsers(dest="command", required=True)
-    for name in ("start", "failed", "end"):
+    for name in ("start", "ended", "failed", "requeue", "end"):
         c = sub.add_parser(name)
         c.add_argument("record", help="the job's record (a JSON file)")
         c.add_argument("--job", default="")
@@ -295,20 +474,34 @@ def main(argv):
                        help="the job's log, where srun's and the ranks' lines land")
         c.add_argument("--offset", type=int, default=0,
                        help="where in the log the last launch began (bytes)")
+    for name in ("ended", "failed"):
+        sub.choices[name].add_argument("--since", type=float, default=0.0,
+                                       help="when the launch began (unix s)")
+    sub.choices["ended"].add_argument("--code", type=int, default=0, help="srun's exit status")
     f = sub.choices["failed"]
-    f.add_argument("--since", type=float, default=0.0, help="when the launch began (unix s)")
     f.add_argument("--nodes", required=True, help="the launch's nodes, srun's task 0 first")
     f.add_argument("--spares", default="")
     f.add_argument("--down", default="", help="nodes Slurm marks down, drained or not responding")
     f.add_argument("--max_restarts", type=int, default=3)
     f.add_argument("--max_stalled", type=int, default=2)
+    f.add_argument("--stall_window", type=float, default=3600.0,
+                   help="seconds of the job's launches within which restarts that got no newer "
+                        "checkpoint add up (MAX_STALLED_RESTARTS)")
+    r = sub.choices["requeue"]
+    r.add_argument("--excluded", default="", help="the nodes the job excludes already")
+    r.add_argument("--partition", default="", help="the partition's nodes (none: no count)")
+    r.add_argument("--nnodes", type=int, default=1, help="the nodes the job asks for")
     a = p.parse_args(argv)
     if a.command == "start":
-        start(a.record, a.job)
+        print(start(a.record, a.job))
+    elif a.command == "ended":
+        ended(a.record, a)
     elif a.command == "failed":
         print(failed(a.record, a))
+    elif a.command == "requeue":
+        print(requeue(a.record, a))
     else:
-        end(a.record, launch_lines(a.log, a.offset))
+        end(a.record)
 
 
 if __name__ == "__main__":

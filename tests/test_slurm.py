@@ -490,7 +490,8 @@ def test_a_lost_rank_is_replaced_by_the_spare_node(jobs):
     assert re.search(r"multinode.sbatch: goodput \d+\.\d%: .*; failures: 1, restarts: 1, requeues: 0, steps trained twice: [1-9]",
                      out), out[-3000:]
     record = json.loads(open(os.path.join(dump, "metrics.jsonl")).read().splitlines()[-1])
-    assert record["restarts"] == 1 and 0 < record["goodput"] < 1 and record["step"] == STEPS, record
+    assert record["record"] == "goodput" and record["restarts"] == 1 and 0 < record["goodput"] < 1, record
+    assert record["steps_kept"] == STEPS and "step" not in record, record
     print(f"recovery with a spare: {recovery_seconds(dump):.1f} s from the kill to the next trained step")
 
 
@@ -518,8 +519,9 @@ def test_a_crash_loop_stops_with_one_summary_line(jobs):
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0", f"{info}\n{out[-5000:]}"
     assert info["Restarts"] == "1", info  # the first failure requeued the job without its node
     assert len(re.findall(r"multinode.sbatch: restart \d of 3", out)) == 1, out[-5000:]
-    summary = re.findall(r"multinode.sbatch: giving up after 2 failures \(restarts without a newer checkpoint: 1, "
-                         r"MAX_STALLED_RESTARTS=0\): nodes left out: (n\d); steps trained twice: 1; newest "
+    summary = re.findall(r"multinode.sbatch: giving up after 2 failures \(restarts without a newer checkpoint in the "
+                         r"last 1 h of launches: 1, MAX_STALLED_RESTARTS=0\): nodes left out: (n\d); steps trained "
+                         r"twice: 1; newest "
                          r"checkpoint step-0; last error: rank 0 killed by SIGKILL", out)
     assert len(summary) == 1, out[-5000:]
     assert re.search(r"goodput .*; failures: 2, restarts: 1, requeues: 1, steps trained twice: 1", out), out[-3000:]
@@ -567,12 +569,135 @@ def test_the_failed_node_is_the_one_whose_rank_died_not_the_one_that_lost_its_pe
     assert recover.diagnose(nan, ["n1", "n2"], [])["node"] is None  # every rank alike: no node to blame
 
 
-def test_goodput_counts_the_time_of_the_kept_steps_only():
+class FakeJob:
+    """A job as multinode.sbatch drives recover.py (start, ended after each launch, end), on a clock the
+    test sets, with the run's metrics.jsonl and launch lines written as train.py writes them."""
+
+    def __init__(self, tmp_path, monkeypatch, interval):
+        self.recover = recover_module()
+        self.clock = [0.0]
+        monkeypatch.setattr(self.recover.time, "time", lambda: self.clock[0])
+        self.dump = tmp_path / "dump"
+        (self.dump / "checkpoint").mkdir(parents=True)
+        (self.dump / "config.toml").write_text(f"[checkpoint]\nenable = true\ninterval = {interval}\n")
+        self.record = str(tmp_path / "job.recovery.json")
+        self.log = tmp_path / "job.out"
+        self.log.write_text("")
+
+    def at(self, t):
+        self.clock[0] = t
+        return self
+
+    def start(self, t):
+        self.at(t).recover.main(["start", self.record, "--job", "7"])
+
+    def launch(self, start, end, code, resumed, records):
+        """A launch from `start` to `end` (srun's status `code`) that resumed from step-`resumed` (0: none)
+        and logged the training records {step: time}."""
+        offset = self.log.stat().st_size
+        lines = [f"0: ...; config in {self.dump}/config.toml"]
+        lines += [f"0: resumed from {self.dump}/checkpoint/step-{resumed} at step {resumed}"] if resumed else []
+        with open(self.log, "a") as f:
+            f.write("\n".join(lines) + "\n")
+        with open(self.dump / "metrics.jsonl", "a") as f:
+            f.writelines(json.dumps({"step": s, "loss": 2.0, "time": t}) + "\n" for s, t in records.items())
+        self.at(end).recover.main(["ended", self.record, "--log", str(self.log), "--offset", str(offset),
+                                   "--since", str(start), "--code", str(code)])
+
+    def end(self, t, capsys) -> tuple:
+        """The goodput line's numbers ({name: seconds}) and metrics.jsonl's goodput record."""
+        capsys.readouterr()
+        self.at(t).recover.main(["end", self.record])
+        line = capsys.readouterr().err
+        assert "goodput" in line, line
+        numbers = {"trained": float(re.search(r"goodput [\d.]+%: ([\d.]+) s of the", line)[1])}
+        lost = re.findall(r"(queued|start up|trained again|saving|failures|other) ([\d.]+) s", line)
+        numbers.update({name: float(x) for name, x in lost})
+        numbers.update({name: int(x) for name, x in re.findall(r"(steps trained twice|requeues): (\d+)", line)})
+        goodput = json.loads((self.dump / "metrics.jsonl").read_text().splitlines()[-1])
+        return numbers, goodput
+
+
+def test_goodput_leaves_out_the_queue_the_start_up_and_the_saves(tmp_path, monkeypatch, capsys):
+    """The issue's job: 34 s of training, a time-limit requeue an hour in the queue, 6 s more. Each step
+    takes 1 s; each launch 20-30 s of start-up before its first step, 2-3 s to save and exit at its end."""
+    job = FakeJob(tmp_path, monkeypatch, interval=100)
+    job.start(0.0)
+    job.launch(10.0, 77.0, 0, 0, {s: 40.0 + s for s in range(1, 35)})  # stopped at step 34 on the warning
+    job.start(3677.0)  # an hour queued
+    job.launch(3680.0, 3708.0, 0, 34, {s: 3666.0 + s for s in range(35, 41)})
+    numbers, record = job.end(3709.0, capsys)
+    assert numbers == {"trained": 40.0, "queued": 3600.0, "start up": 63.0, "trained again": 0.0,
+                       "saving": 5.0, "failures": 0.0, "other": 1.0, "steps trained twice": 0, "requeues": 1}
+    assert record["record"] == "goodput" and "step" not in record, record  # no training step's key
+    assert record["steps_kept"] == 40 and record["goodput"] == pytest.approx(40 / 3709)
+    assert record["wall_seconds"] == 3709.0 and record["lost_seconds"]["queued"] == 3600.0
+
+
+def test_goodput_takes_the_steps_trained_again_from_the_checkpoint_resumed(tmp_path, monkeypatch, capsys):
+    """log_freq 10, a checkpoint every 25 steps (2 s each): a rank fails after step 33, the spare's launch
+    resumes from step-25. Steps 26-30 (logged) are trained again, not 21-30 as the logged steps suggest;
+    31-33 (not logged) and the wait for the ranks to stop go to failures."""
+    job = FakeJob(tmp_path, monkeypatch, interval=25)
+    job.start(0.0)
+    # launch 1: start-up 20 s, then a step a second, a save after step 25; the rank fails at 55.5 s
+    job.launch(0.0, 57.0, 1, 0, {1: 21.0, 10: 30.0, 20: 40.0, 30: 52.0})
+    job.launch(60.0, 98.0, 0, 25, {30: 75.0, 40: 85.0, 50: 95.0})  # start-up 10 s; the last save 3 s
+    numbers, record = job.end(99.0, capsys)
+    assert numbers == {"trained": 50.0, "queued": 0.0, "start up": 30.0, "trained again": 5.0, "saving": 5.0,
+                       "failures": 8.0, "other": 1.0, "steps trained twice": 5, "requeues": 0}
+    assert record["steps_kept"] == 50 and record["steps_trained_twice"] == 5
+
+
+def test_a_stall_weeks_ago_does_not_add_to_a_crash_loop(tmp_path, capsys):
+    """MAX_STALLED_RESTARTS counts restarts without a newer checkpoint within the last hour of launches."""
     recover = recover_module()
-    # launch 1: steps 1-8, one second each, the first after 10 s of start-up; launch 2 resumed at 5: 6-10
-    records = [(s, 10.0 + s) for s in range(1, 9)] + [(s, 30.0 + s) for s in range(6, 11)]
-    seconds, kept, trained = recover.kept_time(records)
-    assert (kept, trained) == (10, 13) and seconds == pytest.approx(10.0)
+    dump = tmp_path / "dump"
+    (dump / "checkpoint" / "step-5").mkdir(parents=True)
+    (dump / "checkpoint" / "step-5" / ".metadata").write_text("")
+    log = tmp_path / "job.out"
+    log.write_text(f"0: ...; config in {dump}/config.toml\nsrun: error: n1: task 0: Exited with exit code 1\n")
+    path = str(tmp_path / "job.recovery.json")
+
+    def failure_after(previous_stall_launched: float) -> str:
+        failures = [{"resumed": 5, "stalled": False, "launched": 0.0},  # the restart that stalled below
+                    {"resumed": 5, "stalled": True, "launched": previous_stall_launched}]
+        launches = [{"start": 0.0, "end": 7400.0, "code": 1, "resumed": 5}]  # 7,400 s of launches so far
+        with open(path, "w") as f:
+            json.dump({"job": "7", "first_start": 0.0, "starts": 3, "started": [0.0], "launches": launches,
+                       "failures": failures, "restarts": 2, "left_out": [], "stalled": 1, "dump_folder": ""}, f)
+        capsys.readouterr()
+        recover.main(["failed", path, "--log", str(log), "--nodes", "n1 n2", "--max_restarts", "5",
+                      "--max_stalled", "1"])
+        return capsys.readouterr()
+
+    out = failure_after(100.0)  # two hours of launches ago
+    assert out.out.strip() == "requeue n1", out
+    out = failure_after(7000.0)  # a restart ago, minutes of launches: a crash loop
+    assert out.out.strip() == "stop 1", out
+    assert "restarts without a newer checkpoint in the last 1 h of launches: 2, MAX_STALLED_RESTARTS=1" in out.err
+
+
+def test_every_requeue_excludes_every_node_the_job_left_out(tmp_path, capsys):
+    """A node left out (a spare took its place) stays out of each later start and requeue; too few nodes
+    left: one line, exit 1."""
+    recover = recover_module()
+    path = str(tmp_path / "job.recovery.json")
+    recover.start(path, "7")
+    record = json.load(open(path))
+    record["left_out"] = ["n2"]
+    recover.save(record, path)
+    capsys.readouterr()
+    recover.main(["start", path, "--job", "7"])  # the script keeps these out of the allocation
+    assert capsys.readouterr().out.strip() == "n2"
+    partition = ["--excluded", "n4", "--partition", "n1 n2 n3 n4 n5"]
+    recover.main(["requeue", path, *partition, "--nnodes", "3"])
+    assert capsys.readouterr().out.strip() == "n2,n4"  # the job's own exclusions and the left out
+    with pytest.raises(SystemExit) as stopped:
+        recover.main(["requeue", path, *partition, "--nnodes", "4"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 1 and re.search(r"not requeued: without n2 n4 \(failed and left out: n2\), the "
+                                                 r"partition has 3 node\(s\) for a job of 4: remove a repaired", err)
 
 
 def test_the_job_record_counts_starts_and_is_never_another_jobs(tmp_path):
