@@ -72,7 +72,13 @@ class Run:
         self.args = [program, *argv]
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
-        request = [program, [str(a) for a in argv], dict(env or {}), nproc, int(timeout), self.result]
+        environ = dict(os.environ)  # this call's, with what the test monkeypatched, as a launch would get it
+        for key, value in (env or {}).items():
+            if value is None:
+                environ.pop(key, None)
+            else:
+                environ[key] = value
+        request = [program, [str(a) for a in argv], environ, nproc, int(timeout), self.result]
         _forking[0].stdin.write((json.dumps(request) + "\n").encode())
         _forking[0].stdin.flush()
 
@@ -97,7 +103,8 @@ class Run:
 
 def start_training(argv, nproc=1, program="train.py", env=None, timeout=600) -> Run:
     """`torchrun --nproc_per_node nproc program argv` (`python program argv` for 1), forked as above, in
-    the repo's folder; env: variables set in each rank's environment (None: unset)."""
+    the repo's folder, with this process's environment; env: variables to set in it (None: unset). Its
+    exit code is the launch's: the program's for 1, torchrun's 1 when any of several ranks failed."""
     return Run(program, argv, env, nproc, timeout)
 
 

@@ -1,8 +1,10 @@
 """The process the tests fork training runs from (conftest.start_training). It imports train.py once, then
-reads requests from stdin, a JSON line each: [program, argv, env, nproc, timeout, result file]. For each it forks
-nproc ranks that run `program argv` as __main__, each with what torchrun gives a rank, and once all have
-ended writes their exit code (the first failed rank's, else 0) to the result file; their stdout and
-stderr go to the result file's name + .out and .err. Runs may overlap. It ends when stdin closes."""
+reads requests from stdin, a JSON line each: [program, argv, environment, nproc, timeout, result file]. For each it
+forks nproc ranks that run `program argv` as __main__, each with the request's environment (the caller's at that
+call) and what torchrun gives a rank, and once all have ended writes what the launch exits with to the result file:
+`python program`'s own code for one rank, torchrun's 1 when any of several failed. Their stdout and stderr go to
+the result file's name + .out and .err. Runs may overlap. When stdin closes it kills the ranks still running, and
+ends."""
 
 import json
 import os
@@ -30,16 +32,16 @@ def rank(program: str, argv: list, env: dict, nproc: int, timeout: int, r: int, 
     """The forked child: rank r of nproc. Never returns."""
     os.dup2(os.open(result + ".out", os.O_WRONLY | os.O_APPEND), 1)
     os.dup2(os.open(result + ".err", os.O_WRONLY | os.O_APPEND), 2)
-    for key, value in env.items():  # None: unset
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    # The caller's environment at this call, not this process's (the first caller's, with what a test had
+    # monkeypatched then): a launched program gets its launcher's
+    os.environ.clear()
+    os.environ.update(env)
     if nproc > 1:
         os.environ.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                           GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # torchrun gives each of several ranks one thread; OpenMP read OMP_NUM_THREADS when this process imported torch
-    threads = os.environ.get("OMP_NUM_THREADS", "1" if nproc > 1 else "")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for several ranks
+    # OpenMP read OMP_NUM_THREADS when this process imported torch: set the rank's own
+    threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads:
         torch.set_num_threads(int(threads))
     signal.alarm(timeout)  # a hung run ends when the test stops waiting for it
@@ -92,25 +94,39 @@ def reap(job: list) -> bool:
     return not running
 
 
+def exit_code(codes: list) -> int:
+    """What the launch exits with, given its ranks' codes."""
+    if -signal.SIGALRM in codes:  # a rank outlived the run's timeout: Run.wait raises TimeoutExpired
+        return -signal.SIGALRM
+    if len(codes) == 1:  # `python program`: its own code
+        return codes[0]
+    return int(any(codes))  # torchrun: 1 when a rank failed (its report, which tests read, gives each code)
+
+
 def main():
     jobs = {}  # result file -> start()'s job
     pending = b""
-    while True:
-        if select.select([0], [], [], 0.05)[0]:
-            chunk = os.read(0, 65536)
-            if not chunk:
-                return  # the tests have ended
-            pending += chunk
-            while b"\n" in pending:
-                request, pending = pending.split(b"\n", 1)
-                jobs[json.loads(request)[-1]] = start(request)
-        for result, job in list(jobs.items()):
-            if reap(job):
-                code = next((c for c in job[0].values() if c), 0)
-                with open(result + ".tmp", "w") as f:
-                    f.write(str(code))
-                os.rename(result + ".tmp", result)  # whole, or not there yet
-                del jobs[result]
+    try:
+        while True:
+            if select.select([0], [], [], 0.05)[0]:
+                chunk = os.read(0, 65536)
+                if not chunk:
+                    return  # the tests have ended (or their process died)
+                pending += chunk
+                while b"\n" in pending:
+                    request, pending = pending.split(b"\n", 1)
+                    jobs[json.loads(request)[-1]] = start(request)
+            for result, job in list(jobs.items()):
+                if reap(job):
+                    with open(result + ".tmp", "w") as f:
+                        f.write(str(exit_code(list(job[0].values()))))
+                    os.rename(result + ".tmp", result)  # whole, or not there yet
+                    del jobs[result]
+    finally:  # no rank outlives this process, which alone waits for them
+        for job in jobs.values():
+            for pid in (pid for pid, code in job[0].items() if code is None):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
 
 
 if __name__ == "__main__":
