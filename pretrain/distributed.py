@@ -25,14 +25,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = (ROOT, os.path.join(ROOT, "pretrain"))
 
 
+# What a rank's exception says when another rank ended, as torch 2.11-2.15 word it (the texts, and where each came
+# from: tests/test_robustness.py). NCCL's watchdog mostly ends the process itself, with its own lines.
+WAITED = (r"Timed out waiting (\d+)ms", r"Watchdog caught collective operation timeout: .*?Timeout\(ms\)=(\d+)")
+# a connection that broke: to the peer's process (SIGKILL, lost node), its listener, c10d's store (its host)
+GONE = r"Connection (closed|reset) by (remote )?peer|Connection refused|Broken pipe|Socket closed|Failed to recv"
+GONE += r"|ncclRemoteError|Connect timeout"  # the last: a new group's peer never connected
+
+
 def lost_rank(e: BaseException) -> str:
-    """One line for a collective another rank never joined (gloo's timeout, or the peer gone),
-    naming where this rank waited; '' for anything else. NCCL's watchdog ends a rank itself, with
-    its own lines."""
+    """One line, naming where and what broke, for a collective another rank left or never joined; else ''."""
     text = str(e).replace("\n", " ")
-    waited = re.search(r"Timed out waiting (\d+)ms", text)
-    # reset: the peer was killed (SIGKILL, lost node)
-    gone = re.search(r"Connection (closed|reset) by peer", text)
+    waited = next(filter(None, (re.search(w, text) for w in WAITED)), None)
+    gone = re.search(GONE, text)
     if not isinstance(e, RuntimeError) or not (waited or gone):
         return ""
     frames = traceback.extract_tb(e.__traceback__)
@@ -48,8 +53,8 @@ def lost_rank(e: BaseException) -> str:
                 "(comm.init_timeout_seconds) for a rank that never joined it: a rank stopped "
                 "(crashed, froze, ran out of memory, lost its node); its log or its node's says "
                 "which. Raise the timeout only if a step can take longer than that")
-    return (f"rank {rank}: a collective{where} lost its connection to another rank, which ended: "
-            "that rank's own error line or traceback says why")
+    return (f"rank {rank}: a collective{where} lost its connection to another rank ({gone[0]}), which "
+            "ended: that rank's own error line or traceback says why")
 
 
 def agree(error: str, device) -> None:
