@@ -685,11 +685,23 @@ def test_model_imports_no_torch_distributed():
                         and node.value.id == "torch"), "torch.distributed used"
 
 
+def meta_rotary(xq, xk, freqs_cis):
+    """Meta's apply_rotary_emb (llama-models, llama3 reference model.py): features (2i, 2i+1) as one complex number,
+    times freqs_cis (seqlen, head_dim // 2), complex."""
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))  # (bs, seqlen, heads, head_dim // 2)
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])  # Meta's reshape_for_broadcast
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
 @torch.no_grad()
-def test_the_blocks_compute_in_real_numbers():
+def test_the_blocks_compute_in_real_numbers(monkeypatch):
     """torch.compile has no code generation for complex dtypes: on an H100 (2026-11-26) inductor warned and ran
     the rope product eagerly, outside the block's fused kernels. The blocks get the rope table as real (cos, sin)
-    pairs and no op in them makes a complex tensor; the complex table still works when passed directly."""
+    pairs and no op in them makes a complex tensor; the complex table still works when passed directly; and the
+    rotation they compute is Meta's complex product, with Llama 3.1's scaling of the table."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Dtypes(TorchDispatchMode):
@@ -698,17 +710,36 @@ def test_the_blocks_compute_in_real_numbers():
             seen.update(t.dtype for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
             return out
 
-    args = M.ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=32, max_seq_len=16)
+    # seq 64, head_dim 16: Llama 3.1's scaling moves the blended frequency's last angle from 0.089 to 0.033 rad
+    args = M.ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=32, max_seq_len=64,
+                       use_scaled_rope=True)
     model = M.Transformer(args)
     model.init_weights()
     calls = []
     model.layers[0].register_forward_pre_hook(lambda mod, inputs: calls.append(inputs))
-    tokens = torch.randint(0, 32, (2, 16))
+    tokens = torch.randint(0, 32, (2, 64))
     model(tokens)
     h, freqs_cis, mask = calls[0]
-    assert freqs_cis.dtype == torch.float32 and freqs_cis.shape == (16, 8, 2)  # (seqlen, head_dim // 2, cos/sin)
+    assert freqs_cis.dtype == torch.float32 and freqs_cis.shape == (64, 8, 2)  # (seqlen, head_dim // 2, cos/sin)
     seen = set()
     with Dtypes():
         real = model.layers[0](h, freqs_cis, mask)
     assert not any(d.is_complex for d in seen), seen
-    torch.testing.assert_close(model.layers[0](h, model.freqs_cis[:16], mask), real, rtol=0, atol=0)
+    torch.testing.assert_close(model.layers[0](h, model.freqs_cis[:64], mask), real, rtol=0, atol=0)
+    # The q and k the block rotates, and how: against Meta's formula on Meta's table (ref_freqs_cis: torch.polar
+    # of positions x frequencies, scaled as Llama 3.1), not the same arithmetic on two inputs
+    rotations = []
+    rotate = M.apply_rotary_emb
+
+    def recorded(xq, xk, freqs_cis):
+        out = rotate(xq, xk, freqs_cis)
+        rotations.append((xq, xk, out))
+        return out
+    monkeypatch.setattr(M, "apply_rotary_emb", recorded)
+    model.layers[0](h, freqs_cis, mask)
+    xq, xk, (q, k) = rotations[0]
+    meta = ref_freqs_cis(16, 64, args.rope_theta, True, args.rope_scaling_factor)
+    q_meta, k_meta = meta_rotary(xq, xk, meta)
+    assert xq.shape == (2, 64, 4, 16) and xk.shape == (2, 64, 2, 16)
+    torch.testing.assert_close(q, q_meta, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(k, k_meta, rtol=1e-5, atol=1e-6)
