@@ -30,28 +30,29 @@ from typing import ClassVar
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, PrepareModuleOutput
 from torch.distributed.tensor.parallel import RowwiseParallel
 from torch.distributed.tensor.parallel import SequenceParallel, loss_parallel, parallelize_module
 
-from data import DataLoader, Tokenizer
+from data import DataLoader, Tokenizer, ignore_boundaries
 from model import Transformer, flavors, keyed_normal_
 from pretrain import config
 from pretrain import evals
 from pretrain import float8
+from pretrain import spikes
 from pretrain.checkpoint import Checkpointer, CheckpointError
-from pretrain.checkpoint_folder import SaveError, newest
+from pretrain.checkpoint_folder import SaveError
 from pretrain.config import ConfigError, to_toml, unknown
 from pretrain.data_manifest import manifest_sha256, pinned_manifest, shared_manifest, verify_manifest
 from pretrain.distributed import agree, agree_on_reads, init_distributed, lost_rank, stop_on_signals
 from pretrain.float8 import Float8
-from pretrain.loss import chunked_loss
+from pretrain.loss import chunked_loss, cross_entropy_and_z
 from pretrain.metrics import MetricsLogger, memory_stats, peak_tflops
 from pretrain.progress import RunClock
 from pretrain.sources import DataError, DataSource
+from pretrain.spikes import RunError, SpikeGuard, Spikes
 
 logger = logging.getLogger("train")
 LEFT_OPEN = []  # main()'s checkpoint saver and metrics logger: an error exit closes them first
@@ -102,6 +103,7 @@ class Training:
     global_batch_size: int = -1  # sequences per optimizer step; a multiple of local * dp ranks adds accumulation; -1: local * dp
     seq_len: int = 2048  # tokens per sequence
     max_norm: float = 1.0  # gradient clipping by total norm (0 turns it off)
+    z_loss: float = 0.0  # PaLM's z-loss: this x logsumexp(logits)^2 joins each position's loss (1e-4 is usual); 0: off
     steps: int = 10000  # optimizer steps to train
     seed: int = 0  # seeds the weight init: the same seed gives the same weights on any parallel layout
     deterministic: bool = False  # torch.use_deterministic_algorithms (slower on GPU)
@@ -195,15 +197,12 @@ class Config:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)  # pretrain/float8.py: the section and its rules
+    spikes: Spikes = field(default_factory=Spikes)  # pretrain/spikes.py: skipped steps, rewinds
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)
     eval: evals.Eval = field(default_factory=evals.Eval)  # pretrain/evals.py: the section, its rules
-
-
-class RunError(RuntimeError):
-    """The run had to stop (a non-finite loss or gradient norm): one line, exit 3."""
 
 
 def load_config(argv) -> Config:
@@ -261,7 +260,7 @@ def validate(cfg: Config, world_size: int) -> dict:
         "training.global_batch_size": minus1_or, "optimizer.lr": positive,
         "optimizer.eps": positive, "optimizer.beta1": prob, "optimizer.beta2": prob,
         "optimizer.weight_decay": nonneg,
-        "training.max_norm": nonneg, "lr_scheduler.warmup_steps": nonneg,
+        "training.max_norm": nonneg, "training.z_loss": nonneg, "lr_scheduler.warmup_steps": nonneg,
         "lr_scheduler.min_lr_factor": (lambda x: 0 <= x <= 1, "in [0, 1]"),
         "lr_scheduler.decay_ratio": (lambda x: x == -1 or 0 < x <= 1, "-1 or in (0, 1]"),
         "checkpoint.keep_latest_k": nonneg,
@@ -287,6 +286,7 @@ def validate(cfg: Config, world_size: int) -> dict:
             raise ConfigError(f"{key} = {value!r}: must be {allowed}")
     float8.check(cfg)
     evals.check(cfg)
+    spikes.check(cfg)
     args = flavor_args(cfg)
     if t.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {t.seq_len} exceeds the {cfg.model.flavor} model's "
@@ -342,7 +342,8 @@ RESUME_CHECKED = ("model", "training", "optimizer", "lr_scheduler", "data")
 # (float8 included: the weights are the same), the layout's batch split, workers, and where the
 # tokenizer, the data manifest and its mirror live (their sha256 is checked).
 RESUME_MAY_CHANGE = {
-    "training.steps", "training.local_batch_size", "training.max_norm", "training.seed",
+    "training.steps", "training.local_batch_size", "training.max_norm", "training.z_loss",
+    "training.seed",
     "training.deterministic", "training.mixed_precision_param", "training.mixed_precision_reduce",
     "optimizer.lr", "lr_scheduler.warmup_steps", "lr_scheduler.decay_ratio",
     "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor", "model.tokenizer_path",
@@ -546,43 +547,44 @@ def build_loader(cfg: Config, tokenizer, dp_rank: int, dp: int, manifest: dict) 
                       cfg.comm.init_timeout_seconds)
 
 
-def next_batch(loader: DataLoader, cfg: Config) -> tuple:
-    """(inputs, labels, error): the loader's next batch and "", or after a DataError zeros and its
-    line, so this rank keeps in step with the other ranks' collectives (all stop after the step)."""
-    try:
-        inputs, labels = next(loader)
-    except DataError as e:
-        zeros = torch.zeros(cfg.training.local_batch_size, cfg.training.seq_len, dtype=torch.long)
-        return zeros, zeros, str(e)
-    return inputs, labels, ""
+def read_step(loader: DataLoader, cfg: Config, grad_accum: int, args, device) -> tuple:
+    """(batches, data_error, seconds): the step's micro-batches on the device, with the positions
+    that carry no signal ignored; this rank's first failed read, after which its batches are zeros
+    so that it keeps in step with the other ranks' collectives (all stop after the step); and the
+    seconds spent waiting for the loader."""
+    batches, data_error, seconds = [], "", 0.0
+    for _ in range(grad_accum):
+        started = time.perf_counter()
+        try:
+            inputs, labels = next(loader)  # (local_batch_size, seq_len) each
+        except DataError as e:
+            inputs = labels = torch.zeros(cfg.training.local_batch_size, cfg.training.seq_len,
+                                          dtype=torch.long)
+            data_error = data_error or str(e)
+        seconds += time.perf_counter() - started
+        batches.append((inputs.to(device, non_blocking=True),
+                        ignore_boundaries(labels, args).to(device, non_blocking=True)))
+    return batches, data_error, seconds
 
 
-def forward_backward(model, inputs, labels, global_tokens: torch.Tensor, dp: int,
-                     tp: int) -> torch.Tensor:
+def forward_backward(model, inputs, labels, global_tokens: torch.Tensor, dp: int, tp: int,
+                     z_loss: float = 0.0) -> torch.Tensor:
     """One micro-batch: forward, loss, backward. The loss is this micro-batch's share of the global
     batch's mean: its summed cross-entropy over the positions that count (label != -100) divided by
     global_tokens, those of the whole global batch (every micro-batch on every dp rank), so 1
-    process, FSDP, TP and accumulation give the same loss. Returns the share (detached, plain) for
-    the log. The place to change the objective (z-loss...): the loop only accumulates and steps."""
+    process, FSDP, TP and accumulation give the same loss; z_loss adds PaLM's z term. Returns the
+    (2,) shares of the cross-entropy and the z term (detached, plain) for the log. The place to
+    change the objective: the loop only accumulates and steps."""
     with loss_parallel() if tp > 1 else contextlib.nullcontext():
         h = model(inputs, last_hidden=True)  # (local_batch_size, seq_len, dim)
         # the logits (vocab-sharded under TP) a chunk of positions at a time (FSDP2 keeps the root's
         # weights gathered after forward): pretrain/loss.py
-        summed = chunked_loss(model.output, h, labels, partial(F.cross_entropy, reduction="sum"))
-        loss = summed / global_tokens
+        loss_fn = partial(cross_entropy_and_z, z_loss=z_loss)
+        shares = chunked_loss(model.output, h, labels, loss_fn) / global_tokens  # (2,): ce, z
         # FSDP averages the gradients over the dp ranks: undo its division by dp
-        (loss * dp).backward()
-    loss = loss.detach()
-    return loss.to_local() if isinstance(loss, DTensor) else loss  # replicated over TP
-
-
-def ignore_boundaries(labels: torch.Tensor, args) -> torch.Tensor:
-    """Labels with the positions that carry no signal set to -100 (ignored by the loss). Under
-    block_causal: each position whose label is a document's BOS (the token before it is the last of
-    the previous document, and the mask hides the new one from it). Causal keeps every position."""
-    if args.attn_mask_type != "block_causal":
-        return labels
-    return labels.masked_fill(labels == args.bos_id, -100)
+        (shares.sum() * dp).backward()
+    shares = shares.detach()
+    return shares.to_local() if isinstance(shares, DTensor) else shares  # replicated over TP
 
 
 def lr_factor(step: int, cfg: Config) -> float:
@@ -668,16 +670,16 @@ def check_sources(loader: DataLoader, rank: int, wait: float):
     agree_on_reads(error, rank, wait)
 
 
-def agree_on_step(stop: list, data_error: str, checkpointer: Checkpointer,
-                  grad_norm: torch.Tensor, loss_sum: torch.Tensor, device) -> list:
-    """[stopping, data_failed, save_running, diverged], alike on every rank: all must agree, at the
-    same step, to stop (a signal or a data error), that an async save is complete and that the step
-    is finite, or the saves would deadlock. One tiny all-reduce per step (the loop's one host sync),
-    before optimizer.step(), so a non-finite step or a bad batch never reaches the weights."""
+def agree_on_step(stop: list, data_error: str, checkpointer: Checkpointer, verdict: torch.Tensor,
+                  device) -> list:
+    """[stopping, data_failed, save_running, not_finite, spike], alike on every rank: all must
+    agree, at the same step, to stop (a signal or a data error), that an async save is complete and
+    whether to skip the step (SpikeGuard.check's verdict), or the saves would deadlock. One tiny
+    all-reduce per step (the loop's one host sync), before optimizer.step(), so a skipped step or a
+    bad batch never reaches the weights."""
     saving = checkpointer.saver.pending is not None and not checkpointer.saver.pending[0].done()
     flags = torch.tensor([bool(stop), bool(data_error), saving], device=device)
-    not_finite = ~torch.isfinite(grad_norm.reshape(1)) | ~torch.isfinite(loss_sum.reshape(1))
-    flags = torch.cat([flags, not_finite]).int()
+    flags = torch.cat([flags.int(), verdict])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return flags.tolist()
 
@@ -735,8 +737,9 @@ def main(cfg: Config):
     # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path --
     folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
     notes = {"model.converters": cfg.model.converters}  # float8 on/off: logged
+    guard = SpikeGuard(cfg.spikes, device)  # the window of recent steps that spikes stand out of
     checkpointer = Checkpointer(cfg.checkpoint, folder, run_keys(cfg, args, sizes, manifest),
-                                cfg.training.steps, model, optimizer, scheduler, loader, notes)
+                                cfg.training.steps, model, optimizer, scheduler, loader, notes, guard)
     step, tokens_seen = checkpointer.resume()
     check_sources(loader, rank, cfg.data.resolve_timeout_seconds)  # before step 1, all alike
     windows, tasks = evals.read_once(cfg, tokenizer, args.max_seq_len, manifest, device)
@@ -756,79 +759,78 @@ def main(cfg: Config):
     params = [q for q in model.parameters() if q.requires_grad]
     memory_stats(device)  # reset the GPU peak so the first log covers training only
     clock.lap(0)  # and the first log's tps
-    peak_gib = peak_allocated = 0.0  # the largest figures logged, reported at the end
-    log_steps = 0  # the steps since the last training log
+    log_steps = log_kept = 0  # the steps since the last training log, and those not skipped
     data_time = 0.0  # and their seconds waiting for batches
-    loss_sum = torch.zeros((), device=device)  # summed on the device; read at log time only
+    loss_sum = torch.zeros(2, device=device)  # cross-entropy, z term: summed on the device
     counted_sum = torch.zeros((), device=device)  # positions whose loss counted, logged steps
 
     while step < cfg.training.steps:
         step += 1
         optimizer.zero_grad(set_to_none=True)
-        data_error = ""  # this rank's first failed read of the step
-        batches = []  # every micro-batch first: the loss divides by the global batch's count
-        for _ in range(grad_accum):
-            t0 = time.perf_counter()
-            inputs, labels, error = next_batch(loader, cfg)  # (local_batch_size, seq_len) each
-            data_error = data_error or error
-            data_time += time.perf_counter() - t0
-            batches.append((inputs.to(device, non_blocking=True),
-                            ignore_boundaries(labels, args).to(device, non_blocking=True)))
+        # every micro-batch first: the loss divides by the global batch's count
+        batches, data_error, seconds = read_step(loader, cfg, grad_accum, args, device)
+        data_time += seconds
         counted = sum((y != -100).sum() for _, y in batches).float()
         # over the global batch (TP ranks hold the same)
         dist.all_reduce(counted, group=dp_mesh.get_group())
         counted_sum += counted
-        for inputs, labels in batches:
-            loss_sum += forward_backward(model, inputs, labels, counted.clamp(min=1), dp, tp)
+        shares = [forward_backward(model, inputs, labels, counted.clamp(min=1), dp, tp,
+                                   cfg.training.z_loss) for inputs, labels in batches]
         max_norm = cfg.training.max_norm or math.inf  # 0: no clipping
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
 
-        # one all-reduce: every rank stops, saves or fails at the same step
-        flags = agree_on_step(stop, data_error, checkpointer, grad_norm, loss_sum, device)
-        stopping, data_failed, save_running, diverged = flags
+        # is the step a spike (pretrain/spikes.py)? Then one all-reduce: every rank stops, saves or
+        # skips at the same step
+        verdict = guard.check([ce for ce, _ in shares], grad_norm, dp_mesh.get_group())
+        flags = agree_on_step(stop, data_error, checkpointer, verdict, device)
+        stopping, data_failed, save_running, not_finite, spike = flags
+        skipped = bool(not_finite or spike)
         if data_failed:
             agree(data_error, device)
-        if diverged:
-            if checkpointer.saver.pending is not None:  # an earlier step's save is good: finish it
-                checkpointer.saver.finish()
-            raise RunError(f"step {step}: the loss or the gradient norm is not finite (grad_norm "
-                           f"{grad_norm.item():.4g}); nothing was saved from this step. "
-                           f"Last good checkpoint: {newest(folder)}")
-        lr = scheduler.get_last_lr()[0]  # the lr this step used
-        optimizer.step()
-        # every float8 weight's scale in one all-reduce, for the next step's float8 all-gathers
-        if float8_scales:
-            float8_scales(model)
+        lr = optimizer.param_groups[0]["lr"]  # the lr this step used
+        if skipped:  # neither the weights nor AdamW's state move; the data goes on
+            metrics.log(guard.skip(step, not_finite))
+            if guard.in_a_row == cfg.spikes.max_skipped:  # after an earlier step's save is in place
+                raise RunError(guard.stop_line(step, checkpointer))
+        else:
+            optimizer.step()
+            # every float8 weight's scale in one all-reduce, for the next step's float8 all-gathers
+            if float8_scales:
+                float8_scales(model)
+            guard.keep()
+            for share in shares:
+                loss_sum += share
         scheduler.step()
+        guard.cut_lr(optimizer, step + 1)  # after a rewind
         tokens_seen += tokens_per_step
         log_steps += 1
+        log_kept += not skipped
         last = step == cfg.training.steps
 
-        if step % cfg.metrics.log_freq == 0 or step == 1 or last:
+        if (step % cfg.metrics.log_freq == 0 or step == 1 or last) and not skipped:
             source_tokens = loader.source_tokens().values()
-            sums = torch.tensor([*source_tokens, 0.0], dtype=torch.float64, device=device)
-            sums[-1] = loss_sum
-            # tokens per source, and the loss, over dp ranks
+            sums = torch.tensor([*source_tokens, 0.0, 0.0], dtype=torch.float64, device=device)
+            sums[-2:] = loss_sum
+            # tokens per source, the loss and the z term, over dp ranks
             dist.all_reduce(sums, group=dp_mesh.get_group())
             dt = clock.lap(log_steps)  # their seconds, the validation, eval and save rounds left out
             tps = log_steps * tokens_per_step / dt / world_size
             mfu = 100 * flops_per_token * tps / 1e12 / peak if peak else None
             mem_gib, mem_pct, allocated = memory_stats(device)
-            peak_gib = max(peak_gib, mem_gib)
-            peak_allocated = max(peak_allocated, allocated or 0.0)
-            per_source = dict(zip(loader.names, [int(x) for x in sums[:-1].tolist()]))
+            per_source = dict(zip(loader.names, [int(x) for x in sums[:-2].tolist()]))
             loss_tokens_pct = 100 * counted_sum.item() / (log_steps * tokens_per_step)
-            metrics.log({"step": step, "loss": sums[-1].item() / log_steps,
+            z_loss = {"z_loss": sums[-1].item() / log_kept} if cfg.training.z_loss else {}
+            metrics.log({"step": step, "loss": sums[-2].item() / log_kept, **z_loss,
                          "grad_norm": grad_norm.item(), "lr": lr, "memory_gib": mem_gib,
                          "memory_pct": mem_pct, "memory_allocated_gib": allocated, "tps": tps,
                          "tflops": flops_per_token * tps / 1e12, "mfu": mfu,
                          "data_wait_pct": 100 * data_time / dt, "tokens_seen": tokens_seen,
                          "source_tokens": per_source, "loss_tokens": int(counted_sum.item()),
-                         "loss_tokens_pct": loss_tokens_pct})
+                         "loss_tokens_pct": loss_tokens_pct, "skipped_steps": guard.skipped})
             loss_sum.zero_()
             counted_sum.zero_()
-            log_steps = 0
+            log_steps = log_kept = 0
             data_time = 0.0
 
         if cfg.validation.enable and (step % cfg.validation.freq == 0 or last):
@@ -844,18 +846,20 @@ def main(cfg: Config):
 
         if checkpointer.saver.pending is not None and not save_running:
             checkpointer.saver.finish()
-        if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or last or stopping):
+        interval = step % cfg.checkpoint.interval == 0 and not (not_finite or spike)
+        if cfg.checkpoint.enable and (interval or last or stopping):
             with clock.timed("checkpoint"):
                 checkpointer.save(step, tokens_seen, final=last or stopping)
         if stopping:
             logger.info(f"stopping at step {step} on signal")
             break
+        if guard.rewind_due() and not last:  # repeated spikes: back to before them, their data left out
+            with clock.timed("checkpoint"):
+                record = guard.rewind(checkpointer, step, tokens_seen)
+            metrics.log(record)
+            step, tokens_seen = record["rewound_to"], record["tokens_seen"]
 
-    if peak_gib and peak_allocated:
-        logger.info(f"memory: peak {peak_allocated:.2f} GiB allocated, {peak_gib:.2f} GiB reserved")
-    elif peak_gib:
-        logger.info(f"memory: peak {peak_gib:.2f} GiB RSS")
-    metrics.summary()  # steps, tokens, wall time, the last losses, the rounds' time
+    metrics.summary()  # steps, tokens, wall time, the last losses, peak memory, the rounds' time
     # A second preemption signal during shutdown must not kill a rank that already saved (Python
     # would restore the default, fatal, handler while exiting): ignore them from here on.
     for sig in (signal.SIGTERM, signal.SIGUSR1):

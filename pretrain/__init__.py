@@ -13,7 +13,8 @@
     hf_layout          Hugging Face's names, config and tokenizer files
     metrics            the log line, metrics.jsonl, TensorBoard, W&B, MFU
     progress           the run's clock (elapsed, ETA); progress bars and lines on long work
-    loss               the loss a chunk of positions at a time, without the whole logits
+    loss               the loss a chunk of positions at a time, without the whole logits; z-loss
+    spikes             loss spikes: a step skipped, repeated spikes rewound
     memory             memory per device: estimated from the layout, or counted live
     measure            how bench.py measures: timed commands, side by side, steady rates, profiles
     float8             torchao float8: the config rules, conversion, TP styles

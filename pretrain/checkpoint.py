@@ -42,10 +42,11 @@ class Checkpointer:
     """Saves and resumes one run. `cfg` is train.py's [checkpoint] section; `run_keys` are the
     values a resume must not change (a resume with others is refused); `steps` is training.steps;
     `notes` are values a resume may change, saved so that the log can say when one did
-    (model.converters: float8 on or off). `saver` writes the step-N folders."""
+    (model.converters: float8 on or off); `guard` is the run's SpikeGuard (pretrain/spikes.py).
+    `saver` writes the step-N folders."""
 
     def __init__(self, cfg, folder: str, run_keys: dict, steps: int, model, optimizer, scheduler,
-                 loader, notes: dict):
+                 loader, notes: dict, guard):
         self.cfg = cfg
         self.folder = folder
         self.run_keys = run_keys
@@ -56,6 +57,7 @@ class Checkpointer:
         self.scheduler = scheduler
         self.loader = loader
         self.notes = notes
+        self.guard = guard
         self.sd_options = StateDictOptions(flatten_optimizer_state_dict=True)
         self.saver = checkpoint_folder.Saver(cfg, folder, model.args.params)
 
@@ -73,7 +75,8 @@ class Checkpointer:
                               steps=torch.tensor(self.steps),
                               config=json_tensor(self.run_keys),
                               lr_scheduler=json_tensor(self.scheduler.state_dict()),
-                              notes=json_tensor(self.notes))
+                              notes=json_tensor(self.notes),
+                              spikes=json_tensor(self.guard.state_dict()))
         streams = self.loader.state_dict().items()
         state["data"] = {f"stream{s}": json_tensor(sd) for s, sd in streams}
         state["rng"] = {f"rank{self.rank}": torch.get_rng_state()}
@@ -86,14 +89,18 @@ class Checkpointer:
         model_only = step == self.steps and self.cfg.last_save_model_only
         self.saver.save(step, lambda: self.state(step, tokens_seen, model_only), final)
 
+    def complete(self) -> list:
+        """The complete step-N, as rank 0 lists them: every rank loads what it chose (NFS listings
+        can differ)."""
+        listed = self.cfg.enable and self.rank == 0
+        done = [checkpoint_folder.checkpoints(self.folder, warn=True) if listed else []]
+        dist.broadcast_object_list(done, src=0)
+        return done[0]
+
     def resume(self):
         """(step, tokens_seen) from the newest complete step-N (or load_step), else initial_load_path."""
         cfg = self.cfg
-        listed = cfg.enable and self.rank == 0
-        done = [checkpoint_folder.checkpoints(self.folder, warn=True) if listed else []]
-        # rank 0 lists, every rank loads what it chose: NFS listings can differ
-        dist.broadcast_object_list(done, src=0)
-        done = done[0]
+        done = self.complete()
         if cfg.load_step >= 0 and cfg.load_step not in done:
             path = os.path.join(self.folder, f"step-{cfg.load_step}")
             why = checkpoint_folder.incomplete(path) if os.path.isdir(path) else "no such folder"
@@ -158,7 +165,9 @@ class Checkpointer:
             raise CheckpointError(error)
         return meta
 
-    def load(self, path: str, model_only: bool):
+    def load(self, path: str, model_only: bool, rewind: bool = False):
+        """(step, tokens_seen) of the checkpoint at `path`, loaded. rewind: the data loader keeps its
+        place and the spike guard its counters (SpikeGuard.rewind)."""
         meta = self.agreed_metadata(path)
         if model_prefix(meta) == "":  # torchtitan's layout
             return self.load_titan(path, meta, model_only)
@@ -195,11 +204,16 @@ class Checkpointer:
         self.scheduler.load_state_dict(json_from(train["lr_scheduler"]))
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr  # load_state_dict restores the scheduler, not the lr it last set
+        step = int(train["step"])
+        if "spikes" in train:  # older checkpoints have none
+            self.guard.load_state_dict(json_from(train["spikes"]), window_only=rewind)
+        if rewind:
+            return step, int(train["tokens_seen"])
+        self.guard.cut_lr(self.optimizer, step + 1)  # the next step's, within a rewind's lr cut
         streams = {s: json_from(state["data"][f"stream{s}"]) for s in self.loader.stream_ids}
         self.loader.load_state_dict(streams)
         if "rng" in state:
             torch.set_rng_state(state["rng"][rank_key])
-        step = int(train["step"])
         steps = int(train.get("steps", self.steps))  # the run's training.steps, as saved
         logger.info(f"resumed from {path} at step {step}")
         self.log_changes(train, steps)

@@ -35,8 +35,9 @@ from pretrain.config import ConfigError
 from pretrain.memory import GIB, LiveStorages
 
 
-class NoData:
-    """The data loader's place in the checkpoint: a few JSON numbers per stream, left out here."""
+class Nothing:
+    """The data loader's place and the spike window in the checkpoint: a few JSON numbers, left out
+    here."""
 
     def state_dict(self):
         return {}
@@ -93,7 +94,7 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
             counted = sum((y != -100).sum() for _, y in batches).float()
             dist.all_reduce(counted, group=dp_mesh.get_group())
             for inputs, labels in batches:
-                train.forward_backward(model, inputs, labels, counted.clamp(min=1), dp, tp)
+                train.forward_backward(model, inputs, labels, counted.clamp(min=1), dp, tp, t.z_loss)
             del batches, inputs, labels
             counter.phase = f"gradient clipping of step {step}"
             max_norm = t.max_norm or float("inf")
@@ -111,7 +112,8 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
         folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
         sync = dataclasses.replace(cfg.checkpoint, async_mode="disabled")
         notes = {"model.converters": cfg.model.converters}
-        ckpt = Checkpointer(sync, folder, {}, t.steps, model, optimizer, scheduler, NoData(), notes)
+        ckpt = Checkpointer(sync, folder, {}, t.steps, model, optimizer, scheduler, Nothing(), notes,
+                            Nothing())
         state = ckpt.state(2, 0)
     planner = dcp.DefaultSavePlanner()  # outside the fake mode: offsets from the mesh's real tensor
     planner.set_up_planner(state, is_coordinator=rank == 0)

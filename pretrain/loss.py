@@ -2,13 +2,15 @@
 positions at a time, and a chunk's logits are recomputed in backward, not kept: with Llama 3's
 vocabulary the fp32 logits, their log-softmax and their gradient are the largest tensors of a step,
 about 12 bytes a logit. What to compute on the logits stays train.forward_backward's (loss_fn):
-cross-entropy, a z-loss.
+cross_entropy_and_z below, or any loss a forker swaps in.
 
     h = model(inputs, last_hidden=True)  # (bs, seqlen, dim): the final norm's output
     summed = chunked_loss(model.output, h, labels, loss_fn)
 """
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 CHUNK_BYTES = 2**28  # fp32 logits per chunk at most: 523 positions with Meta's 128,256 words
@@ -36,3 +38,17 @@ def chunked_loss(output: torch.nn.Module, h: torch.Tensor, labels: torch.Tensor,
         part = checkpoint(chunk, h[start:start + n], labels[start:start + n], use_reentrant=False)
         total = total + part
     return total
+
+
+def cross_entropy_and_z(logits: torch.Tensor, labels: torch.Tensor, z_loss: float) -> torch.Tensor:
+    """(2,): the summed cross-entropy of the positions that count (label != -100), and z_loss x their
+    summed squared log-normaliser (PaLM's z-loss: it keeps logsumexp near 0, so the softmax cannot
+    drift into large logits). logits (positions, vocab), vocab-sharded under TP; labels (positions,)."""
+    ce = F.cross_entropy(logits, labels, reduction="sum")
+    if not z_loss:  # no second pass over the logits
+        return torch.stack([ce, torch.zeros_like(ce)])
+    lse = torch.logsumexp(logits, dim=-1)  # (positions,); under TP replicated: reduced over shards
+    counted = (labels != -100).to(lse.dtype)
+    if isinstance(lse, DTensor):  # a plain tensor may not meet a DTensor in one op
+        counted = DTensor.from_local(counted, lse.device_mesh, lse.placements)
+    return torch.stack([ce, z_loss * (lse.pow(2) * counted).sum()])

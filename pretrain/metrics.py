@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from pretrain import spikes
 from pretrain.memory import peak_resident_bytes
 from pretrain.progress import RunClock, duration
 
@@ -49,11 +50,12 @@ class MetricsLogger:
 
     HIDDEN = {"step", "tokens_seen", "source_tokens", "memory_allocated_gib", "memory_pct",
               "validation_tokens", "loss_tokens", "loss_tokens_pct", "eval_examples", "time",
-              "elapsed_seconds", "eta_seconds"}
+              "elapsed_seconds", "eta_seconds", "skipped_steps"}
 
     def __init__(self, cfg, rank: int, clock: RunClock):  # cfg: train.py's Config
         self.clock = clock
         self.last = {}  # the latest value of each key logged: the summary line
+        self.peak = {"memory_gib": 0.0, "memory_allocated_gib": 0.0}  # the largest logged
         self.jsonl = self.tb = self.wandb = None
         dump = cfg.job.dump_folder
         if rank != 0:
@@ -87,8 +89,14 @@ class MetricsLogger:
                     f"data_wait: {r['data_wait_pct']:.1f}%")
             if r.get("loss_tokens_pct", 100) < 100:  # block_causal: boundaries not in the loss
                 line += f"  loss_tokens: {r['loss_tokens_pct']:.1f}%"
+            if r.get("skipped_steps"):  # the run's, so far (pretrain/spikes.py)
+                line += f"  skipped: {r['skipped_steps']}"
+            for k in self.peak:
+                self.peak[k] = max(self.peak[k], r[k] or 0.0)
             line += f"  elapsed {duration(r['elapsed_seconds'])}  eta {duration(r['eta_seconds'])}"
             shown = {"loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu", "data_wait_pct"}
+        elif "skipped" in r or "rewound_to" in r:  # a skipped step, a rewind
+            line, shown = spikes.line(r), set(r)
         elif "eval_acc" in r:  # an [eval] round (evals.py): acc/acc_norm per task
             norm = r["eval_acc_norm"]
             per = "  ".join(f"{k} {v:.4f}/{norm[k]:.4f}" for k, v in r["eval_acc"].items())
@@ -120,12 +128,15 @@ class MetricsLogger:
             self.wandb.log(scalars, step=r["step"])
 
     def summary(self):
-        """One line at the end of a run: steps, tokens, wall time, the last losses, the rounds' time."""
+        """The end of a run: peak memory; steps, tokens, wall time, the last losses, the rounds' time."""
         if self.jsonl is None or "loss" not in self.last:
             return
         last = self.last
         validation = f", validation {last['validation_loss']:.4f}" if "validation_loss" in last else ""
         spent = self.clock.spent
+        gib, allocated = self.peak["memory_gib"], self.peak["memory_allocated_gib"]
+        gpu = f"{allocated:.2f} GiB allocated, {gib:.2f} GiB reserved"  # a GPU's; else the host's
+        logger.info(f"memory: peak {gpu if allocated else f'{gib:.2f} GiB RSS'}")
         logger.info(f"done: step {last['step']}, {last['tokens_seen']:,} tokens, "
                     f"{duration(self.clock.now() - self.clock.start)} wall; loss {last['loss']:.4f}"
                     f"{validation}; validation {spent['validation']:.1f}s, evals {spent['eval']:.1f}s, "

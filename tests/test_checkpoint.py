@@ -461,7 +461,7 @@ def test_initial_load_takes_torchtitan_layout_and_continues_its_run(tmp_path, ca
             ours, opt, sched = trainer(1)
             ckpt_cfg = dataclasses.replace(cfg.checkpoint, initial_load_path=str(path),
                                            initial_load_model_only=model_only)
-            ckpt = Checkpointer(ckpt_cfg, str(tmp_path / "ours"), {}, 20, ours, opt, sched, None, {})
+            ckpt = Checkpointer(ckpt_cfg, str(tmp_path / "ours"), {}, 20, ours, opt, sched, None, {}, None)
             return ckpt.resume(), ours, opt, sched
 
         (step, tokens), ours, opt, sched = load(tmp_path / "full", model_only=True)

@@ -64,33 +64,52 @@ def test_init_weights_default_rules_for_new_parameters_of_any_shape():
         train.apply_fsdp(m, None, torch.float32, torch.float32)
 
 
-# tests/zloss_train.py at two coefficients in one process (its forward_backward reads Z at each call): a
-# process for each would spend ~4.5 s more importing torch.
-TWO_COEFFICIENTS = r"""
+# Three runs in one process (a process each would spend ~4.5 s more importing torch): plain, with the z_loss key,
+# and with a forker's objective swapped in for train.forward_backward (main() looks the name up at each call).
+THREE_RUNS = r"""
 import sys
+from functools import partial
 
-sys.path.insert(0, "tests")
-import zloss_train  # noqa: E402
+import torch
 
-for z, dump in ((0.0, sys.argv[1]), (1e-2, sys.argv[2])):
-    zloss_train.Z = z
-    zloss_train.train.main(zloss_train.train.load_config([*sys.argv[3:], "--job.dump_folder", dump]))
+sys.path.insert(0, ".")
+import train  # noqa: E402
+from pretrain.loss import chunked_loss, cross_entropy_and_z  # noqa: E402
+
+plain_forward_backward = train.forward_backward
+
+
+def forward_backward(model, inputs, labels, global_tokens, dp, tp, z_loss=0.0):
+    # a forker's objective: the cross-entropy plus 1e-2 x the mean square of the final norm's output
+    h = model(inputs, last_hidden=True)  # (bs, seqlen, dim), RMS-normalised: its mean square is ~1
+    shares = chunked_loss(model.output, h, labels, partial(cross_entropy_and_z, z_loss=z_loss)) / global_tokens
+    shares = shares + torch.stack([1e-2 * h.pow(2).mean(), torch.zeros(())])  # (2,): the logged loss, the z term
+    (shares.sum() * dp).backward()
+    return shares.detach()
+
+
+dumps, args = sys.argv[1:4], sys.argv[4:]
+for dump, extra, fb in ((dumps[0], [], plain_forward_backward), (dumps[1], ["--training.z_loss", "1e-2"],
+                        plain_forward_backward), (dumps[2], [], forward_backward)):
+    train.forward_backward = fb
+    train.main(train.load_config([*args, *extra, "--job.dump_folder", dump]))
 """
 
 
 @pytest.mark.slow
-def test_a_new_objective_replaces_forward_backward(tmp_path):
+def test_z_loss_is_a_key_and_a_new_objective_replaces_forward_backward(tmp_path):
     args = ["--config", "configs/debug_model.toml", "--training.steps", "1", "--metrics.log_freq", "1",
             "--validation.enable", "false", *SMALL]
-    dumps = [str(tmp_path / "plain"), str(tmp_path / "zloss")]
-    proc = subprocess.run([sys.executable, "-c", TWO_COEFFICIENTS, *dumps, *args], cwd=ROOT,
+    dumps = [str(tmp_path / "plain"), str(tmp_path / "zloss"), str(tmp_path / "swapped")]
+    proc = subprocess.run([sys.executable, "-c", THREE_RUNS, *dumps, *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    plain = step_losses(tmp_path / "plain")
-    zloss = step_losses(tmp_path / "zloss")
-    # Same weights and batch at step 1: the difference is the z-loss term, 1e-2 * E[logsumexp^2] with
-    # logsumexp ~ log(2048 tokens) + ~0.5 at init.
-    assert 0.4 < zloss[0] - plain[0] < 1.0, (plain, zloss)
+    plain, zloss, swapped = (json.loads(open(os.path.join(d, "metrics.jsonl")).readline()) for d in dumps)
+    # Same weights and batch at step 1: the same cross-entropy; the z term is 1e-2 x E[logsumexp^2], with
+    # logsumexp ~ log(2048 tokens) + ~0.5 at init
+    assert zloss["loss"] == plain["loss"] and 0.4 < zloss["z_loss"] < 1.0, (plain, zloss)
+    assert "z_loss" not in plain and f"  z_loss: {zloss['z_loss']:.4g}" in proc.stdout
+    assert 0.0099 < swapped["loss"] - plain["loss"] < 0.0101, (plain, swapped)
 
 
 def test_docs_come_from_comments_in_any_layout_and_a_field_may_have_none():

@@ -22,7 +22,8 @@ def z_loss(logits, labels):  # cross-entropy plus PaLM's z-loss, summed: what a 
     return F.cross_entropy(logits, labels, reduction="sum") + 1e-4 * logits[counted].logsumexp(-1).pow(2).sum()
 
 
-@pytest.mark.parametrize("loss_fn", [lambda x, y: F.cross_entropy(x, y, reduction="sum"), z_loss], ids=["ce", "z"])
+@pytest.mark.parametrize("loss_fn", [lambda x, y: F.cross_entropy(x, y, reduction="sum"), z_loss,
+                                     lambda x, y: L.cross_entropy_and_z(x, y, 1e-4)], ids=["ce", "z", "ours"])
 def test_chunks_give_the_whole_batchs_loss_and_gradients(loss_fn, monkeypatch):
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1000, multiple_of=32, max_seq_len=64)
     torch.manual_seed(0)
@@ -34,8 +35,8 @@ def test_chunks_give_the_whole_batchs_loss_and_gradients(loss_fn, monkeypatch):
     def run():
         model.zero_grad()
         h = model(tokens[:, :-1], last_hidden=True)
-        loss = L.chunked_loss(model.output, h, labels, loss_fn)
-        loss.backward()
+        loss = L.chunked_loss(model.output, h, labels, loss_fn)  # ours: (2,) cross-entropy, z term
+        loss.sum().backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     whole, whole_grads = run()
@@ -46,6 +47,15 @@ def test_chunks_give_the_whole_batchs_loss_and_gradients(loss_fn, monkeypatch):
     assert torch.allclose(whole, direct.detach(), rtol=1e-6) and torch.allclose(chunked, whole, rtol=1e-6)
     for name, grad in grads.items():
         assert torch.allclose(grad, whole_grads[name], rtol=1e-5, atol=1e-7), name
+
+
+def test_the_z_term_is_z_loss_times_the_squared_log_normaliser_of_the_positions_that_count():
+    logits = torch.randn(6, 50) * 3
+    labels = torch.tensor([1, 2, -100, 4, -100, 6])
+    ce, z = L.cross_entropy_and_z(logits, labels, 1e-3)
+    assert ce == F.cross_entropy(logits, labels, reduction="sum")
+    assert torch.allclose(z, 1e-3 * sum(torch.log(torch.exp(logits[i]).sum()) ** 2 for i in (0, 1, 3, 5)))
+    assert torch.equal(L.cross_entropy_and_z(logits, labels, 0.0), torch.stack([ce, torch.zeros(())]))
 
 
 def test_peak_memory_grows_with_the_batch_by_far_less_than_its_logits(monkeypatch):
@@ -103,6 +113,25 @@ def test_under_tp_the_chunks_give_the_same_losses(tp_reference, tmp_path):
         return [r["loss"] for r in map(json.loads, open(os.path.join(dump, "metrics.jsonl"))) if "loss" in r]
     assert len(losses(tmp_path)) == 10
     assert losses(tmp_path) == pytest.approx(losses(ref_dump), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_under_tp_the_z_loss_is_that_of_one_process(tmp_path):
+    """training.z_loss on TP 2's vocab-sharded logits, a chunk at a time: the z term's logsumexp reduces over the
+    shards. The cross-entropy and the z term of one process."""
+    import json
+    argv = ["--config", "configs/debug_model.toml", "--metrics.log_freq", "1", "--validation.enable", "false",
+            "--training.steps", "3", *SMALL, "--training.z_loss", "1e-3"]
+    tp = run_training([*argv, "--job.dump_folder", tmp_path / "tp", "--parallelism.tensor_parallel_degree", "2"], 2,
+                      program=__file__, env={"CHECK": "chunked_train"})
+    one = run_training([*argv, "--job.dump_folder", tmp_path / "one"])
+    for proc in (tp, one):
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    logged = [[(r["loss"], r["z_loss"]) for r in map(json.loads, open(tmp_path / d / "metrics.jsonl"))]
+              for d in ("tp", "one")]
+    assert len(logged[0]) == 3 and 0.04 < logged[0][0][1] < 0.1  # 1e-3 x ~8.1^2
+    for (ce, z), (ce1, z1) in zip(*logged):
+        assert (ce, z) == pytest.approx((ce1, z1), rel=1e-5)
 
 
 if __name__ == "__main__":

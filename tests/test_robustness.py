@@ -67,13 +67,14 @@ def test_the_slow_reads_and_writers_start_before_the_other_tests(slow_runs_launc
 def test_non_finite_loss_stops_without_saving_it(tmp_path):
     """The async save of step 1, still in flight when step 2 diverges, is put in place before the exit, and the
     TensorBoard events of step 1 are on disk."""
-    proc = run(tmp_path, "--training.steps", 6, "--optimizer.lr", 1e30, "--lr_scheduler.warmup_steps", 0,
+    proc = run(tmp_path, "--training.steps", 9, "--optimizer.lr", 1e30, "--lr_scheduler.warmup_steps", 0,
                "--checkpoint.enable", "--checkpoint.interval", 1, "--checkpoint.async_mode", "async",
-               "--metrics.enable_tensorboard")
+               "--metrics.enable_tensorboard", "--spikes.max_skipped", 3)
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
     (line,) = errors(proc)
-    assert line.startswith("error: step 2: the loss or the gradient norm is not finite")
-    assert line.endswith(f"Last good checkpoint: {tmp_path}/checkpoint/step-1")
+    assert line == ("error: steps 2-4: 3 steps in a row were skipped (spikes.max_skipped = 3; the last: not finite);"
+                    f" nothing was trained on them. Last good checkpoint: {tmp_path}/checkpoint/step-1")
+    assert [f"skipped step {s}: not finite" in proc.stdout for s in (2, 3, 4)] == [True] * 3  # a line each
     assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-1"]  # the bad step never reached disk
     assert "Traceback" not in proc.stderr
     assert tensorboard_steps(tmp_path) == [1]
@@ -182,7 +183,7 @@ def test_an_error_exit_puts_the_async_save_in_flight_in_place(tmp_path):
         model = types.SimpleNamespace(args=types.SimpleNamespace(params=lambda: {"dim": 8}))
         for step, timeout in ((3, 60), (4, 0.2)):
             cfg = types.SimpleNamespace(enable=True, save_timeout_seconds=timeout)
-            ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), {}, 9, model, None, None, None, {})
+            ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), {}, 9, model, None, None, None, {}, None)
             (tmp_path / f".step-{step}.tmp").mkdir()
             writing = concurrent.futures.ThreadPoolExecutor(1).submit(time.sleep, 0.5)
             ckpt.saver.pending = (writing, step, time.monotonic())
