@@ -7,17 +7,18 @@ outlives the job's requeues. It imports no torch: it runs between a failure and 
 where every second counts.
 
     python slurm/recover.py start RECORD --job JOBID     # at every start; prints the nodes left out
-    python slurm/recover.py ended RECORD --log LOG --offset N --since T --code RC   # every launch
+    python slurm/recover.py ended RECORD --log LOG --offset N --since T --code RC --ranks R
     python slurm/recover.py failed RECORD --log LOG --offset N --since T \
         --nodes "n1 n2" --spares "n3" --down ""
     python slurm/recover.py requeue RECORD --excluded "n4" --partition "n1 n2 n3 n4" --nnodes 2
     python slurm/recover.py end RECORD                   # the goodput line, also into metrics.jsonl
 
-`failed` reads the log from byte N (where the launch began), names the failed node and prints on
-stdout what to do: `spare NODE SPARE` (relaunch with SPARE in place of NODE), `relaunch` (same
-nodes), `requeue [NODE]`, `stop CODE`. `requeue` prints the nodes the requeued job must exclude,
-comma-separated: those Slurm excludes already and every node the record left out; when that leaves
-the partition too few nodes, it stops the job instead, with one line (exit 1).
+`ended` records a launch, after each one. `failed` reads the log from byte N (where the launch
+began), names the failed node and prints on stdout what to do: `spare NODE SPARE` (relaunch with
+SPARE in place of NODE), `relaunch` (same nodes), `requeue [NODE]`, `stop CODE`. `requeue` prints
+the nodes the requeued job must exclude, comma-separated: those Slurm excludes already and every
+node the record left out; when that leaves the partition too few nodes, it stops the job instead,
+with one line (exit 1).
 """
 
 import argparse
@@ -25,7 +26,6 @@ import json
 import os
 import re
 import signal
-import statistics
 import sys
 import time
 import tomllib
@@ -79,7 +79,8 @@ def ended(path: str, a):
     dump_folder(record, lines)
     found = (re.search(r"resumed from .* at step (\d+)$", line) for line in lines)
     resumed = next((int(m[1]) for m in found if m), 0)
-    launch = {"start": a.since, "end": time.time(), "code": a.code, "resumed": resumed}
+    launch = {"start": a.since, "end": time.time(), "code": a.code, "resumed": resumed,
+              "ranks": a.ranks}
     record["launches"].append(launch)
     save(record, path)
 
@@ -309,11 +310,11 @@ def requeue(path: str, a) -> str:
 # -------------------------------------------------------------------------------------------------
 
 def launch_records(records: list, launches: list) -> list:
-    """Per launch: its training records (step, time, rounds) in file order, where rounds are the
-    seconds of the validation and eval rounds logged since its previous training record, and
-    tail_rounds, those logged after its last one. A record belongs to the launch whose start and
-    end hold its time; one of no launch (an earlier job's, in the same dump folder) is left out."""
-    per = [{"steps": [], "tail_rounds": 0.0} for _ in launches]
+    """Per launch: its training records with rounds, the seconds of the validation and eval rounds
+    logged since its previous training record, in file order; and tail_rounds, those logged after
+    its last one. A record belongs to the launch whose start and end hold its time; one of no
+    launch (an earlier job's, in the same dump folder) is left out."""
+    per = [{"records": [], "tail_rounds": 0.0} for _ in launches]
     current, pending = None, 0.0
     for r in records:
         if "loss" not in r:
@@ -326,51 +327,51 @@ def launch_records(records: list, launches: list) -> list:
             pending = 0.0
         current = j
         if j is not None:
-            per[j]["steps"].append((r["step"], r["time"], pending))
+            per[j]["records"].append((r, pending))
         pending = 0.0
     if current is not None:
         per[current]["tail_rounds"] += pending
     return per
 
 
-def seconds_per_step(steps: list, saves) -> float | None:
-    """A launch's steady seconds per step: the median over its intervals between training records
-    but the first (start-up inside) and those that hold a save."""
-    rates = [(t - t0 - rounds) / (s - s0) for (s0, t0, _), (s, t, rounds) in zip(steps, steps[1:])
-             if not saves(s0, s)]
-    return statistics.median(rates) if rates else None
+def timed_seconds(r: dict, steps: int, ranks: int) -> float | None:
+    """The seconds a training record's last `steps` took as train.py timed them (its tps: tokens per
+    second per rank, with the save, validation and eval rounds timed apart); None: it cannot say."""
+    if not (ranks and r.get("tps") and r.get("tokens_seen") and r.get("step")):
+        return None
+    tokens = steps * r["tokens_seen"] / r["step"]  # a step trains the global batch, which is fixed
+    return tokens / (r["tps"] * ranks)
 
 
-def one_launch(run: dict, got: dict, rate: float | None, saves, next_resumed: int | None) -> tuple:
+def one_launch(run: dict, got: dict, next_resumed: int | None) -> tuple:
     """({step: seconds} of the steps a launch trained, {cause: seconds} of its time lost). The time
-    from one training record to the next is its steps', less the rounds logged between them, less
-    what exceeds `rate` per step in the first interval (start-up) and in one that holds a save."""
+    from one training record to the next, less the rounds logged between them, is its steps' time
+    as train.py timed them; what is left is start-up before the first record, a save after."""
     lost = {"start_up": 0.0, "saving": 0.0, "failures": 0.0, "other": 0.0}
     seconds = {}
     prev_step, prev_time = run["resumed"], run["start"]
-    for i, (s, t, rounds) in enumerate(got["steps"]):
-        n = s - prev_step
+    for r, rounds in got["records"]:
+        n = r["step"] - prev_step
         if n <= 0:  # a step at or below the checkpoint it resumed from: a record of another run
             continue
-        took = max(0.0, t - prev_time - rounds)
-        rate = rate if rate is not None else took / n  # no steady rate: start-up counts as steps
-        overhead = "start_up" if i == 0 else "saving" if saves(prev_step, s) else None
-        trained = min(took, n * rate) if overhead else took
-        if overhead:
-            lost[overhead] += took - trained
+        took = max(0.0, r["time"] - prev_time - rounds)
+        timed = timed_seconds(r, n, run.get("ranks", 0))
+        trained = took if timed is None else min(took, timed)
+        lost["start_up" if prev_time == run["start"] else "saving"] += took - trained
         lost["other"] += rounds
-        seconds.update({k: trained / n for k in range(prev_step + 1, s + 1)})
-        prev_step, prev_time = s, t
+        seconds.update({k: trained / n for k in range(prev_step + 1, r["step"] + 1)})
+        prev_step, prev_time = r["step"], r["time"]
     # After the last record: a clean end's unlogged steps up to the checkpoint the next launch
-    # resumed from (a stop on the time-limit warning), then its save and exit; a failure's
-    # unlogged steps and the time until every rank had stopped.
+    # resumed from (a stop on the time-limit warning) at the launch's pace, then its save and
+    # exit; a failure's unlogged steps and the time until every rank had stopped.
     tail = max(0.0, run["end"] - prev_time - got["tail_rounds"])
     lost["other"] += got["tail_rounds"]
     if run["code"] != 0:
         lost["failures"] += tail
         return seconds, lost
+    pace = sum(seconds.values()) / len(seconds) if seconds else 0.0
     n = max(0, (next_resumed or 0) - prev_step)
-    trained = min(tail, n * rate) if n and rate is not None else 0.0
+    trained = min(tail, n * pace)
     seconds.update({k: trained / n for k in range(prev_step + 1, prev_step + n + 1)})
     lost["saving"] += tail - trained
     return seconds, lost
@@ -401,27 +402,16 @@ def account(record: dict, now: float) -> dict:
     eval rounds, the bookkeeping)."""
     dump = record["dump_folder"]
     records = metrics_records(os.path.join(dump, "metrics.jsonl")) if dump else []
-    config = checkpoint_config(dump) if dump else {}
-    every = config.get("interval", 0) if config.get("enable", False) else 0
-
-    def saves(after: int, before: int) -> bool:
-        """Whether a checkpoint was saved after a step in [after, before)."""
-        return every > 0 and any(step % every == 0 for step in range(after, before))
-
     launches = record["launches"]
-    per = launch_records(records, launches)
-    rates = [seconds_per_step(got["steps"], saves) for got in per]
-    known = [rate for rate in rates if rate is not None]
     lost = {"queued": 0.0, "start_up": 0.0, "trained_again": 0.0, "saving": 0.0, "failures": 0.0,
             "other": 0.0}
     for cause, seconds in between_launches(record, now).items():
         lost[cause] += seconds
     kept = {}  # step: its seconds in the launch that trained it last
     steps_again = 0
-    for j, (run, got) in enumerate(zip(launches, per)):
-        rate = rates[j] if rates[j] is not None else statistics.median(known) if known else None
+    for j, (run, got) in enumerate(zip(launches, launch_records(records, launches))):
         next_resumed = launches[j + 1]["resumed"] if j + 1 < len(launches) else None
-        seconds, launch_lost = one_launch(run, got, rate, saves, next_resumed)
+        seconds, launch_lost = one_launch(run, got, next_resumed)
         for cause, lost_seconds in launch_lost.items():
             lost[cause] += lost_seconds
         again = drop(kept, run["resumed"])  # the steps this launch trains again
@@ -477,7 +467,9 @@ def main(argv):
     for name in ("ended", "failed"):
         sub.choices[name].add_argument("--since", type=float, default=0.0,
                                        help="when the launch began (unix s)")
-    sub.choices["ended"].add_argument("--code", type=int, default=0, help="srun's exit status")
+    e = sub.choices["ended"]
+    e.add_argument("--code", type=int, default=0, help="srun's exit status")
+    e.add_argument("--ranks", type=int, default=0, help="the launch's ranks (0: not known)")
     f = sub.choices["failed"]
     f.add_argument("--nodes", required=True, help="the launch's nodes, srun's task 0 first")
     f.add_argument("--spares", default="")

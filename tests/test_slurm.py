@@ -14,6 +14,7 @@ suite's first test, while the other tests run (conftest.py: starts_early).
 """
 
 import json
+import math
 import os
 import re
 import shutil
@@ -307,19 +308,35 @@ JOBS = {  # name: (sbatch args, environment); a kill after 8 new steps: step-5 i
     "no_spare": (["--nodes=2"], {"KILL_AFTER": "8", "KILL_ONCE": "killed"}),
     "crash_loop": (["--nodes=1"], {"KILL_TASK": "0", "KILL_AFTER": "1", "MAX_STALLED_RESTARTS": "0"}),
     "user_error": (["--nodes=1"], {}),
+    # a spare swap, then the time-limit warning and a minute held in the queue (log_freq 2: watch)
+    "swap_requeue": (["--nodes=2"], {"SPARE_NODES": "1", "KILL_TASK": "0", "KILL_AFTER": "4", "KILL_ONCE": "killed"}),
 }
 WARN_AT = 8  # the time-limit job gets its warning once it has logged this many steps
+SWAP_WARN_AT = 9  # swap_requeue's, once it has this many training records, 4 or 5 of them before the kill
+HOLD = 60  # seconds swap_requeue is held in the queue after its requeue
 
 
-def watch(cluster, ids: dict, dumps: dict, ended: dict, deadline: float):
+def watch(cluster, ids: dict, dumps: dict, ended: dict, marks: dict, deadline: float):
     """Until every job of ids ({name: job id}) has ended or the deadline passed: scontrol's fields of each job that
-    ended into ended, and the time-limit job's warning once it trains."""
-    warned = False
+    ended into ended, the time-limit jobs' warnings once they train, and swap_requeue's minute held in the queue
+    after its requeue (marks: when it was held and released)."""
+    warned = swap_warned = False
+    swap = ids["swap_requeue"]
     while len(ended) < len(ids) and time.time() < deadline:
         if not warned and metrics_steps(dumps["timelimit"]) >= WARN_AT:
             cluster.run("scancel", "--batch", "--signal=USR1", ids["timelimit"])
             warned = True
+        killed = os.path.exists(os.path.join(dumps["swap_requeue"], "killed"))  # the spare trains now
+        if not swap_warned and killed and metrics_steps(dumps["swap_requeue"]) >= SWAP_WARN_AT:
+            cluster.run("scancel", "--batch", "--signal=USR1", swap)
+            swap_warned = True
         infos = cluster.jobs()
+        if swap_warned and "held" not in marks and infos.get(swap, {}).get("JobState") == "PENDING":
+            cluster.run("scontrol", "hold", swap)
+            marks["held"] = time.time()
+        if "held" in marks and "released" not in marks and time.time() > marks["held"] + HOLD:
+            cluster.run("scontrol", "release", swap)
+            marks["released"] = time.time()
         for name, job_id in ids.items():
             if infos.get(job_id, {}).get("JobState") in DONE:
                 ended.setdefault(name, infos[job_id])
@@ -345,21 +362,24 @@ def started_jobs(cluster, tmp_path_factory):
         args = ["--job.dump_folder", dumps[name], *TRAIN_ARGS]
         if name == "user_error":
             args.append("--training.stepz=5")  # train.py's ConfigError on every rank: exit 2
+        if name == "swap_requeue":
+            args += ["--metrics.log_freq", "2"]  # the goodput takes steps from checkpoints, not logged steps
         ids[name] = cluster.sbatch(name, job_env(cluster, **env), ["--exclusive=user", *sbatch_args], args)
     dumps["preflight"] = str(tmp_path_factory.mktemp("preflight"))
     ids["preflight"] = cluster.sbatch("preflight", job_env(cluster), ["--exclusive=user"],
                                       ["--job.dump_folder", dumps["preflight"]], script=PREFLIGHT)
     logs = {name: os.path.join(cluster.tmp, f"{name}-{ids[name]}.out") for name in ids}
-    ended = {}
-    watcher = threading.Thread(target=watch, args=(cluster, ids, dumps, ended, time.time() + 1800), daemon=True)
+    ended, marks = {}, {}
+    watcher = threading.Thread(target=watch, args=(cluster, ids, dumps, ended, marks, time.time() + 1800),
+                               daemon=True)
     watcher.start()
-    return ids, dumps, logs, ended, watcher
+    return ids, dumps, logs, ended, watcher, marks
 
 
 @pytest.fixture(scope="session")
 def jobs(started_jobs):
     """{name: (job id, scontrol's fields, dump folder, log)} of every job of started_jobs, once all have ended."""
-    ids, dumps, logs, ended, watcher = started_jobs
+    ids, dumps, logs, ended, watcher, _ = started_jobs
     watcher.join()
     for name in ids.keys() - ended.keys():
         raise AssertionError(f"job {name} not finished: {tail(logs[name], 60)}")
@@ -510,6 +530,64 @@ def test_a_lost_rank_without_a_spare_requeues_without_its_node(jobs):
     print(f"recovery by requeue: {recovery_seconds(dump):.1f} s from the kill to the next trained step")
 
 
+def logged_at(out: str, pattern: str) -> float:
+    """The unix time of multinode.sbatch's first line matching pattern (its lines start with the date)."""
+    m = re.search(rf"^(\S+ \S+) multinode.sbatch: .*{pattern}", out, re.M)
+    assert m, (pattern, out[-5000:])
+    return time.mktime(time.strptime(m[1], "%Y-%m-%d %H:%M:%S"))
+
+
+def measured_training(dump, out, bounds: list) -> float:
+    """The kept steps' training time as train.py timed them: a training record's tps (tokens per second on the one
+    rank, the saves timed apart) gives its steps' seconds. Each launch (its records between bounds) kept the steps
+    from the checkpoint it resumed from to the one the next launch resumed from, one it did not log at its mean."""
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        records = [r for r in map(json.loads, f) if "loss" in r]
+    resumed = [0] + [int(k) for k in re.findall(r"resumed from \S*step-(\d+) at step", out)]
+    assert len(resumed) == len(bounds) + 1, out[-5000:]
+    total = 0.0
+    for lo, hi, first, last in zip([0, *bounds], [*bounds, math.inf], resumed, resumed[1:] + [STEPS]):
+        seconds, prev = {}, first
+        for r in (r for r in records if lo < r["time"] < hi):
+            seconds.update({s: r["tokens_seen"] / r["step"] / r["tps"] for s in range(prev + 1, r["step"] + 1)})
+            prev = r["step"]
+        mean = sum(seconds.values()) / len(seconds)
+        total += sum(seconds.get(s, mean) for s in range(first + 1, last + 1))
+    return total
+
+
+@pytest.mark.slow
+def test_a_node_swapped_for_a_spare_stays_out_and_the_goodput_leaves_out_the_queue(jobs, started_jobs):
+    """SPARE_NODES=1 on 2 nodes, log_freq 2: a rank on n1 killed, the spare n2 trains in its place; then the
+    time-limit warning. The requeued job, held in the queue for a minute (scontrol hold, then release), runs on
+    n2 n3 without n1. Its goodput line's queue time is the one measured from the script's lines, its training time
+    that of the kept steps measured from metrics.jsonl, each within 10%."""
+    job_id, info, dump, log = jobs["swap_requeue"]
+    marks = started_jobs[5]
+    out = read(log)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out[-5000:]}"
+    assert info["Restarts"] == "1" and info["NodeList"] == "n[2-3]" and info["ExcNodeList"] == "n1", info
+    assert re.search(r"restart 1 of 3 \(MAX_RESTARTS\): n1 failed: rank 0 killed by SIGKILL; spare n2 in its place",
+                     out), out[-5000:]
+    assert f"requeued job {job_id} without n1" in out, out[-5000:]
+    assert "(restart 1) on 2 node(s) n[2-3] (training on n2; spare: n3)" in out, out[-5000:]
+
+    line = re.search(r"goodput ([\d.]+)%: ([\d.]+) s of the ([\d.]+) s .*steps trained twice: (\d+); time lost: "
+                     r"queued ([\d.]+) s, start up ([\d.]+) s, trained again ([\d.]+) s, saving ([\d.]+) s, "
+                     r"failures ([\d.]+) s, other ([\d.]+) s", out)
+    assert line, out[-3000:]
+    goodput, kept, wall, twice, queued, *lost = map(float, line.groups())
+    assert twice >= 1 and abs(kept + queued + sum(lost) - wall) < 0.5, line[0]
+    queued_measured = logged_at(out, r"\(restart 1\) on") - logged_at(out, "stopped cleanly after the warning")
+    assert queued >= marks["released"] - marks["held"] >= HOLD, (line[0], marks)
+    assert abs(queued - queued_measured) <= 0.1 * queued_measured, (line[0], queued_measured)
+    with open(os.path.join(dump, "killed")) as f:
+        killed = float(f.read())
+    trained_measured = measured_training(dump, out, [killed, marks["held"]])
+    assert abs(kept - trained_measured) <= 0.1 * trained_measured, (line[0], trained_measured)
+    print(f"goodput line: {line[0]}; measured: queued {queued_measured:.0f} s, trained {trained_measured:.1f} s")
+
+
 @pytest.mark.slow
 def test_a_crash_loop_stops_with_one_summary_line(jobs):
     """A rank killed after its first step at every launch, so no checkpoint ever comes: the first restart that
@@ -573,13 +651,12 @@ class FakeJob:
     """A job as multinode.sbatch drives recover.py (start, ended after each launch, end), on a clock the
     test sets, with the run's metrics.jsonl and launch lines written as train.py writes them."""
 
-    def __init__(self, tmp_path, monkeypatch, interval):
+    def __init__(self, tmp_path, monkeypatch):
         self.recover = recover_module()
         self.clock = [0.0]
         monkeypatch.setattr(self.recover.time, "time", lambda: self.clock[0])
         self.dump = tmp_path / "dump"
         (self.dump / "checkpoint").mkdir(parents=True)
-        (self.dump / "config.toml").write_text(f"[checkpoint]\nenable = true\ninterval = {interval}\n")
         self.record = str(tmp_path / "job.recovery.json")
         self.log = tmp_path / "job.out"
         self.log.write_text("")
@@ -600,9 +677,10 @@ class FakeJob:
         with open(self.log, "a") as f:
             f.write("\n".join(lines) + "\n")
         with open(self.dump / "metrics.jsonl", "a") as f:
-            f.writelines(json.dumps({"step": s, "loss": 2.0, "time": t}) + "\n" for s, t in records.items())
+            for s, t in records.items():  # one rank, 128 tokens a step, a step a second as train.py times it
+                f.write(json.dumps({"step": s, "loss": 2.0, "tokens_seen": 128 * s, "tps": 128.0, "time": t}) + "\n")
         self.at(end).recover.main(["ended", self.record, "--log", str(self.log), "--offset", str(offset),
-                                   "--since", str(start), "--code", str(code)])
+                                   "--since", str(start), "--code", str(code), "--ranks", "1"])
 
     def end(self, t, capsys) -> tuple:
         """The goodput line's numbers ({name: seconds}) and metrics.jsonl's goodput record."""
@@ -621,7 +699,7 @@ class FakeJob:
 def test_goodput_leaves_out_the_queue_the_start_up_and_the_saves(tmp_path, monkeypatch, capsys):
     """The issue's job: 34 s of training, a time-limit requeue an hour in the queue, 6 s more. Each step
     takes 1 s; each launch 20-30 s of start-up before its first step, 2-3 s to save and exit at its end."""
-    job = FakeJob(tmp_path, monkeypatch, interval=100)
+    job = FakeJob(tmp_path, monkeypatch)
     job.start(0.0)
     job.launch(10.0, 77.0, 0, 0, {s: 40.0 + s for s in range(1, 35)})  # stopped at step 34 on the warning
     job.start(3677.0)  # an hour queued
@@ -638,7 +716,7 @@ def test_goodput_takes_the_steps_trained_again_from_the_checkpoint_resumed(tmp_p
     """log_freq 10, a checkpoint every 25 steps (2 s each): a rank fails after step 33, the spare's launch
     resumes from step-25. Steps 26-30 (logged) are trained again, not 21-30 as the logged steps suggest;
     31-33 (not logged) and the wait for the ranks to stop go to failures."""
-    job = FakeJob(tmp_path, monkeypatch, interval=25)
+    job = FakeJob(tmp_path, monkeypatch)
     job.start(0.0)
     # launch 1: start-up 20 s, then a step a second, a save after step 25; the rank fails at 55.5 s
     job.launch(0.0, 57.0, 1, 0, {1: 21.0, 10: 30.0, 20: 40.0, 30: 52.0})
