@@ -171,7 +171,7 @@ def baseline(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["spike", "nan"])
 def test_a_planted_spike_or_nan_is_skipped_and_the_run_goes_on(kind, baseline, tmp_path):
     dump = tmp_path / "run"
-    out = run(dump, "--checkpoint.enable", "--checkpoint.interval", 4, plant=f"6:{kind}")
+    out = run(dump, "--checkpoint.enable", "--checkpoint.interval", 4, "--metrics.enable_tensorboard", plant=f"6:{kind}")
     before, after = at(dump, 6), at(dump, 7)
     assert (after["weights"], after["adam"]) == (before["weights"], before["adam"])  # step 6 moved nothing
     assert at(dump, 6)["weights"] != at(dump, 5)["weights"]  # while step 5 did
@@ -186,6 +186,10 @@ def test_a_planted_spike_or_nan_is_skipped_and_the_run_goes_on(kind, baseline, t
     assert all(plain[s] < ours[s] < plain[s - 1] + 0.1 for s in range(7, 11)), (ours, plain)
     assert re.search(r"^step: 12  .*  skipped: 1  elapsed", out, re.M), out[-2000:]  # the run's count
     assert sorted(os.listdir(dump / "checkpoint")) == ["step-12", "step-4", "step-8"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tb = EventAccumulator(str(dump / "tb"))
+    tb.Reload()
+    assert [(e.step, e.value) for e in tb.Scalars("skipped_steps")][4:7] == [(5, 0), (6, 1), (7, 1)]  # W&B: alike
     if kind == "spike":
         # a resume from step-4 takes the window with it: the same decision at step 6, the same losses after
         copy_until(dump, tmp_path / "resumed", 4)
