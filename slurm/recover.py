@@ -81,6 +81,9 @@ def ended(path: str, a):
     resumed = next((int(m[1]) for m in found if m), 0)
     launch = {"start": a.since, "end": time.time(), "code": a.code, "resumed": resumed,
               "ranks": a.ranks}
+    for line in lines:  # a clean end's summary: the seconds its saves took, as train.py timed them
+        if m := re.search(r"done: step .* saves ([\d.]+)s$", line):
+            launch["saves"] = float(m[1])
     record["launches"].append(launch)
     save(record, path)
 
@@ -349,6 +352,7 @@ def one_launch(run: dict, got: dict, next_resumed: int | None) -> tuple:
     as train.py timed them; what is left is start-up before the first record, a save after."""
     lost = {"start_up": 0.0, "saving": 0.0, "failures": 0.0, "other": 0.0}
     seconds = {}
+    untimed = 0.0  # after the first record, what train.py did not time as steps: saves, an exit
     prev_step, prev_time = run["resumed"], run["start"]
     for r, rounds in got["records"]:
         n = r["step"] - prev_step
@@ -357,7 +361,10 @@ def one_launch(run: dict, got: dict, next_resumed: int | None) -> tuple:
         took = max(0.0, r["time"] - prev_time - rounds)
         timed = timed_seconds(r, n, run.get("ranks", 0))
         trained = took if timed is None else min(took, timed)
-        lost["start_up" if prev_time == run["start"] else "saving"] += took - trained
+        if prev_time == run["start"]:
+            lost["start_up"] += took - trained
+        else:
+            untimed += took - trained
         lost["other"] += rounds
         seconds.update({k: trained / n for k in range(prev_step + 1, r["step"] + 1)})
         prev_step, prev_time = r["step"], r["time"]
@@ -368,12 +375,17 @@ def one_launch(run: dict, got: dict, next_resumed: int | None) -> tuple:
     lost["other"] += got["tail_rounds"]
     if run["code"] != 0:
         lost["failures"] += tail
-        return seconds, lost
-    pace = sum(seconds.values()) / len(seconds) if seconds else 0.0
-    n = max(0, (next_resumed or 0) - prev_step)
-    trained = min(tail, n * pace)
-    seconds.update({k: trained / n for k in range(prev_step + 1, prev_step + n + 1)})
-    lost["saving"] += tail - trained
+    else:
+        pace = sum(seconds.values()) / len(seconds) if seconds else 0.0
+        n = max(0, (next_resumed or 0) - prev_step)
+        trained = min(tail, n * pace)
+        seconds.update({k: trained / n for k in range(prev_step + 1, prev_step + n + 1)})
+        untimed += tail - trained
+    # train.py's `done:` line says how long a clean end's saves took; the rest is its exit (and
+    # torchrun's). A failed launch's time between records is its saves.
+    saving = min(untimed, run.get("saves", untimed))
+    lost["saving"] += saving
+    lost["other"] += untimed - saving
     return seconds, lost
 
 

@@ -668,12 +668,14 @@ class FakeJob:
     def start(self, t):
         self.at(t).recover.main(["start", self.record, "--job", "7"])
 
-    def launch(self, start, end, code, resumed, records):
-        """A launch from `start` to `end` (srun's status `code`) that resumed from step-`resumed` (0: none)
-        and logged the training records {step: time}."""
+    def launch(self, start, end, code, resumed, records, saves=None):
+        """A launch from `start` to `end` (srun's status `code`) that resumed from step-`resumed` (0: none),
+        logged the training records {step: time}, and ended with train.py's `done:` line (its saves' seconds)."""
         offset = self.log.stat().st_size
         lines = [f"0: ...; config in {self.dump}/config.toml"]
         lines += [f"0: resumed from {self.dump}/checkpoint/step-{resumed} at step {resumed}"] if resumed else []
+        lines += [f"0: done: step 9, 9 tokens, 1m wall; loss 2.0; validation 0.0s, evals 0.0s, saves {saves}s"
+                  ] if saves is not None else []
         with open(self.log, "a") as f:
             f.write("\n".join(lines) + "\n")
         with open(self.dump / "metrics.jsonl", "a") as f:
@@ -698,15 +700,15 @@ class FakeJob:
 
 def test_goodput_leaves_out_the_queue_the_start_up_and_the_saves(tmp_path, monkeypatch, capsys):
     """The issue's job: 34 s of training, a time-limit requeue an hour in the queue, 6 s more. Each step
-    takes 1 s; each launch 20-30 s of start-up before its first step, 2-3 s to save and exit at its end."""
+    takes 1 s; each launch 20-30 s of start-up before its first step, 2-3 s to save (1-2 s) and exit at its end."""
     job = FakeJob(tmp_path, monkeypatch)
     job.start(0.0)
-    job.launch(10.0, 77.0, 0, 0, {s: 40.0 + s for s in range(1, 35)})  # stopped at step 34 on the warning
+    job.launch(10.0, 77.0, 0, 0, {s: 40.0 + s for s in range(1, 35)}, saves=2.0)  # stopped at 34: the warning
     job.start(3677.0)  # an hour queued
-    job.launch(3680.0, 3708.0, 0, 34, {s: 3666.0 + s for s in range(35, 41)})
+    job.launch(3680.0, 3708.0, 0, 34, {s: 3666.0 + s for s in range(35, 41)}, saves=1.0)
     numbers, record = job.end(3709.0, capsys)
     assert numbers == {"trained": 40.0, "queued": 3600.0, "start up": 63.0, "trained again": 0.0,
-                       "saving": 5.0, "failures": 0.0, "other": 1.0, "steps trained twice": 0, "requeues": 1}
+                       "saving": 3.0, "failures": 0.0, "other": 3.0, "steps trained twice": 0, "requeues": 1}
     assert record["record"] == "goodput" and "step" not in record, record  # no training step's key
     assert record["steps_kept"] == 40 and record["goodput"] == pytest.approx(40 / 3709)
     assert record["wall_seconds"] == 3709.0 and record["lost_seconds"]["queued"] == 3600.0
