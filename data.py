@@ -14,6 +14,7 @@ the same global batch, and resuming with another DP degree that divides num_stre
 
 import base64
 import binascii
+import contextlib
 import functools
 import io
 import json
@@ -29,6 +30,7 @@ from typing import Optional
 import fsspec
 import pyarrow.parquet as pq
 
+import pretrain.sources
 from pretrain.data_manifest import make_manifest, source_files
 from pretrain.mirror import open_file
 from pretrain.sources import HUB_TIMEOUT, MIB, DataError, DataSource, HubFile, retry_or_raise
@@ -330,7 +332,24 @@ class PackedStream:
             assert reader.state_dict() == self.positions[self.cur], moved
 
 
-def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int):
+@contextlib.contextmanager
+def reads_within(seconds: float):
+    """Every Hub read and retry inside the block, here and in the loader workers, ends within
+    `seconds` (comm.init_timeout_seconds) of its start, in all, or stops with one DataError line:
+    while one rank reads a step's batches, the other ranks wait for it in a collective, and slow
+    retries, each within its own budget, add up. An enclosing block's end holds (one around a
+    step's micro-batches)."""
+    if pretrain.sources.STEP[0] != math.inf:  # inside an enclosing block
+        yield
+        return
+    pretrain.sources.STEP[:] = [time.monotonic() + seconds, seconds]
+    try:
+        yield
+    finally:  # (STEP itself may be new by now: the workers' shared copy)
+        pretrain.sources.STEP[0] = math.inf
+
+
+def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int, step):
     """Loader process: reads and tokenizes the documents of its (stream, source) pairs, in order,
     into one bounded queue per pair. Each document travels with its reader positions, so the trainer
     checkpoints exactly what it consumed, whatever was read ahead. SIGTERM/SIGUSR1/SIGINT are
@@ -340,6 +359,7 @@ def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int):
         signal.signal(sig, signal.SIG_IGN)
     # blocked from the fork to here: none got through
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    pretrain.sources.STEP = step  # the trainer's: its step's reads end then
     tok = Tokenizer(tokenizer_path)
     readers = {}
     # files: from the trainer
@@ -381,6 +401,9 @@ class Workers:
         self.stop = ctx.Event()
         self.procs = []
         self.failed = {}  # (stream, source) -> its error
+        self.names = [r.src.name for r in streams[0].readers]  # each source's, for the lines
+        # the end of the step's reads, in memory the workers share: set by reads_within here
+        pretrain.sources.STEP = ctx.RawArray("d", pretrain.sources.STEP)
         # A child inherits the signal mask: these stay blocked until the worker ignores them, so a
         # signal sent to every process of the job while a worker starts up cannot kill it. The
         # trainer's own come after.
@@ -393,7 +416,8 @@ class Workers:
                     jobs.append(((s, i), r.src, r.files, r.stream, r.num_streams, r.seed, r.timeout,
                                  r.budget, streams[s].positions[i]))
                 queues = {k: self.queues[k] for k, *_ in jobs}
-                args = (streams[0].tok.path, jobs, queues, self.stop, os.getpid())
+                args = (streams[0].tok.path, jobs, queues, self.stop, os.getpid(),
+                        pretrain.sources.STEP)
                 self.procs.append(ctx.Process(target=_worker, daemon=True, args=args))
                 self.procs[-1].start()
         finally:
@@ -403,19 +427,31 @@ class Workers:
         """Source i's next document for stream s, as `PackedStream.read_doc` gives it."""
         if (s, i) in self.failed:
             raise DataError(self.failed[(s, i)])
+        asked = time.monotonic()
         while True:
+            # past the step's end, the worker's own line (it names the file) has a second to come
+            left = pretrain.sources.STEP[0] + 1 - time.monotonic()
             try:
-                item = self.queues[(s, i)].get(timeout=5)
+                item = self.queues[(s, i)].get(timeout=min(5, max(left, 0.01)))
                 break
             except queue.Empty:
                 dead = [p for p in self.procs if not p.is_alive()]
                 if dead:
                     raise DataError(f"data loader worker {dead[0].pid} died "
                                     f"(exit code {dead[0].exitcode})")
+                if left <= 0:  # a read that is slow but not failing, or a worker slow to start
+                    raise DataError(self.too_long(s, i, time.monotonic() - asked))
         if item[0] == "error":  # the worker has stopped: later reads of this pair fail at once
             self.failed[(s, i)] = item[1]
             raise DataError(item[1])
         return item
+
+    def too_long(self, s: int, i: int, waited: float) -> str:
+        seconds = pretrain.sources.STEP[1]
+        return (f"data source {self.names[i]!r}: the reads of one step took longer than "
+                f"comm.init_timeout_seconds = {seconds:g} s, how long the other ranks wait for this "
+                f"one in a collective: stream {s}'s next document was {waited:.0f} s in coming from "
+                "its loader worker; raise it to give the Hub longer")
 
     def close(self):
         self.stop.set()
@@ -463,6 +499,7 @@ class DataLoader:
         self.per_stream = local_batch_size // per_rank
         self.num_workers = num_workers
         self.workers = None
+        self.budget = budget  # seconds a batch's reads may take in all (reads_within)
 
     def check(self):
         """Read the next document of every (stream, source), in this process and in a copy (the
@@ -485,8 +522,9 @@ class DataLoader:
         reads = [None] * len(self.streams)  # None: each stream reads in this process
         if self.workers:
             reads = [functools.partial(self.workers.get, s) for s in range(len(self.streams))]
-        rows = [st.next_window(read) for st, read in zip(self.streams, reads)
-                for _ in range(self.per_stream)]
+        with reads_within(self.budget):
+            rows = [st.next_window(read) for st, read in zip(self.streams, reads)
+                    for _ in range(self.per_stream)]
         import torch  # here, not at the top: loader workers never need it and start a second sooner
         batch = torch.tensor(rows, dtype=torch.long)  # (local_batch_size, seq_len + 1)
         return batch[:, :-1], batch[:, 1:]

@@ -5,6 +5,7 @@ into batches.
     DataSource        one [[data.sources]] / [[validation.sources]] table
     resolve_files     the source's files (a Hub id as `datasets` resolves it, or a local folder)
     retry_or_raise    the retry rule of every Hub read: transient errors, within a budget
+    STEP              the end of a training step's reads, as a whole: seen by every read and retry
     HubFile           one pinned Hub file, read by ranged GETs that retry where they broke
 Pinning what was resolved: data_manifest.py. Reading a pinned file (the Hub, a mirror, a path): mirror.py.
 """
@@ -35,6 +36,10 @@ METADATA_FILES = ("README.md", ".huggingface.yaml", "config.json", "dataset_info
 HUB_TIMEOUT = 60.0  # seconds a Hub read may go without a byte: [data] hub_timeout_seconds
 HF_URL = r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)"  # a pinned Hub file: repo id, commit, path
 logger = logging.getLogger("data")
+# [end, seconds] of the reads of the training step under way (data.py's reads_within): the end a
+# time.monotonic() (one clock for every process of a machine), inf while none reads. Loader workers
+# and their trainer share theirs (data.py's Workers): the workers' reads see the step it waits in.
+STEP = [math.inf, math.inf]
 
 
 class DataError(ValueError):
@@ -96,8 +101,9 @@ def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int,
     """Pause before retrying a transient error; anything else, or one failure too many, is one
     DataError line. So is a retry (its pause, then `next_try`: the longest the next try may take)
     that could end more than `budget` s (comm.init_timeout_seconds: the other ranks' wait in a
-    collective) after `started`, when the first try failed. The pause is at least what a 429 or 503
-    asks for (plus 1 s, as huggingface_hub waits), within that budget."""
+    collective) after `started`, when the first try failed, or past the end of the step's reads
+    (STEP). The pause is at least what a 429 or 503 asks for (plus 1 s, as huggingface_hub
+    waits), within that budget."""
     if isinstance(e, DataError):
         raise e
     spent = time.monotonic() - started
@@ -106,23 +112,27 @@ def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int,
     pause = 0
     if retries_left:
         pause = max(RETRY_DELAYS[failures], asked + 1 if asked else 0)
-    if retries_left and spent + pause + next_try <= budget:
+    in_budget = spent + pause + next_try <= budget
+    in_step = time.monotonic() + pause + next_try <= STEP[0]
+    if retries_left and in_budget and in_step:
         logger.warning(f"data source {name!r}: {type(e).__name__} {what}; retrying in {pause:g} s")
         return time.sleep(pause)
     reason = f"{type(e).__name__}: {str(e)[:300]}"
     status = getattr(getattr(e, "response", None), "status_code", None)
     not_found = type(e).__name__ in ("DatasetNotFoundError", "RepositoryNotFoundError")
+    asked_for = f" (the Hub asked for a pause of {asked:g} s)" if asked else ""
+    times = "once" if not failures else f"{failures + 1} times"
     if status in (401, 403, 404) or not_found:
         http = f" (HTTP {status})" if status else ""
         why = (f"the Hub refused {path!r}{http} while {what}: check the dataset id and revision; "
                "for a gated or private set log in (`hf auth login` or `huggingface-cli login`, "
                "or set HF_TOKEN) and accept its terms on the dataset's Hub page")
-    elif retries_left:  # but the next would not fit in the budget
-        asked_for = f" (the Hub asked for a pause of {asked:g} s)" if asked else ""
-        times = "once" if not failures else f"{failures + 1} times"
+    elif retries_left:  # but the next would not fit in the budget: this read's, or its step's
+        limit = budget if not in_budget else STEP[1]
+        of_what = "" if not in_budget else " for the reads of one step in all"
         why = (f"{what} failed {times} in {spent:.0f} s and stopped retrying: another "
-               f"try{asked_for} could end past comm.init_timeout_seconds = {budget:g} s, how long "
-               "the other ranks wait for this one in a collective; raise it to give the Hub longer")
+               f"try{asked_for} could end past comm.init_timeout_seconds = {limit:g} s{of_what}, how "
+               "long the other ranks wait for this one in a collective; raise it to give the Hub longer")
     elif failures:
         why = f"{what} failed {failures + 1} times"
     else:
@@ -244,6 +254,11 @@ class HubFile(io.RawIOBase):
             return 0
         started = time.monotonic()  # the retry budget runs from this range's first try
         for failures in range(len(RETRY_DELAYS) + 1):
+            if time.monotonic() > STEP[0]:  # slow answers, each within its timeout, add up
+                raise DataError(f"data source {self.name!r}: the reads of one step took longer than "
+                                f"comm.init_timeout_seconds = {STEP[1]:g} s, how long the other ranks wait "
+                                f"for this one in a collective, before reading {self.hf_url} at byte "
+                                f"{self.pos:,}; raise it to give the Hub longer")
             try:
                 body = self.get(self.pos, self.pos + n - 1)
                 break

@@ -321,12 +321,62 @@ def test_a_read_that_keeps_failing_gives_up_within_the_budget_with_one_line(hub,
             print(f"{name}: one line after {took:.1f} s: {msg}")
             # within the budget, give or take the last try's own few ms past its timeout; a worker starts up first
             assert name == "worker" or took < budget + 0.2
-            assert re.match(r"data source 'fm': reading hf://datasets/HuggingFaceTB/finemath@[0-9a-f]{40}/"
-                            r"finemath-3plus/train-0000\d-of-00002.parquet( at row 0)? failed (once|\d+ times) in \d+ "
-                            r"s and stopped retrying: .* comm.init_timeout_seconds = 0.8 s, .* raise it .*"
-                            r"\(ReadTimeout", msg), msg
+            # (a worker that took longer than the budget to start: its step's reads are over before they begin)
+            step_over = msg.startswith("data source 'fm': the reads of one step took longer than "
+                                       "comm.init_timeout_seconds = 0.8 s, ")
+            assert (name == "worker" and step_over) or re.match(
+                r"data source 'fm': reading hf://datasets/HuggingFaceTB/finemath@[0-9a-f]{40}/finemath-3plus/"
+                r"train-0000\d-of-00002.parquet( at row 0)? failed (once|\d+ times) in \d+ s and stopped retrying: .* "
+                r"comm.init_timeout_seconds = 0.8 s, .* raise it .*\(ReadTimeout", msg), msg
     finally:
         in_worker.close()
+
+
+def test_the_reads_of_one_batch_end_within_the_budget_in_all(hub, tok, monkeypatch):
+    """Each 512-byte range of a batch's C4 reads fails once (503) and is retried after a pause that fits in the
+    budget (comm.init_timeout_seconds) by itself; the batch's ranges together would take longer, while the other
+    ranks wait in a collective. The batch stops within the budget, with one line naming the file."""
+    monkeypatch.setattr(sources, "RETRY_DELAYS", (0.4,) * 9)
+    monkeypatch.setattr(data, "MIB", 64)  # the reader's 8 "MiB" ranges are 512 bytes: a batch reads about ten
+    src = DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz")
+    manifest = data_manifest.make_manifest([src])
+    loader = DataLoader([src], tok, 512, 8, 0, 1, 1, manifest=manifest, timeout=0.3, budget=1.5)
+    hub.faults = {"c4-train.": [None, 503] * 10}  # each range's first try after the first range's: 0.4 s lost
+    t0 = time.monotonic()
+    with pytest.raises(DataError) as e:
+        within(15, next, loader)
+    took, msg = time.monotonic() - t0, str(e.value)
+    print(f"one line after {took:.1f} s: {msg}")
+    assert took < 1.5 + 0.2 and "\n" not in msg
+    assert re.match(r"data source 'c4': reading hf://datasets/allenai/c4@[0-9a-f]{40}/en/c4-train.0000\d-of-00004"
+                    r".json.gz failed once in 0 s and stopped retrying: another try could end past "
+                    r"comm.init_timeout_seconds = 1.5 s for the reads of one step in all, how long the other ranks "
+                    r"wait for this one in a collective; raise it .*\(HfHubHTTPError", msg), msg
+    assert sources.STEP[0] == float("inf")  # no step reads now: a read outside a batch is not bounded by it
+
+
+@pytest.mark.slow
+def test_a_loader_workers_reads_end_with_the_step_it_waits_in(hub, tok):
+    """The same in a loader worker (a process of its own, with RETRY_DELAYS' pauses of 1, 2, 4 s): a parquet file's
+    footer and then its row group each fail three times, 7 s of pauses each, within the budget of 8 s by itself.
+    The worker's reads end with the step the trainer waits in (its start-up is inside too), with one line naming
+    the file, not after the 14 s of both."""
+    src = DataSource(name="dclm", path="Zyphra/Zyda-2", config="dclm_crossdeduped")
+    manifest = data_manifest.make_manifest([src])
+    loader = DataLoader([src], tok, 64, 1, 0, 1, 1, num_workers=1, manifest=manifest, timeout=0.5, budget=8)
+    hub.faults = {"dclm_crossdeduped/": [503, 503, 503, None] * 2}
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(DataError) as e:
+            within(30, next, loader)
+    finally:
+        loader.close()
+    took, msg = time.monotonic() - t0, str(e.value)
+    print(f"one line after {took:.1f} s: {msg}")
+    assert took < 8 + 0.5 and "\n" not in msg
+    assert re.match(r"data source 'dclm': reading hf://datasets/Zyphra/Zyda-2@[0-9a-f]{40}/data/dclm_crossdeduped/"
+                    r".*\.parquet failed (once|\d times) in \d s and stopped retrying: another try could end past "
+                    r"comm.init_timeout_seconds = 8 s for the reads of one step in all", msg), msg
 
 
 def test_a_hub_read_must_fit_in_the_collectives_wait():
