@@ -4,6 +4,7 @@ step-N once every rank has written, so a crash at any moment leaves only complet
 behind, and the previous one stays until the new one is in place. checkpoint.py says what a
 checkpoint holds, and resumes from one."""
 
+import concurrent.futures
 import json
 import logging
 import os
@@ -104,27 +105,26 @@ class Saver:
                     shutil.rmtree(os.path.join(self.folder, d), ignore_errors=True)
         dist.barrier()
         state = make_state()
+        background = self.cfg.async_mode == "async" and not final
+        future = concurrent.futures.Future()  # a sync save's outcome, held as an async one's
         try:
-            if self.cfg.async_mode == "async" and not final:
+            if background:
                 future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
-                self.pending = (future, step, time.monotonic())
-                blocked = time.perf_counter() - t0
-                logger.info(f"checkpoint step-{step}: training blocked {blocked:.2f}s (async)")
-                return
-            dcp.save(state, checkpoint_id=tmp, process_group=self.group)
-            self.commit(step)
-            blocked = time.perf_counter() - t0
-            saved = f"{self.folder}/step-{step}"
-            logger.info(f"saved checkpoint {saved}: training blocked {blocked:.2f}s")
+            else:
+                dcp.save(state, checkpoint_id=tmp, process_group=self.group)
+                future.set_result(None)
         except (CheckpointException, OSError, RuntimeError) as e:
-            # disk full, quota, past save_timeout_seconds (gloo); a timed-out group may be broken:
-            # the next save makes a new one
-            self.group = None
-            self.failed(step, why(e), final)
+            # disk full, quota, past save_timeout_seconds (gloo), maybe on some ranks: finish() agrees
+            future.set_exception(e)
+        self.pending = (future, step, time.monotonic())
+        blocked = f"training blocked {time.perf_counter() - t0:.2f}s"
+        if background:  # put in place (or failed, on every rank) at a later step boundary
+            return logger.info(f"checkpoint step-{step}: {blocked} (async)")
+        self.finish(final, f": {blocked}")
 
-    def finish(self):
-        """Wait until every rank's async save has ended (at most save_timeout_seconds from its start),
-        then rename it into place if it went well on every rank; else it failed, on every rank alike."""
+    def finish(self, final: bool = False, note: str = " (async)"):
+        """Wait until every rank's save has ended (at most save_timeout_seconds from its start), then
+        rename it into place if it went well on every rank; else it failed on all alike (`final`: raise)."""
         future, step, started = self.pending
         self.pending = None
         # every rank polls in step on the default group (its ranks are all here) until none writes
@@ -145,14 +145,14 @@ class Saver:
             error = (f"rank {states.index('late')} was still writing after "
                      f"checkpoint.save_timeout_seconds = {self.cfg.save_timeout_seconds} s")
         if error:
-            # a write still running, or a timed-out group: the next save makes a new one
+            # a write still running, or a timed-out group: every rank makes a new one at the next save
             self.group = None
-            return self.failed(step, error, final=False)
+            return self.failed(step, error, final)
         try:
             self.commit(step)
-            logger.info(f"saved checkpoint {self.folder}/step-{step} (async)")
+            logger.info(f"saved checkpoint {self.folder}/step-{step}{note}")
         except OSError as e:
-            self.failed(step, why(e), final=False)
+            self.failed(step, why(e), final)
 
     def close(self):
         """On an error exit, with no collective (a rank may be gone): wait for this rank's async

@@ -285,6 +285,54 @@ def two_runs(dump: str):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_a_save_that_failed_on_one_rank_only_fails_on_both_and_the_next_one_works(tmp_path, mode):
+    """Rank 1's save raises after DCP's last collective (its gloo timed out there), rank 0's went well: both must
+    count it failed, and both make the new save group (dist.new_group is a collective), so the next save is in
+    place on both, not a hang or a mismatched collective until the timeout."""
+    proc = run_training(["one_rank_save_fails", str(tmp_path), mode], nproc=2, program="tests/test_robustness.py",
+                        timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    failed = re.findall(r"rank (\d): checkpoint step-1 failed \(RuntimeError: Timed out waiting .*\); the newest "
+                        r"complete checkpoint is still none", out)
+    assert sorted(failed) == ["0", "1"], out[-3000:]
+    assert sorted(re.findall(r"rank (\d): saved checkpoint \S+/step-2", out)) == ["0", "1"], out[-3000:]
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2"]
+
+
+def one_rank_save_fails(dump: str, mode: str):
+    """The script side of the test above, on each rank of 2."""
+    import logging
+    import types
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from pretrain import checkpoint_folder
+    dist.init_process_group("gloo", timeout=timedelta(seconds=10))
+    rank = dist.get_rank()
+    logging.basicConfig(level=logging.INFO, format=f"rank {rank}: %(message)s", stream=sys.stdout, force=True)
+    cfg = types.SimpleNamespace(enable=True, save_timeout_seconds=10, async_mode=mode, keep_latest_k=0)
+    saver = checkpoint_folder.Saver(cfg, os.path.join(dump, "checkpoint"), lambda: {"dim": 8})
+    dcp = checkpoint_folder.dcp
+    saves = {"disabled": dcp.save, "async": dcp.async_save}
+
+    def save_then_time_out(*args, **kwargs):
+        saves[mode](*args, **kwargs)
+        raise RuntimeError("Timed out waiting 10000ms for recv operation to complete")
+
+    setattr(dcp, saves[mode].__name__, save_then_time_out if rank == 1 else saves[mode])
+    saver.save(1, lambda: {"w": torch.full((4,), 1.0)}, final=False)
+    setattr(dcp, saves[mode].__name__, saves[mode])
+    saver.save(2, lambda: {"w": torch.full((4,), 2.0)}, final=False)
+    if saver.pending is not None:
+        saver.finish()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
 def test_a_data_error_on_one_rank_ends_every_rank_with_the_same_line(tmp_path):
     """Stream 1's C4 file is cut off mid-way: only the rank reading it fails, several steps in, inside a
     gradient accumulation (the failing micro-batch is not the step's last); both ranks must end with that
@@ -504,4 +552,5 @@ if __name__ == "__main__":
     if os.environ.get("CHECK"):
         globals()[os.environ["CHECK"]](sys.argv[1])
     else:
-        {"two_runs": two_runs, "slow_runs": slow_runs}[sys.argv[1]](sys.argv[2])
+        scripts = {"two_runs": two_runs, "slow_runs": slow_runs, "one_rank_save_fails": one_rank_save_fails}
+        scripts[sys.argv[1]](*sys.argv[2:])
