@@ -41,14 +41,14 @@ def fail(msg: str):
     sys.exit(2)
 
 
-def planned(extra: list, world_size: int):
+def planned(extra: list, world_size: int, gpu: bool | None = None):
     """The config, train.validate's sizes and a meta-device model (shapes only: any flavor on any
-    machine) with the vocabulary the run will have (train.model_args)."""
+    machine) with the vocabulary the run will have (train.model_args). gpu: train.validate's."""
     import torch
     import train
     from model import Transformer
     cfg = train.load_config(extra)
-    sizes = train.validate(cfg, world_size)
+    sizes = train.validate(cfg, world_size, gpu)
     with torch.device("meta"):
         return cfg, Transformer(train.model_args(cfg)), sizes
 
@@ -58,7 +58,7 @@ def estimate(args, extra):  # bench.py memory
     if args.world_size is None and train.load_config(extra).model.flavor != "debugmodel":
         fail("--world_size is missing: the number of GPUs in the job (e.g. --world_size 8); "
              "it sets the sharding")
-    cfg, model, sizes = planned(extra, args.world_size or 1)
+    cfg, model, sizes = planned(extra, args.world_size or 1, gpu=args.device == "cuda")  # the job's
     parts = memory.estimate_memory(model, cfg, sizes, cuda=args.device == "cuda")
     print(memory.format_estimate(parts))
     for name, capacity in memory.GPUS if args.device == "cuda" else []:

@@ -381,7 +381,7 @@ def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int, st
         while undelivered and not stop.is_set() and os.getppid() == parent:
             for q in list(undelivered):
                 try:
-                    q.put_nowait(("error", str(e)))
+                    q.put_nowait(("error", str(e), e.fault))
                     undelivered.remove(q)
                 except queue.Full:  # nobody is waiting on a full queue yet: try again later
                     pass
@@ -426,7 +426,7 @@ class Workers:
     def get(self, s: int, i: int):
         """Source i's next document for stream s, as `PackedStream.read_doc` gives it."""
         if (s, i) in self.failed:
-            raise DataError(self.failed[(s, i)])
+            raise DataError(*self.failed[(s, i)])
         asked = time.monotonic()
         while True:
             # past the step's end, the worker's own line (it names the file) has a second to come
@@ -440,10 +440,10 @@ class Workers:
                     raise DataError(f"data loader worker {dead[0].pid} died "
                                     f"(exit code {dead[0].exitcode})")
                 if left <= 0:  # a read that is slow but not failing, or a worker slow to start
-                    raise DataError(self.too_long(s, i, time.monotonic() - asked))
+                    raise DataError(self.too_long(s, i, time.monotonic() - asked), fault=True)
         if item[0] == "error":  # the worker has stopped: later reads of this pair fail at once
-            self.failed[(s, i)] = item[1]
-            raise DataError(item[1])
+            self.failed[(s, i)] = item[1:]  # its line, and whether a fault
+            raise DataError(*item[1:])
         return item
 
     def too_long(self, s: int, i: int, waited: float) -> str:

@@ -183,7 +183,7 @@ def main(argv: list):
     if not args.to:
         raise ConfigError("--to DIR is missing: the folder to fetch the run's files into "
                           "(or --manifest PATH)")
-    sizes = train.validate(cfg, world_size(cfg, args.world_size))
+    sizes = train.validate(cfg, world_size(cfg, args.world_size), gpu=True)  # the job's GPUs' rules
     tokens = args.tokens or cfg.training.steps * sizes["global_batch_size"] * cfg.training.seq_len
     streams = cfg.data.num_streams or sizes["dp"]
     download(cfg, held_out, tokens, streams, args.to, args.workers)

@@ -36,17 +36,18 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from torch.distributed.tensor.parallel import RowwiseParallel
 from torch.distributed.tensor.parallel import SequenceParallel, loss_parallel, parallelize_module
 
-from data import DataLoader, Tokenizer, ignore_boundaries
+from data import DataLoader, Tokenizer, ignore_boundaries, reads_within
 from model import Transformer, flavors, keyed_normal_
 from pretrain import config
 from pretrain import evals
 from pretrain import float8
 from pretrain import spikes
-from pretrain.checkpoint import Checkpointer, CheckpointError
+from pretrain.checkpoint import Checkpointer
 from pretrain.checkpoint_folder import SaveError
 from pretrain.config import ConfigError, to_toml, unknown
 from pretrain.data_manifest import manifest_sha256, pinned_manifest, shared_manifest, verify_manifest
-from pretrain.distributed import agree, agree_on_reads, init_distributed, lost_rank, stop_on_signals
+from pretrain.distributed import agree, agree_on_reads, init_distributed, stop_on_signals
+from pretrain.faults import FAULT, RUN, USER, CheckpointError, Fault, is_fault, lost_rank
 from pretrain.float8 import Float8
 from pretrain.loss import chunked_loss, cross_entropy_and_z
 from pretrain.metrics import MetricsLogger, memory_stats, peak_tflops
@@ -233,8 +234,10 @@ def model_args(cfg: Config, tokenizer=None):
     return flavor_args(cfg, tokenizer.n_words, tokenizer.bos_id)
 
 
-def validate(cfg: Config, world_size: int) -> dict:
-    """Reject configs that cannot work, before a process group or model exists; return the sizes."""
+def validate(cfg: Config, world_size: int, gpu: bool | None = None) -> dict:
+    """Reject configs that cannot work, before a process group or model exists; return the sizes.
+    gpu: whether the job's GPUs are H100-class (True: a job modelled elsewhere, float8.check's rule);
+    None: this machine runs it, and is asked."""
     t = cfg.training
     p = cfg.parallelism
     v = cfg.validation
@@ -284,7 +287,7 @@ def validate(cfg: Config, world_size: int) -> dict:
         value = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
         if not ok(value):
             raise ConfigError(f"{key} = {value!r}: must be {allowed}")
-    float8.check(cfg)
+    float8.check(cfg, gpu)
     evals.check(cfg)
     spikes.check(cfg)
     args = flavor_args(cfg)
@@ -549,21 +552,22 @@ def build_loader(cfg: Config, tokenizer, dp_rank: int, dp: int, manifest: dict) 
 
 def read_step(loader: DataLoader, cfg: Config, grad_accum: int, args, device) -> tuple:
     """(batches, data_error, seconds): the step's micro-batches on the device, with the positions
-    that carry no signal ignored; this rank's first failed read, after which its batches are zeros
-    so that it keeps in step with the other ranks' collectives (all stop after the step); and the
-    seconds spent waiting for the loader."""
+    that carry no signal ignored; this rank's first failed read (its DataError), after which its
+    batches are zeros so that it keeps in step with the other ranks' collectives (all stop after
+    the step); and the seconds spent waiting for the loader."""
     batches, data_error, seconds = [], "", 0.0
-    for _ in range(grad_accum):
-        started = time.perf_counter()
-        try:
-            inputs, labels = next(loader)  # (local_batch_size, seq_len) each
-        except DataError as e:
-            inputs = labels = torch.zeros(cfg.training.local_batch_size, cfg.training.seq_len,
-                                          dtype=torch.long)
-            data_error = data_error or str(e)
-        seconds += time.perf_counter() - started
-        batches.append((inputs.to(device, non_blocking=True),
-                        ignore_boundaries(labels, args).to(device, non_blocking=True)))
+    with reads_within(cfg.comm.init_timeout_seconds):  # the step's reads, all micro-batches, in all
+        for _ in range(grad_accum):
+            started = time.perf_counter()
+            try:
+                inputs, labels = next(loader)  # (local_batch_size, seq_len) each
+            except DataError as e:
+                zeros = torch.zeros(cfg.training.local_batch_size, cfg.training.seq_len)
+                inputs = labels = zeros.long()
+                data_error = data_error or e
+            seconds += time.perf_counter() - started
+            batches.append((inputs.to(device, non_blocking=True),
+                            ignore_boundaries(labels, args).to(device, non_blocking=True)))
     return batches, data_error, seconds
 
 
@@ -636,8 +640,9 @@ def open_dump_folder(cfg: Config, rank: int, device):
 
 def share_manifest(cfg: Config, rank: int, device) -> dict:
     """The files of every source: rank 0 alone resolves them (or reads the run's pinned manifest),
-    every rank gets them through the job's store (data_manifest.shared_manifest). Then each node
-    checks the local files in use once, split over its ranks (a node-local copy may differ)."""
+    every rank gets them through the job's store (data_manifest.shared_manifest), or its DataError.
+    Then each node checks the local files in use once, split over its ranks (a node-local copy may
+    differ)."""
     held_out = (cfg.validation.sources if cfg.validation.enable else []) + evals.sources(cfg.eval)
     if rank == 0:
         logger.info("data manifest: rank 0 reads or makes it; "
@@ -650,12 +655,9 @@ def share_manifest(cfg: Config, rank: int, device) -> dict:
     manifest = shared_manifest(store, rank, cfg.data.resolve_timeout_seconds, make)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    in_use = [*cfg.data.sources, *held_out]
-    if isinstance(manifest, str):  # rank 0's one line
-        error = manifest
-    else:
-        error = verify_manifest(manifest, local_rank, local_world, in_use)
-    agree(error, device)
+    # a node whose copy differs from rank 0's: a fault of that node (agree names it)
+    error = verify_manifest(manifest, local_rank, local_world, [*cfg.data.sources, *held_out])
+    agree(DataError(error, fault="node") if error else "", device)
     return manifest
 
 
@@ -666,7 +668,7 @@ def check_sources(loader: DataLoader, rank: int, wait: float):
     try:
         loader.check()
     except DataError as e:
-        error = str(e)
+        error = e
     agree_on_reads(error, rank, wait)
 
 
@@ -874,8 +876,8 @@ if __name__ == "__main__":
     try:
         main(load_config(sys.argv[1:]))
     except (Exception, KeyboardInterrupt) as e:
-        expected = (ConfigError, DataError, CheckpointError, RunError, SaveError)  # one line each
-        line = str(e) if isinstance(e, expected) else lost_rank(e)
+        user = (ConfigError, DataError, CheckpointError)  # one line each (pretrain/faults.py)
+        line = str(e) if isinstance(e, (*user, RunError, SaveError, Fault)) else lost_rank(e)
         if line:
             print(f"error: {line}", file=sys.stderr, flush=True)
         else:  # a bug, or Ctrl-C: its traceback
@@ -888,7 +890,7 @@ if __name__ == "__main__":
         # Then leave at once: a rank lingering in teardown gets torchrun's SIGTERM, a process group
         # freed at shutdown can abort in gloo's threads, and Python's exit would wait forever for the
         # loader workers, which ignore its SIGTERM. They end by themselves when their rank is gone.
-        os._exit(2 if isinstance(e, (ConfigError, DataError, CheckpointError)) else 3 if line else 1)
+        os._exit(FAULT if is_fault(e) else USER if isinstance(e, user) else RUN if line else 1)
     # main() closed the loader, the logs and the process group: skip torch's teardown (0.7 s a run)
     logging.shutdown()
     sys.stdout.flush()

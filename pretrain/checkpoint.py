@@ -6,6 +6,7 @@ unpickles anything."""
 
 import json
 import logging
+import math
 import os
 
 import torch
@@ -19,14 +20,12 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict
 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
 from pretrain import checkpoint_folder
+from pretrain.distributed import raise_first, wait_for_rank0
+from pretrain.faults import CheckpointError, node_name
 from pretrain.float8 import plain
 from pretrain.titan_layout import load_torchtitan, model_prefix
 
 logger = logging.getLogger("checkpoint")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used (incomplete, another model, another run): one line, exit code 2."""
 
 
 def json_tensor(obj) -> torch.Tensor:
@@ -60,6 +59,7 @@ class Checkpointer:
         self.guard = guard
         self.sd_options = StateDictOptions(flatten_optimizer_state_dict=True)
         self.saver = checkpoint_folder.Saver(cfg, folder, model.args.params)
+        self.chosen = 0  # choices of a step-N so far
 
     def state(self, step: int, tokens_seen: int, model_only: bool = False) -> dict:
         """Everything a resume needs, as tensors only: DCP then never unpickles anything on load."""
@@ -89,28 +89,39 @@ class Checkpointer:
         model_only = step == self.steps and self.cfg.last_save_model_only
         self.saver.save(step, lambda: self.state(step, tokens_seen, model_only), final)
 
-    def complete(self) -> list:
-        """The complete step-N, as rank 0 lists them: every rank loads what it chose (NFS listings
-        can differ)."""
-        listed = self.cfg.enable and self.rank == 0
-        done = [checkpoint_folder.checkpoints(self.folder, warn=True) if listed else []]
-        dist.broadcast_object_list(done, src=0)
-        return done[0]
+    def choose(self, below: float = math.inf) -> list:
+        """[step, why] as rank 0 finds them: load_step's (or None, and why it cannot be loaded), else
+        the newest complete step-N below `below` (None: none). The other ranks wait for it in the
+        job's store, as for the other reads at start-up (a busy filesystem's listing may outlast a
+        collective's timeout); every rank then loads what rank 0 chose (NFS listings can differ)."""
+        self.chosen += 1  # a key of its own for each choice (a rewind chooses again)
+        key = f"checkpoint_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}_{self.chosen}"
+        store = dist.distributed_c10d._get_default_store()
+        if self.rank == 0:
+            found = [None, ""]
+            path = os.path.join(self.folder, f"step-{self.cfg.load_step}")
+            if self.cfg.enable and self.cfg.load_step >= 0 and below == math.inf:
+                why = checkpoint_folder.incomplete(path) if os.path.isdir(path) else "no such folder"
+                found = [None if why else self.cfg.load_step, why]
+            elif self.cfg.enable:
+                found[0] = checkpoint_folder.newest_complete(self.folder, below, warn=True)
+            store.set(f"{key}/found", json.dumps(found))
+        wait_for_rank0(store, key, self.rank, self.cfg.save_timeout_seconds,
+                       f"the checkpoint folder {self.folder}", "checkpoint.save_timeout_seconds")
+        return json.loads(store.get(f"{key}/found"))
 
     def resume(self):
         """(step, tokens_seen) from the newest complete step-N (or load_step), else initial_load_path."""
         cfg = self.cfg
-        done = self.complete()
-        if cfg.load_step >= 0 and cfg.load_step not in done:
+        step, why = self.choose()
+        if why:
             path = os.path.join(self.folder, f"step-{cfg.load_step}")
-            why = checkpoint_folder.incomplete(path) if os.path.isdir(path) else "no such folder"
             raise CheckpointError(f"checkpoint.load_step = {cfg.load_step}: {path} cannot be "
-                                  f"loaded ({why}); complete: {done}")
-        if done:
-            step = cfg.load_step if cfg.load_step >= 0 else done[-1]
+                                  f"loaded ({why})")
+        if step is not None:
             path = os.path.join(self.folder, f"step-{step}")
-            if "train.tokens_seen" in self.agreed_metadata(path):
-                return self.load(path, model_only=False)
+            if "train.tokens_seen" in (meta := self.agreed_metadata(path)):
+                return self.load(path, model_only=False, meta=meta)
             if step < self.steps:
                 raise CheckpointError(f"{path} holds only model weights (a last_save_model_only "
                                       "export); start from it with checkpoint.initial_load_path "
@@ -126,10 +137,15 @@ class Checkpointer:
         return 0, 0
 
     def metadata(self, path: str) -> dict:
-        """Sizes of the tensors in a DCP folder, after checking that it is complete and fits our model."""
-        if reason := checkpoint_folder.incomplete(path):
+        """Sizes of the tensors in a DCP folder, after checking that it is complete and fits our model
+        (its .metadata read once)."""
+        try:
+            whole = dcp.FileSystemReader(path).read_metadata()
+        except Exception:  # missing, truncated, or not DCP at all: incomplete() says which
+            whole = None
+        if reason := checkpoint_folder.incomplete(path, whole):
             raise CheckpointError(f"{path} is not a complete DCP checkpoint: {reason}")
-        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        meta = whole.state_dict_metadata
         prefix = model_prefix(meta)
         ours = {f"{prefix}{k}": tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
         bad = [f"{k} {tuple(meta[k].size)} vs ours {s}" for k, s in ours.items()
@@ -145,32 +161,32 @@ class Checkpointer:
         """metadata(path) as rank 0 finds it, on every rank: a node's view of a shared filesystem
         can be stale, so rank 0 alone checks it, and every rank stops with rank 0's line, or with
         that of a rank that cannot read it."""
-        error = ""  # this rank's line, if it cannot read the metadata
+        error = ("", False)  # this rank's line, if it cannot read the metadata, and whether a fault
         meta = None
         try:
-            reader = dcp.FileSystemReader(path)
             if self.rank == 0:
                 meta = self.metadata(path)
             else:
-                meta = reader.read_metadata().state_dict_metadata
+                meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         except CheckpointError as e:
-            error = str(e)
+            error = (str(e), False)
         except Exception as e:  # what DCP's reader raises: any error of the file system or format
             metadata = os.path.join(path, ".metadata")
-            error = (f"rank {self.rank} cannot read {metadata}, which rank 0 found complete "
-                     f"({type(e).__name__}: {str(e)[:200]})".replace("\n", " "))
+            error = (f"rank {self.rank} cannot read {metadata}, which rank 0 found complete "  # stale
+                     f"({type(e).__name__}: {str(e)[:200]})".replace("\n", " "), "node")
         errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        if error := next((e for e in errors if e), ""):
-            raise CheckpointError(error)
+        dist.all_gather_object(errors, (*error, node_name()))
+        if any(line for line, _, _ in errors):
+            raise_first(errors, CheckpointError)
         return meta
 
-    def load(self, path: str, model_only: bool, rewind: bool = False):
-        """(step, tokens_seen) of the checkpoint at `path`, loaded. rewind: the data loader keeps its
-        place and the spike guard its counters (SpikeGuard.rewind)."""
-        meta = self.agreed_metadata(path)
+    def load(self, path: str, model_only: bool, rewind: bool = False, meta: dict | None = None):
+        """(step, tokens_seen) of the checkpoint at `path` (`meta`: its metadata, if read), loaded.
+        rewind: the data loader keeps its place and the spike guard its counters (SpikeGuard.rewind)."""
+        meta = meta or self.agreed_metadata(path)
         if model_prefix(meta) == "":  # torchtitan's layout
-            return self.load_titan(path, meta, model_only)
+            optimizer = None if model_only else self.optimizer  # its data position is another loader's
+            return load_torchtitan(path, meta, self.model, optimizer, self.scheduler), 0
         rank_key = f"rank{self.rank}"  # this rank's RNG state in the checkpoint
         model = {k: plain(v) for k, v in get_model_state_dict(self.model).items()}
         state = {"model": model} if model_only else self.state(0, 0)
@@ -218,24 +234,6 @@ class Checkpointer:
         logger.info(f"resumed from {path} at step {step}")
         self.log_changes(train, steps)
         return step, int(train["tokens_seen"])
-
-    def load_titan(self, path: str, meta: dict, model_only: bool):
-        """(step, 0) from torchtitan's layout: its data position is another loader's."""
-        if not model_only and "train_state.step" not in meta:
-            raise CheckpointError(f"{path} is a model-only torchtitan save (its "
-                                  "last_save_model_only export): take its weights with "
-                                  "checkpoint.initial_load_model_only = true, or continue from "
-                                  "one of its full step-N")
-        optimizer = None if model_only else self.optimizer
-        try:
-            step = load_torchtitan(path, self.model, optimizer, self.scheduler)
-        except CheckpointException as e:
-            raise CheckpointError(f"cannot load {path}: {checkpoint_folder.why(e)}")
-        if not model_only:
-            logger.info(f"{path} is torchtitan's: took its weights, AdamW moments, step {step} "
-                        "and lr schedule position; not its data position (another loader): the "
-                        "data starts from its beginning")
-        return step, 0
 
     def log_changes(self, train: dict, steps: int):
         """Logs what this resume changes of the values it may change: notes, training.steps."""

@@ -7,6 +7,7 @@ checkpoint holds, and resumes from one."""
 import concurrent.futures
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -31,11 +32,11 @@ def why(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[:300]}".replace("\n", " ")
 
 
-def incomplete(path: str):
-    """Why a step-N folder cannot be loaded (None if it can): DCP's .metadata must be readable and every
-    file it names at least as long as the data it records there (an rsync cut short, a full disk)."""
+def incomplete(path: str, meta=None):
+    """Why a step-N folder cannot be loaded (None if it can): DCP's .metadata (`meta`, if read) must be
+    readable, every file it names as long as the data it records there (an rsync cut short)."""
     try:
-        meta = dcp.FileSystemReader(path).read_metadata()
+        meta = meta or dcp.FileSystemReader(path).read_metadata()
     except Exception as e:  # missing, truncated, or not DCP at all
         metadata = os.path.join(path, ".metadata")
         return f"{metadata} is missing or unreadable ({type(e).__name__})"
@@ -61,9 +62,22 @@ def checkpoints(folder: str, warn: bool = False) -> list:
     return [s for s in steps if not reasons[s]]
 
 
+def newest_complete(folder: str, below: float = math.inf, warn: bool = False):
+    """The newest complete step-N below `below`, or None. Checked from the newest down: a long run's
+    folder costs a listing and a check or two. `warn` logs each incomplete one passed over."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    for s in sorted((int(m[1]) for d in names if (m := re.fullmatch(r"step-(\d+)", d))), reverse=True):
+        reason = incomplete(os.path.join(folder, f"step-{s}")) if s < below else "later"
+        if not reason:
+            return s
+        if warn and s < below:
+            logger.warning(f"skipping incomplete checkpoint step-{s}: {reason}")
+    return None
+
+
 def newest(folder: str) -> str:
-    done = checkpoints(folder)
-    return os.path.join(folder, f"step-{done[-1]}") if done else "none"
+    step = newest_complete(folder)
+    return os.path.join(folder, f"step-{step}") if step is not None else "none"
 
 
 class Saver:

@@ -187,7 +187,7 @@ def log_new_files(e: dict, path: str, timeout: float, budget: float):
 
 
 def shared_manifest(store, rank: int, wait: float, make):
-    """Each rank's copy of the run's manifest (or rank 0's DataError line): rank 0 alone calls
+    """Each rank's copy of the run's manifest (or rank 0's DataError, raised on each): rank 0 alone calls
     make(), puts it in the job's c10d store (not a gloo group: sockets to every rank); all wait
     `wait` s (a Hub may outlast a collective)."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
@@ -196,7 +196,7 @@ def shared_manifest(store, rank: int, wait: float, make):
         try:
             result = make()
         except DataError as e:  # the one line every rank prints
-            result = str(e)
+            result = {"error": str(e), "fault": e.fault}
         # every rank GETs it: paths compress ~10x
         store.set(key, zlib.compress(json.dumps(result).encode()))
     try:
@@ -205,8 +205,11 @@ def shared_manifest(store, rank: int, wait: float, make):
         fix = ("raise it, or make the manifest before the job (python download_data.py --config C "
                "--manifest PATH; [data] manifest = PATH)")
         raise DataError(f"rank {rank} waited data.resolve_timeout_seconds = {wait} s for rank 0 to "
-                        f"resolve the data: {fix}") from e
-    return json.loads(zlib.decompress(store.get(key)))
+                        f"resolve the data: {fix}", fault=True) from e
+    result = json.loads(zlib.decompress(store.get(key)))
+    if isinstance(result, dict) and "error" in result:  # every rank raises it: nothing to agree
+        raise DataError(result["error"], fault=result["fault"])
+    return result
 
 
 def verify_manifest(manifest: dict, part: int = 0, parts: int = 1, sources=None) -> str:

@@ -1,16 +1,15 @@
 """The ranks of one job, and what they tell each other: the process group and the (dp_replicate,
 dp_shard, tp) mesh with every group's wait bounded; one rank's error raised on every rank (agree);
 rank 0's reading handed to the others through the job's c10d store (a reading may outlast a
-collective's timeout); and the one line for a rank that stopped answering (lost_rank). train.py,
-dryrun.py and preflight.py start alike through init_distributed.
+collective's timeout); preemption signals. train.py, dryrun.py and preflight.py start alike through
+init_distributed.
 """
 
 import ctypes
+import json
 import os
-import re
 import signal
 import sys
-import traceback
 from datetime import timedelta
 
 import torch
@@ -18,92 +17,75 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from pretrain.config import ConfigError
+from pretrain.faults import Fault, node_name, on_node
 from pretrain.sources import DataError
 
-# the repository's root: frames of its files (train.py, model.py, pretrain/) are the ones lost_rank's line names
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OURS = (ROOT, os.path.join(ROOT, "pretrain"))
-
-
-# What a rank's exception says when another rank ended, as torch 2.11-2.15 word it (the texts, and where each came
-# from: tests/test_robustness.py). NCCL's watchdog mostly ends the process itself, with its own lines.
-WAITED = (r"Timed out waiting (\d+)ms", r"Watchdog caught collective operation timeout: .*?Timeout\(ms\)=(\d+)")
-# a connection that broke: to the peer's process (SIGKILL, lost node), its listener, c10d's store (its host)
-GONE = r"Connection (closed|reset) by (remote )?peer|Connection refused|Broken pipe|Socket closed|Failed to recv"
-GONE += r"|ncclRemoteError|Connect timeout"  # the last: a new group's peer never connected
-
-
-def lost_rank(e: BaseException) -> str:
-    """One line, naming where and what broke, for a collective another rank left or never joined; else ''."""
-    text = str(e).replace("\n", " ")
-    waited = next(filter(None, (re.search(w, text) for w in WAITED)), None)
-    gone = re.search(GONE, text)
-    if not isinstance(e, RuntimeError) or not (waited or gone):
-        return ""
-    frames = traceback.extract_tb(e.__traceback__)
-    ours = [f for f in frames if os.path.dirname(os.path.abspath(f.filename)) in OURS]
-    where = ""
-    if ours:
-        last = ours[-1]  # the innermost frame of our files
-        where = f" in {last.name} ({os.path.relpath(last.filename, ROOT)}:{last.lineno})"
-    rank = os.environ.get("RANK", "0")
-    if waited:
-        seconds = int(waited[1]) / 1000
-        return (f"rank {rank}: a collective{where} waited {seconds:g} s "
-                "(comm.init_timeout_seconds) for a rank that never joined it: a rank stopped "
-                "(crashed, froze, ran out of memory, lost its node); its log or its node's says "
-                "which. Raise the timeout only if a step can take longer than that")
-    return (f"rank {rank}: a collective{where} lost its connection to another rank ({gone[0]}), which "
-            "ended: that rank's own error line or traceback says why")
-
-
-def agree(error: str, device) -> None:
-    """Every rank learns whether any rank failed (error non-empty), and all raise that rank's one
-    line, so no rank is left waiting in a collective for one that has stopped."""
+def agree(error, device) -> None:
+    """Every rank learns whether any rank failed (error: '' or its exception), and all raise that
+    rank's one line, so no rank is left waiting in a collective for one that has stopped."""
     flag = torch.tensor(int(bool(error)), device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag:
         errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        raise ConfigError(next(e for e in errors if e))
+        dist.all_gather_object(errors, (str(error), getattr(error, "fault", False), node_name()))
+        raise_first(errors)
 
 
-def agree_on_reads(error: str, rank: int, wait: float) -> None:
+def raise_first(errors: list, user=ConfigError):
+    """Raise the first of every rank's (line, fault, node) that has a line: a Fault (pretrain/faults.py
+    says which), named after its node when only some nodes saw it (a restart leaves it out), else a
+    `user` error."""
+    line, fault, node = next(e for e in errors if e[0])
+    everywhere = {n for text, _, n in errors if text} == {n for _, _, n in errors}
+    if not fault or (fault == "node" and everywhere):
+        raise user(line)
+    raise Fault(line if everywhere else on_node(line, node))
+
+
+def agree_on_reads(error, rank: int, wait: float) -> None:
     """agree() after every rank read on its own (a read's retries may outlast a collective's
     timeout): in the job's store, rank 0 waits up to `wait` s (data.resolve_timeout_seconds) for
     every rank's outcome, and every rank raises rank 0's verdict, the first rank's error, or that a
-    rank never answered."""
+    rank never answered (a fault: a slow Hub)."""
     store = dist.distributed_c10d._get_default_store()
     world = dist.get_world_size()
     # a restarted job's store keeps old keys
     key = f"checked_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
-    store.set(f"{key}/{rank}", error)
+    store.set(f"{key}/{rank}", json.dumps((str(error), getattr(error, "fault", False), node_name())))
     if rank == 0:
         keys = [f"{key}/{r}" for r in range(world)]
         try:
             store.wait(keys, timedelta(seconds=wait))
-            verdict = next((e for e in store.multi_get(keys) if e), b"").decode()
+            errors = [json.loads(e) for e in store.multi_get(keys)]
+            verdict = ("", False)
+            if any(line for line, _, _ in errors):
+                try:
+                    raise_first(errors)
+                except (ConfigError, Fault) as e:
+                    verdict = (str(e), isinstance(e, Fault))
         except RuntimeError:  # c10d's DistStoreError
             late = [r for r in range(world) if not store.check([keys[r]])]
             verdict = (f"rank 0 waited data.resolve_timeout_seconds = {wait:g} s for rank "
                        f"{late[0]} (of {len(late)} late) to read the next document of its sources: "
-                       "a slow or rate-limited Hub? Raise it")
-        store.set(f"{key}/verdict", verdict)
+                       "a slow or rate-limited Hub? Raise it", True)
+        store.set(f"{key}/verdict", json.dumps(verdict))
     try:  # rank 0's own reading, then its wait for the others
         store.wait([f"{key}/verdict"], timedelta(seconds=2 * wait))
     except RuntimeError as e:
         raise DataError(f"rank {rank} waited 2 x data.resolve_timeout_seconds = {2 * wait:g} s for "
                         "rank 0 to read the next document of its sources and hear from every rank: "
-                        "raise it") from e
-    if verdict := store.get(f"{key}/verdict").decode():
-        raise DataError(verdict)
+                        "raise it", fault=True) from e
+    line, fault = json.loads(store.get(f"{key}/verdict"))
+    if line:
+        raise DataError(line, fault=fault)
 
 
-def wait_for_rank0(store, key: str, rank: int, wait: float, what: str):
+def wait_for_rank0(store, key: str, rank: int, wait: float, what: str,
+                   name: str = "data.resolve_timeout_seconds"):
     """Where rank 0 reads alone (`what`), the others wait for it in the job's c10d store, up to
-    `wait` s (what that reading may take), not in a collective (comm.init_timeout_seconds, for ranks
-    that are all working). Rank 0 calls it when done; what it last put under `key`/doing is the
-    waiting ranks' line if they give up."""
+    `wait` s (what that reading may take; the key `name`), not in a collective
+    (comm.init_timeout_seconds, for ranks that are all working). Rank 0 calls it when done; what it
+    last put under `key`/doing is the waiting ranks' line if they give up."""
     if rank == 0:
         return store.set(key, "done")
     try:
@@ -112,9 +94,9 @@ def wait_for_rank0(store, key: str, rank: int, wait: float, what: str):
         doing = "starting"  # rank 0 put no line there yet
         if store.check([f"{key}/doing"]):
             doing = store.get(f"{key}/doing").decode()
-        raise DataError(f"rank {rank} waited data.resolve_timeout_seconds = {wait:g} s for rank 0 "
-                        f"to read {what} alone, and it was still {doing}: a slow or rate-limited "
-                        "Hub? Raise it") from e
+        raise DataError(f"rank {rank} waited {name} = {wait:g} s for rank 0 to read {what} alone, "
+                        f"and it was still {doing}: a slow Hub or filesystem? Raise it",
+                        fault=True) from e
 
 
 def from_rank0(t: torch.Tensor, device) -> torch.Tensor:

@@ -44,7 +44,12 @@ STEP = [math.inf, math.inf]
 
 class DataError(ValueError):
     """A problem with the user's tokenizer, data or data config (not a bug): its text is one line,
-    which train.py and the CLI print as is (exit 2)."""
+    which train.py and the CLI print as is (exit 2). fault: the infrastructure's instead (a Hub
+    that kept failing, a slow read past a wait): exit 4, a restart may succeed (pretrain/faults.py)."""
+
+    def __init__(self, line: str, fault: bool = False):
+        super().__init__(line)
+        self.fault = fault
 
 
 @dataclass
@@ -137,7 +142,9 @@ def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int,
         why = f"{what} failed {failures + 1} times"
     else:
         why = f"{what} failed at once: the file is damaged or unreadable"
-    raise DataError(f"data source {name!r}: {why} ({reason})".replace("\n", " ")) from e
+    # a transient error that outlasted its retries is the Hub's or the network's: a restart may do
+    raise DataError(f"data source {name!r}: {why} ({reason})".replace("\n", " "),
+                    fault=transient(e)) from e
 
 
 def bound_hub_requests(timeout: float):
@@ -258,7 +265,7 @@ class HubFile(io.RawIOBase):
                 raise DataError(f"data source {self.name!r}: the reads of one step took longer than "
                                 f"comm.init_timeout_seconds = {STEP[1]:g} s, how long the other ranks wait "
                                 f"for this one in a collective, before reading {self.hf_url} at byte "
-                                f"{self.pos:,}; raise it to give the Hub longer")
+                                f"{self.pos:,}; raise it to give the Hub longer", fault=True)
             try:
                 body = self.get(self.pos, self.pos + n - 1)
                 break

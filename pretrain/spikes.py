@@ -137,11 +137,11 @@ class SpikeGuard:
             checkpointer.saver.finish()
         first = self.rewind_due()
         self.skips = []
-        before = [s for s in checkpointer.complete() if s < first]
-        if not before:
+        before, _ = checkpointer.choose(below=first)
+        if before is None:
             return {"step": step, "rewound_to": step, "tokens_seen": tokens_seen,
                     "checkpoint": f"none before step {first}"}
-        path = os.path.join(checkpointer.folder, f"step-{before[-1]}")
+        path = os.path.join(checkpointer.folder, f"step-{before}")
         to, tokens = checkpointer.load(path, model_only=False, rewind=True)
         self.in_a_row = 0
         self.rewinds += 1

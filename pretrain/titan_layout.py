@@ -5,8 +5,11 @@ model alone. Ours keep `model.*`. checkpoint.py loads either layout for `initial
 checkpoint_convert.py converts from and to it.
 """
 
+import logging
+
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -14,7 +17,11 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+from pretrain.checkpoint_folder import why
+from pretrain.faults import CheckpointError
 from pretrain.float8 import plain
+
+logger = logging.getLogger("checkpoint")
 
 # a full torchtitan save, beside the model
 TITAN_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
@@ -49,12 +56,16 @@ class PlainLoadPlanner(DefaultLoadPlanner):
         self.values[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
 
-def load_torchtitan(path: str, model, optimizer=None, scheduler=None) -> int:
-    """Loads a torchtitan checkpoint's model into `model`; with an `optimizer` (a full save) also
-    its AdamW moments (the same flattened keys as ours) and its lr schedule's position into
-    `scheduler`. Returns its step (0 for the weights alone). Its data position is its own loader's
-    and cannot carry over; its token count is one rank's, so a run continued from it counts tokens
-    from 0."""
+def load_torchtitan(path: str, meta: dict, model, optimizer=None, scheduler=None) -> int:
+    """Loads a torchtitan checkpoint's model into `model` (`meta`: its tensors); with an `optimizer`
+    (a full save) also its AdamW moments (the same flattened keys as ours) and its lr schedule's
+    position into `scheduler`. Returns its step (0 for the weights alone). Its data position is its
+    own loader's and cannot carry over; its token count is one rank's, so a run continued from it
+    counts tokens from 0. What cannot be loaded is a CheckpointError's one line."""
+    if optimizer is not None and "train_state.step" not in meta:
+        raise CheckpointError(f"{path} is a model-only torchtitan save (its last_save_model_only "
+                              "export): take its weights with checkpoint.initial_load_model_only = "
+                              "true, or continue from one of its full step-N")
     weights = {k: plain(v) for k, v in get_model_state_dict(model).items()}
     state = dict(weights)
     if optimizer is not None:
@@ -63,7 +74,10 @@ def load_torchtitan(path: str, model, optimizer=None, scheduler=None) -> int:
         state.update(moments)
         state.update({"train_state.step": None, "lr_scheduler.last_epoch": None})  # pickled ints
     planner = PlainLoadPlanner()
-    dcp.load(state, checkpoint_id=path, planner=planner)
+    try:
+        dcp.load(state, checkpoint_id=path, planner=planner)
+    except CheckpointException as e:
+        raise CheckpointError(f"cannot load {path}: {why(e)}")
     set_model_state_dict(model, {k: state[k] for k in weights})
     if optimizer is None:
         return 0
@@ -78,4 +92,8 @@ def load_torchtitan(path: str, model, optimizer=None, scheduler=None) -> int:
     scheduler.load_state_dict({**scheduler.state_dict(), **at})
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
-    return int(planner.values["train_state.step"])
+    step = int(planner.values["train_state.step"])
+    logger.info(f"{path} is torchtitan's: took its weights, AdamW moments, step {step} and lr "
+                "schedule position; not its data position (another loader): the data starts from "
+                "its beginning")
+    return step

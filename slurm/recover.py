@@ -173,9 +173,10 @@ def diagnose(lines: list, nodes: list, down: list) -> dict:
     """The failed node of a launch on `nodes` (srun's task i ran on nodes[i]), from the launch's log
     lines, in this order:
     1. one Slurm marks down;
-    2. a rank that died by itself (a signal, a traceback), not one that lost its peer (exit 3);
-    3. srun's first failed task that lost no peer;
-    4. the one node that said nothing while the others lost a peer.
+    2. one a fault's line names (`error: node NAME: ...`, exit 4: pretrain/faults.py);
+    3. a rank that died by itself (a signal, a traceback), not one that lost its peer (exit 3);
+    4. srun's first failed task that lost no peer;
+    5. the one node that said nothing while the others lost a peer.
     Returns node (None: not named), how, error (the line to quote) and user (some rank's exit 2)."""
     failed, errors, sruns = reports(lines)
     def own(task):  # the task's first error line that is not a lost peer's
@@ -190,6 +191,10 @@ def diagnose(lines: list, nodes: list, down: list) -> dict:
     for node in down:
         if node in nodes:
             return named(node, "Slurm marks it down, drained or not responding")
+    for said in errors.values():  # every rank prints the fault's line: the node it names
+        for line in said:
+            if (m := re.match(r"node (\S+): ", line)) and m[1] in nodes:
+                return named(m[1], "a fault of that node (exit 4)", line)
     # ranks that ended by themselves: any exit but 3 (lost a peer), or 3 with an error line of their own
     culprits = [(t, rank, code) for t, ended in failed.items() for rank, code in ended
                 if code != 3 or own(t)]

@@ -433,7 +433,8 @@ def test_initial_load_takes_torchtitan_layout_and_continues_its_run(tmp_path, ca
     import torch.distributed as dist
     sys.path.insert(0, ROOT)
     import train
-    from pretrain.checkpoint import Checkpointer, CheckpointError
+    from pretrain.checkpoint import Checkpointer
+    from pretrain.faults import CheckpointError
     from model import ModelArgs, Transformer
 
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=384, max_seq_len=32)

@@ -397,8 +397,8 @@ def test_validation_sources_are_pinned_when_first_used_and_are_no_resume_key(tmp
 # ---------------------------------------------------------------------------------------------------
 
 def two_nodes(tmp_path, cwd: list, config: str, *args, env=None) -> list:
-    """Start rank 0 and rank 1 of a 2-rank job, one per "node" (its own working directory), with the bundled
-    tokenizer; return the two processes."""
+    """Start rank 0 and rank 1 of a 2-rank job, one per "node" (its own working directory and Slurm node name,
+    node0 and node1), with the bundled tokenizer; return the two processes."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -409,7 +409,7 @@ def two_nodes(tmp_path, cwd: list, config: str, *args, env=None) -> list:
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                                   "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "OMP_NUM_THREADS": "1",
-                                  **(env or {})}) for rank in (0, 1)]
+                                  "SLURMD_NODENAME": f"node{rank}", **(env or {})}) for rank in (0, 1)]
 
 
 @pytest.mark.slow  # two launches of train.py: 10 s of CPU importing torch, too much for the quick tier
@@ -430,7 +430,9 @@ def test_every_node_checks_every_local_file_of_its_own_copy(tmp_path, monkeypatc
     procs = two_nodes(tmp_path, nodes, os.path.join(ROOT, "configs", "debug_model.toml"))
     outs = [p.communicate(timeout=300)[0] for p in procs]
     errors = [ln for out in outs for ln in out.splitlines() if ln.startswith("error:")]
-    assert [p.returncode for p in procs] == [2, 2] and len(errors) == 2 and errors[0] == errors[1], outs
+    # node 1's fault, not the config's: exit 4, and the line names the node a restart leaves out
+    assert [p.returncode for p in procs] == [4, 4] and len(errors) == 2 and errors[0] == errors[1], outs
+    assert errors[0].startswith("error: node node1: data source ")
     assert f"{local[0][1]}/{local[0][2]} changed (other bytes, same size)" in errors[0]
 
 
@@ -455,7 +457,7 @@ def test_ranks_waiting_for_rank_0s_resolution_stop_at_their_own_deadline_with_on
     finally:
         hub.close()
     errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
-    assert procs[1].returncode == 2 and len(errors) == 1 and "Traceback" not in out, out
+    assert procs[1].returncode == 4 and len(errors) == 1 and "Traceback" not in out, out  # a slow Hub: retried
     assert "rank 1 waited data.resolve_timeout_seconds = 3 s for rank 0" in errors[0]
     assert "--manifest PATH" in errors[0] and time.time() - t0 < 60
 

@@ -501,9 +501,9 @@ def test_a_peer_that_ended_is_a_lost_rank_not_a_traceback(case):
     """Each backend's words for a peer that ended: one line that names what broke, which train.py prints before
     exit 3 (restarted by slurm/multinode.sbatch) and slurm/recover.py does not blame on this rank's node."""
     sys.path.insert(0, ROOT)
-    from pretrain import distributed
+    from pretrain import faults
     kind, text, what = LOST[case]
-    line = distributed.lost_rank(exception(kind, text))
+    line = faults.lost_rank(exception(kind, text))
     assert "\n" not in line and what in line, line
     lost = ("lost its connection to another rank", "for a rank that never joined it")  # slurm/recover.py's LOST
     assert any(words in line for words in lost), line
@@ -512,8 +512,8 @@ def test_a_peer_that_ended_is_a_lost_rank_not_a_traceback(case):
 @pytest.mark.parametrize("case", sorted(NOT_LOST))
 def test_anything_else_keeps_its_traceback(case):
     sys.path.insert(0, ROOT)
-    from pretrain import distributed
-    assert distributed.lost_rank(exception(*NOT_LOST[case])) == ""
+    from pretrain import faults
+    assert faults.lost_rank(exception(*NOT_LOST[case])) == ""
 
 
 def signals_in_a_handler(out: str):

@@ -72,10 +72,16 @@ class Cluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))}
         bin_dir = os.path.join(self.tmp, "bin")  # `torchrun` for the jobs = this interpreter's torch
         os.makedirs(bin_dir)
-        with open(os.path.join(bin_dir, "torchrun"), "w") as f:  # KILL_*: a job whose task KILL_TASK loses a rank
+        # KILL_*: a job whose task KILL_TASK loses a rank; FAULT_*: whose task FAULT_TASK's Hub reads time out at
+        # its first launch (tests/fault_train.py in place of train.py)
+        with open(os.path.join(bin_dir, "torchrun"), "w") as f:
             f.write(f"""#!/bin/sh
 if [ -n "${{KILL_METRICS:-}}" ] && [ "$SLURM_PROCID" = "${{KILL_TASK:-1}}" ]; then
     "{sys.executable}" "{ROOT}/tests/kill_rank.py" $$ "$KILL_METRICS" "${{KILL_AFTER:-3}}" "${{KILL_ONCE:-}}" &
+fi
+if [ -n "${{FAULT_ONCE:-}}" ] && [ "$SLURM_PROCID" = "${{FAULT_TASK:-1}}" ] && [ ! -e "$FAULT_ONCE" ]; then
+    touch "$FAULT_ONCE"
+    for a in "$@"; do shift; [ "$a" = train.py ] && a="{ROOT}/tests/fault_train.py"; set -- "$@" "$a"; done
 fi
 exec "{sys.executable}" -m torch.distributed.run "$@"
 """)
@@ -308,6 +314,7 @@ JOBS = {  # name: (sbatch args, environment); a kill after 8 new steps: step-5 i
     "no_spare": (["--nodes=2"], {"KILL_AFTER": "8", "KILL_ONCE": "killed"}),
     "crash_loop": (["--nodes=1"], {"KILL_TASK": "0", "KILL_AFTER": "1", "MAX_STALLED_RESTARTS": "0"}),
     "user_error": (["--nodes=1"], {}),
+    "fault": (["--nodes=2"], {"FAULT_TASK": "1", "FAULT_ONCE": "fault"}),  # a Hub that times out on one node
     # a spare swap, then the time-limit warning and a minute held in the queue (log_freq 2: watch)
     "swap_requeue": (["--nodes=2"], {"SPARE_NODES": "1", "KILL_TASK": "0", "KILL_AFTER": "4", "KILL_ONCE": "killed"}),
 }
@@ -359,6 +366,8 @@ def started_jobs(cluster, tmp_path_factory):
             env["KILL_METRICS"] = os.path.join(dumps[name], "metrics.jsonl")
         if "KILL_ONCE" in env:
             env["KILL_ONCE"] = os.path.join(dumps[name], "killed")  # the kill's time; none after the first
+        if "FAULT_ONCE" in env:
+            env["FAULT_ONCE"] = os.path.join(dumps[name], "fault")
         args = ["--job.dump_folder", dumps[name], *TRAIN_ARGS]
         if name == "user_error":
             args.append("--training.stepz=5")  # train.py's ConfigError on every rank: exit 2
@@ -454,8 +463,9 @@ def test_preflight_job_checks_both_nodes(jobs):
     out = read(log)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out[-4000:]}"
     assert "rank(s) per node, rendezvous" in out and "preflight.py check, config configs/debug_model.toml" in out
-    rows = re.findall(r"^\d: +([01])  (n[12]) +CPU ", out, re.M)  # srun's label, then the rank's row
-    assert sorted(r for r, _ in rows) == ["0", "1"] and sorted(n for _, n in rows) == ["n1", "n2"], out[-4000:]
+    rows = re.findall(r"^\d: +([01])  (n\d) +CPU ", out, re.M)  # srun's label, then the rank's row
+    # two of the three nodes, whichever the other jobs left free
+    assert sorted(r for r, _ in rows) == ["0", "1"] and len({n for _, n in rows}) == 2, out[-4000:]
     checks = {c: lv for lv, c in re.findall(r"^\d: (OK|WARN|FAIL) +([^:]+):", out, re.M)}
     for check in ("software", "matmul", "bandwidth within nodes", "bandwidth across nodes", "data manifest",
                   "data source 'c4' (assets/data/c4)",
@@ -616,6 +626,22 @@ def test_a_user_error_is_not_restarted(jobs):
     assert "restart 1" not in out
 
 
+@pytest.mark.slow
+def test_a_hub_that_times_out_on_one_node_is_retried_without_that_node(jobs):
+    """The first launch's ranks on task 1's node time out reading the Hub at start-up: every rank ends with the
+    fault's line naming that node, exit 4 (not 2, a user's error), and the job is requeued without it and
+    finishes on the nodes left."""
+    job_id, info, dump, log = jobs["fault"]
+    out = read(log)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{out[-5000:]}"
+    node = re.search(r"\d: error: node (n\d): data source 'c4': reading hf://\S+ failed 10 times", out)
+    assert node and "exitcode  : 4" in out, out[-5000:]
+    assert re.search(rf"restart 1 of 3 \(MAX_RESTARTS\): {node[1]} failed: a fault of that node \(exit 4\); "
+                     rf"requeue without {node[1]}", out), out[-5000:]
+    assert [s for s, _ in losses(dump)] == list(range(1, STEPS + 1))  # the fault came before the first step
+    assert os.path.isdir(os.path.join(dump, "checkpoint", f"step-{STEPS}"))
+
+
 def recover_module():
     import importlib.util
     spec = importlib.util.spec_from_file_location("recover", os.path.join(ROOT, "slurm", "recover.py"))
@@ -642,6 +668,9 @@ def test_the_failed_node_is_the_one_whose_rank_died_not_the_one_that_lost_its_pe
     assert user["user"] and user["error"] == "unknown key x"
     assert recover.diagnose(["srun: error: n1: task 0: Exited with exit code 1"], ["n1", "n2"], [])["node"] == "n1"
     assert recover.diagnose([], ["n1", "n2"], [])["node"] is None
+    fault = [f"{t}: error: node n2: data source 'c4': reading a file failed 10 times" for t in (0, 1)]
+    fault += [f"{t}:   exitcode  : 4 (pid: 1)" for t in (0, 1)]
+    assert recover.diagnose(fault, ["n1", "n2"], [])["node"] == "n2"  # the node the fault's line names
     nan = [f"{t}: error: step 9: the loss or the gradient norm is not finite" for t in (0, 1)]
     nan += [f"{t}:   exitcode  : 3 (pid: 1)" for t in (0, 1)]
     assert recover.diagnose(nan, ["n1", "n2"], [])["node"] is None  # every rank alike: no node to blame
