@@ -8,8 +8,9 @@ workers, exact resume. Where each source's files are (the Hub, the manifest): pr
 The stream is cut into `num_streams` logical streams that do not depend on how many GPUs read them:
 stream s reads part s of every source, mixes the sources by tokens and packs them into windows of
 seq_len + 1 tokens. Data-parallel rank r owns streams r*k .. r*k+k-1 (k = num_streams / dp), and a
-global batch takes the same number of windows from every stream. So one process and N processes see
-the same global batch, and resuming with another DP degree that divides num_streams is exact.
+global batch takes global_batch_size / num_streams windows from every stream, its rank's micro-batches
+taking its streams in turn. So one process and N processes see the same global batch, and resuming
+with another DP degree that divides num_streams is exact.
 """
 
 import base64
@@ -482,11 +483,9 @@ class DataLoader:
                  manifest: Optional[dict] = None, timeout: float = HUB_TIMEOUT,
                  budget: float = math.inf):
         num_streams = num_streams or dp_degree
-        if num_streams % dp_degree or local_batch_size % (num_streams // dp_degree):
+        if num_streams % dp_degree:
             raise DataError(f"data.num_streams={num_streams} must be a multiple of the "
-                            f"data-parallel degree {dp_degree}, "
-                            f"and local_batch_size={local_batch_size} a multiple "
-                            f"of the streams per rank ({num_streams // max(dp_degree, 1)})")
+                            f"data-parallel degree {dp_degree}")
         per_rank = num_streams // dp_degree
         self.names = [s.name for s in sources]
         self.stream_ids = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
@@ -496,7 +495,12 @@ class DataLoader:
         self.streams = [PackedStream(sources, files, tokenizer, seq_len, s, num_streams, seed,
                                      timeout, budget)
                         for s in self.stream_ids]
-        self.per_stream = local_batch_size // per_rank
+        # A stream gives `turn` windows in a row, then the next one: where local_batch_size is a
+        # multiple of the streams, each micro-batch takes the same from each (the layout before
+        # resizing); else the micro-batches take the streams one window each, in turn.
+        self.turn = 1 if local_batch_size % per_rank else local_batch_size // per_rank
+        self.at = 0  # windows taken in this round of turns: 0 at a step's end (train.validate's rule)
+        self.local_batch_size = local_batch_size
         self.num_workers = num_workers
         self.workers = None
         self.budget = budget  # seconds a batch's reads may take in all (reads_within)
@@ -522,9 +526,12 @@ class DataLoader:
         reads = [None] * len(self.streams)  # None: each stream reads in this process
         if self.workers:
             reads = [functools.partial(self.workers.get, s) for s in range(len(self.streams))]
+        rows = []
         with reads_within(self.budget):
-            rows = [st.next_window(read) for st, read in zip(self.streams, reads)
-                    for _ in range(self.per_stream)]
+            while len(rows) < self.local_batch_size:
+                s = self.at // self.turn  # whose turn it is
+                rows.append(self.streams[s].next_window(reads[s]))
+                self.at = (self.at + 1) % (self.turn * len(self.streams))
         import torch  # here, not at the top: loader workers never need it and start a second sooner
         batch = torch.tensor(rows, dtype=torch.long)  # (local_batch_size, seq_len + 1)
         return batch[:, :-1], batch[:, 1:]
@@ -540,6 +547,7 @@ class DataLoader:
 
     def state_dict(self) -> dict:
         """Per logical stream, keyed by stream id: a run on another DP degree picks up its own."""
+        assert self.at == 0, "a resume is exact at a step's end, after a whole round of turns"
         return {s: st.state_dict() for s, st in zip(self.stream_ids, self.streams)}
 
     def load_state_dict(self, sd: dict):

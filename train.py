@@ -331,10 +331,11 @@ def validate(cfg: Config, world_size: int, gpu: bool | None = None) -> dict:
                           "one read that waits that long outlasts the other ranks' wait "
                           "in a collective")
     streams = cfg.data.num_streams or dp
-    if streams % dp or t.local_batch_size % (streams // dp):
+    # a step takes gbs / streams sequences from every stream, whichever rank holds it: any micro-batch
+    if streams % dp or gbs % streams:
         raise ConfigError(f"data.num_streams = {streams} must be a multiple of the data-parallel "
-                          f"degree {dp} and divide into local_batch_size {t.local_batch_size} "
-                          "per rank")
+                          f"degree {dp} and divide training.global_batch_size {gbs} (a step takes "
+                          "as many sequences from every stream)")
     grad_accum = gbs // (t.local_batch_size * dp)  # micro-batches per optimizer step
     return {"dp_shard": shard, "dp": dp, "global_batch_size": gbs, "grad_accum": grad_accum}
 

@@ -118,6 +118,46 @@ def test_streams_are_disjoint_and_layout_independent(tok, sources):
     assert not torch.equal(next(rank0)[0], next(rank1)[0])
 
 
+def step_rows(loaders, accumulation) -> list:
+    """One step's windows from every rank's loader, as tuples, sorted: the global batch as a set."""
+    return sorted(tuple(row.tolist()) for loader in loaders for _ in range(accumulation) for row in next(loader)[0])
+
+
+def test_micro_batches_smaller_than_the_streams_take_them_in_turn_and_resume_on_fewer_ranks(tok, sources):
+    """A global batch of 4 over 4 streams (a window from each per step), local_batch_size 1: 4 ranks take a window
+    each; 2 ranks take their two streams in turn over 2 micro-batches; 1 rank its four over 4. Every layout's step is
+    the same global batch, and the state after a step on 4 ranks resumes on 2 and on 1 exactly (a job that lost
+    nodes). The old rule (local_batch_size a multiple of num_streams / DP) refused 2 ranks and 1."""
+    def layout(dp, state=None):
+        loaders = [DataLoader(sources, tok, 32, 1, r, dp, 4, seed=3) for r in range(dp)]
+        for loader in loaders if state else []:
+            loader.load_state_dict(state)
+        return loaders
+
+    four, one = layout(4), layout(1)
+    for _ in range(3):  # one rank's micro-batch i is stream i's window, the one rank i of four takes
+        assert all(torch.equal(next(one[0])[0], next(rank)[0]) for rank in four)
+    two, again = layout(2), layout(4)
+    assert all(step_rows(two, 2) == step_rows(again, 1) for _ in range(3))
+    state = {s: json.loads(json.dumps(sd)) for loader in four for s, sd in loader.state_dict().items()}
+    want = [step_rows(four, 1) for _ in range(5)]
+    two, one = layout(2, state), layout(1, state)
+    assert [step_rows(two, 2) for _ in range(5)] == want and [step_rows(one, 4) for _ in range(5)] == want
+
+
+def test_validate_takes_any_local_batch_when_the_streams_divide_the_global_batch():
+    """train.validate's rule: num_streams a multiple of DP and a divisor of the global batch; local_batch_size
+    free (1 on 1 process with 4 streams: 4 micro-batches a step). A global batch the streams do not divide: one line."""
+    debug = ["--config", os.path.join(ROOT, "configs", "debug_model.toml"), "--training.local_batch_size", "1"]
+    cfg = train.load_config([*debug, "--training.global_batch_size", "4", "--data.num_streams", "4"])
+    assert train.validate(cfg, 1)["grad_accum"] == 4
+    cfg = train.load_config([*debug, "--training.global_batch_size", "6", "--data.num_streams", "4"])
+    with pytest.raises(train.ConfigError) as e:
+        train.validate(cfg, 1)
+    assert str(e.value) == ("data.num_streams = 4 must be a multiple of the data-parallel degree 1 and divide "
+                            "training.global_batch_size 6 (a step takes as many sequences from every stream)")
+
+
 def test_local_json_and_parquet_folders_and_errors(tok, tmp_path):
     (tmp_path / "j").mkdir()
     with gzip.open(tmp_path / "j" / "a.json.gz", "wt") as f:
