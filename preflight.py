@@ -187,7 +187,7 @@ def check(args, extra):
         manifest, ranks[0]["manifest"], resolved, fresh = data_check.share_sources(cfg, rank)
     except sources.DataError as e:
         fail(str(e))
-    # each node checks every local file, split over its ranks as train.share_manifest does
+    # each node checks every local file, split over its ranks as startup.share_manifest does
     mine = nodes[r["node"]]
     part = mine.index(rank)
     streams = cfg.data.num_streams or sizes["dp"]

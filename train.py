@@ -15,7 +15,6 @@ loop. What the files beside it do: the README's table.
 
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import logging
 import math
@@ -42,11 +41,12 @@ from pretrain import config
 from pretrain import evals
 from pretrain import float8
 from pretrain import spikes
+from pretrain import startup
 from pretrain.checkpoint import Checkpointer
 from pretrain.checkpoint_folder import SaveError
 from pretrain.config import ConfigError, to_toml, unknown
-from pretrain.data_manifest import manifest_sha256, pinned_manifest, shared_manifest, verify_manifest
-from pretrain.distributed import agree, agree_on_reads, init_distributed, stop_on_signals
+from pretrain.data_manifest import manifest_sha256
+from pretrain.distributed import agree, init_distributed, stop_on_signals
 from pretrain.faults import FAULT, RUN, USER, CheckpointError, Fault, is_fault, lost_rank
 from pretrain.float8 import Float8
 from pretrain.loss import chunked_loss, cross_entropy_and_z
@@ -88,6 +88,7 @@ class Optimizer:
     beta2: float = 0.95  # Adam beta2
     eps: float = 1e-8  # Adam epsilon
     weight_decay: float = 0.1  # decoupled weight decay (applied to every weight)
+    state_dtype: str = "float32"  # AdamW's two moments: float32, or bfloat16 (4 bytes a parameter less; the update stays fp32)
 
 
 @dataclass
@@ -277,7 +278,7 @@ def validate(cfg: Config, world_size: int, gpu: bool | None = None) -> dict:
         "lr_scheduler.decay_type": one_of("linear", "cosine", "sqrt"),
         "training.mixed_precision_param": one_of("bfloat16", "float32"),
         "training.mixed_precision_reduce": one_of("bfloat16", "float32"),
-        "optimizer.name": one_of("AdamW"),
+        "optimizer.name": one_of("AdamW"), "optimizer.state_dtype": one_of("float32", "bfloat16"),
         "model.converters": (lambda x: set(x) <= {"float8"}, '[] or ["float8"]'),
         "checkpoint.async_mode": one_of("disabled", "async"),
         "checkpoint.export_dtype": one_of("float32", "bfloat16"),
@@ -377,10 +378,12 @@ def run_summary(cfg: Config, model: Transformer, world_size: int, sizes: dict) -
     """The start-up log line: the model, its size and vocabulary, the layout, the config's file."""
     p = cfg.parallelism
     description = cfg.job.description + ": " if cfg.job.description else ""
+    precision = cfg.training.mixed_precision_param
+    path = f"FSDP2 in {precision}" if sizes["dp"] > 1 else f"no FSDP (one dp rank), {precision} autocast"
     return (f"{description}model {cfg.model.flavor} "
             f"({model.num_params():,} parameters, vocab {model.args.vocab_size:,}), "
             f"world {world_size} = dp_replicate {p.data_parallel_replicate_degree} "
-            f"x dp_shard {sizes['dp_shard']} x tp {p.tensor_parallel_degree}, "
+            f"x dp_shard {sizes['dp_shard']} x tp {p.tensor_parallel_degree}, {path}, "
             f"grad accumulation {sizes['grad_accum']}; "
             f"config in {os.path.join(cfg.job.dump_folder, 'config.toml')}")
 
@@ -391,7 +394,8 @@ def run_summary(cfg: Config, model: Transformer, world_size: int, sizes: dict) -
 
 def parallelize(model: Transformer, mesh, cfg: Config):
     """torchtitan's order: tensor parallel, activation checkpointing, compile, then FSDP2 (which
-    must wrap the modules the steps before produced). Each step takes only what it needs."""
+    must wrap the modules the steps before produced), or autocast where one data-parallel rank has
+    nothing to shard. Each step takes only what it needs."""
     ac = cfg.activation_checkpoint
     if mesh["tp"].size() > 1:
         styles = float8.tp_styles(model, mesh.device_type, cfg.float8.recipe_name)
@@ -403,6 +407,8 @@ def parallelize(model: Transformer, mesh, cfg: Config):
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
     param_dtype = dtypes[cfg.training.mixed_precision_param]
     reduce_dtype = dtypes[cfg.training.mixed_precision_reduce]
+    if mesh["dp_replicate"].size() * mesh["dp_shard"].size() == 1:
+        return apply_autocast(model, mesh.device_type, param_dtype)
     hsdp = mesh["dp_replicate"].size() > 1  # HSDP: shard within dp_shard, replicate across groups
     dp_mesh = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
     apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype)
@@ -496,6 +502,16 @@ def apply_fsdp(model: Transformer, dp_mesh, param_dtype: torch.dtype, reduce_dty
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
+def apply_autocast(model: Transformer, device_type: str, param_dtype: torch.dtype):
+    """One data-parallel rank (one GPU, or TP alone): FSDP would only cast every weight to bf16 twice
+    a step and copy the gradients. Instead the forward runs under torch.autocast at param_dtype over
+    fp32 weights, as torchtitan does: the model's, and its output layer's, which the loss calls a
+    chunk at a time (pretrain/loss.py). Backward runs outside it, as autocast asks."""
+    if param_dtype != torch.float32:
+        for module in (model, model.output):
+            module.forward = torch.autocast(device_type, dtype=param_dtype)(module.forward)
+
+
 def replicate_unplanned(model: torch.nn.Module, tp_mesh):
     """Parameters the TP plan does not name (a q/k norm, a gate) become replicated on the TP mesh
     (clip_grad_norm_ needs one mesh). Each TP rank computes on its share of the activations, so the
@@ -536,11 +552,50 @@ def layout_independent_normal(seed: int):
 def build_optimizer(model, cfg: Config, device: torch.device):
     """The optimizer and its lr schedule. Checkpointing saves whatever state the optimizer keeps."""
     o = cfg.optimizer
-    # fused: one kernel per step on CUDA and CPU (the debug model's CPU step: ~10x foreach's speed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                  weight_decay=o.weight_decay, fused=True)
+    kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    if o.state_dtype == "bfloat16":
+        optimizer = AdamWBF16State(model.parameters(), **kwargs)
+    else:  # fused: one kernel per step on CUDA and CPU (the debug model's CPU step: ~10x foreach's)
+        optimizer = torch.optim.AdamW(model.parameters(), **kwargs, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
     return optimizer, scheduler
+
+
+class AdamWBF16State(torch.optim.Optimizer):
+    """torch.optim.AdamW's update with its two moments stored in bf16: 4 bytes a parameter instead of
+    8. Each parameter's moments are read up to fp32, updated, applied and rounded back in turn, so
+    the fp32 copies exist for one parameter at a time (torch's fused AdamW wants one dtype)."""
+
+    def __init__(self, params, lr: float, betas: tuple, eps: float, weight_decay: float):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    def load_state_dict(self, state_dict: dict):
+        super().load_state_dict(state_dict)  # which casts the moments to the weights' dtype: undo it
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = state[key].to(torch.bfloat16)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+            for p in (p for p in group["params"] if p.grad is not None):
+                state = self.state[p]
+                if not state:  # "step" on the host, as torch's AdamW keeps it off CUDA graphs
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                state["step"] += 1
+                t = state["step"].item()
+                grad = p.grad.float()
+                exp_avg = state["exp_avg"].float().lerp_(grad, 1 - beta1)
+                exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2)
+                exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
+                p.mul_(1 - lr * group["weight_decay"])  # decoupled weight decay
+                denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
+                p.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**t))
+                state["exp_avg"].copy_(exp_avg)
+                state["exp_avg_sq"].copy_(exp_avg_sq)
 
 
 def build_loader(cfg: Config, tokenizer, dp_rank: int, dp: int, manifest: dict) -> DataLoader:
@@ -610,68 +665,9 @@ def lr_factor(step: int, cfg: Config) -> float:
 
 
 # -------------------------------------------------------------------------------------------------
-# Every rank alike: the dump folder, the data manifest, the sources' first reads, each step's
-# agreement (pretrain/distributed.py: the process group, agree, preemption signals)
+# Every rank alike: each step's agreement (the start-up's, the dump folder, the data manifest, the
+# sources' first reads: pretrain/startup.py; the process group, agree, signals: distributed.py)
 # -------------------------------------------------------------------------------------------------
-
-def open_dump_folder(cfg: Config, rank: int, device):
-    """Every rank checks that the dump folder is usable. Rank 0 returns an flock on it, held for the
-    whole run (the OS releases it however the process ends): a second job pointed here stops before
-    it touches config or checkpoints."""
-    error = ""  # this rank's one line, if the folder cannot be used
-    lock = None  # rank 0's
-    try:
-        os.makedirs(cfg.job.dump_folder, exist_ok=True)
-        if not os.access(cfg.job.dump_folder, os.W_OK):
-            raise PermissionError("not writable")
-        if rank == 0:
-            lock = open(os.path.join(cfg.job.dump_folder, ".lock"), "a")
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        error = (f"job.dump_folder = {cfg.job.dump_folder!r} is in use by another run "
-                 "(its .lock is held); wait for that run to end or choose another dump_folder")
-    except OSError as e:
-        error = f"job.dump_folder = {cfg.job.dump_folder!r} cannot be used: {e}"
-    agree(error, device)
-    if rank == 0:
-        with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as f:
-            f.write(to_toml(cfg))
-    return lock
-
-
-def share_manifest(cfg: Config, rank: int, device) -> dict:
-    """The files of every source: rank 0 alone resolves them (or reads the run's pinned manifest),
-    every rank gets them through the job's store (data_manifest.shared_manifest), or its DataError.
-    Then each node checks the local files in use once, split over its ranks (a node-local copy may
-    differ)."""
-    held_out = (cfg.validation.sources if cfg.validation.enable else []) + evals.sources(cfg.eval)
-    if rank == 0:
-        logger.info("data manifest: rank 0 reads or makes it; "
-                    "the others wait up to data.resolve_timeout_seconds")
-    hub_wait = cfg.data.hub_timeout_seconds  # a request's wait
-    budget = cfg.comm.init_timeout_seconds  # the retries' budget
-    make = partial(pinned_manifest, cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources,
-                   held_out, hub_wait, budget)
-    store = dist.distributed_c10d._get_default_store()
-    manifest = shared_manifest(store, rank, cfg.data.resolve_timeout_seconds, make)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    # a node whose copy differs from rank 0's: a fault of that node (agree names it)
-    error = verify_manifest(manifest, local_rank, local_world, [*cfg.data.sources, *held_out])
-    agree(DataError(error, fault="node") if error else "", device)
-    return manifest
-
-
-def check_sources(loader: DataLoader, rank: int, wait: float):
-    """Every rank opens every source where it resumes: a bad one stops all ranks alike before the
-    first step. `wait` (data.resolve_timeout_seconds): rank 0's wait for every rank's outcome."""
-    error = ""
-    try:
-        loader.check()
-    except DataError as e:
-        error = e
-    agree_on_reads(error, rank, wait)
-
 
 def agree_on_step(stop: list, data_error: str, checkpointer: Checkpointer, verdict: torch.Tensor,
                   device) -> list:
@@ -704,7 +700,7 @@ def main(cfg: Config):
 
     # --- 2. device, process group, mesh, dump folder ---------------------------------------------
     device, mesh = init_distributed(cfg, sizes)
-    lock = open_dump_folder(cfg, rank, device)  # noqa: F841 (held open until the process ends)
+    lock = startup.open_dump_folder(cfg, rank, device)  # noqa: F841 (held open until the process ends)
     if cfg.job.print_config:
         logger.info(to_toml(cfg))
     # made in init_distributed: all ranks that see other data
@@ -725,7 +721,7 @@ def main(cfg: Config):
     logger.info(run_summary(cfg, model, world_size, sizes))
 
     # --- 4. parallelize, then materialise this rank's shards -------------------------------------
-    float8_scales = float8.convert(model, cfg, device)
+    float8_scales = float8.convert(model, cfg, device, sharded=sizes["dp"] > 1)
     parallelize(model, mesh, cfg)
     model.to_empty(device=device)
     model.init_weights(normal_=layout_independent_normal(cfg.training.seed), buffer_device=device)
@@ -734,7 +730,7 @@ def main(cfg: Config):
     # --- 5. optimizer, lr schedule, data (each dp rank reads its own streams; TP ranks the same) -
     optimizer, scheduler = build_optimizer(model, cfg, device)
     # the same files, maybe read there
-    manifest = {**share_manifest(cfg, rank, device), "mirror": cfg.data.mirror}
+    manifest = {**startup.share_manifest(cfg, rank, device), "mirror": cfg.data.mirror}
     loader = build_loader(cfg, tokenizer, dp_rank, dp, manifest)
 
     # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path --
@@ -744,7 +740,7 @@ def main(cfg: Config):
     checkpointer = Checkpointer(cfg.checkpoint, folder, run_keys(cfg, args, sizes, manifest),
                                 cfg.training.steps, model, optimizer, scheduler, loader, notes, guard)
     step, tokens_seen = checkpointer.resume()
-    check_sources(loader, rank, cfg.data.resolve_timeout_seconds)  # before step 1, all alike
+    startup.check_sources(loader, rank, cfg.data.resolve_timeout_seconds)  # before step 1, all alike
     windows, tasks = evals.read_once(cfg, tokenizer, args.max_seq_len, manifest, device)
     heldout = evals.heldout_share(windows, cfg.validation.local_batch_size, dp_rank, dp,
                                   partial(ignore_boundaries, args=args))

@@ -2,7 +2,9 @@
 `from pretrain.checkpoint import Checkpointer`; nothing here imports a program at the root.
 
     config             TOML and `--section.key value` into train.py's dataclasses; --help
-    distributed        process group and mesh, bounded waits, one rank's error on all, lost ranks
+    distributed        process group and mesh, bounded waits, one rank's error on all
+    faults             whose fault an error is, its exit code; the lost-rank line
+    startup            train.py's start-up on every rank alike: dump folder, manifest, first reads
     sources            where each source's files are (Hub or local), bounded Hub reads, retries
     data_manifest      each source's files pinned once per run, shared through the store
     mirror             a local copy of pinned Hub files, per commit; where each file is read from

@@ -92,7 +92,7 @@ def rank0_manifest(cfg) -> tuple:
 
 def share_sources(cfg, rank: int) -> tuple:
     """rank0_manifest on every rank, through the job's store with a deadline of its own, as
-    train.share_manifest does (data_manifest.shared_manifest): resolving many sources on a
+    startup.share_manifest does (data_manifest.shared_manifest): resolving many sources on a
     rate-limited Hub may take longer than a collective. A DataError if the wait runs out."""
     store = dist.distributed_c10d._get_default_store()
     wait = cfg.data.resolve_timeout_seconds  # seconds every rank waits for rank 0

@@ -70,7 +70,7 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
     torch.manual_seed(t.seed)
     with torch.device("meta"):
         model = Transformer(args)
-    float8_scales = float8.convert(model, cfg, device)
+    float8_scales = float8.convert(model, cfg, device, sharded=sizes["dp"] > 1)
     done("build")
     train.parallelize(model, mesh, dataclasses.replace(cfg, compile=train.Compile(enable=False)))
     counter.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -73,11 +73,11 @@ def check(cfg, gpu: bool | None = None) -> None:
                           "float8 matmuls on a GPU need a multiple of 16")
 
 
-def convert(model: torch.nn.Module, cfg, device: torch.device):
+def convert(model: torch.nn.Module, cfg, device: torch.device, sharded: bool = True):
     """With model.converters = ["float8"] (`cfg`: train.py's config), swap the Linear layers for
     torchao's Float8Linear: the same weights under the same names, so checkpoints do not change.
     Returns the per-step weight-scale precompute if asked for (one all-reduce after optimizer.step
-    for every weight's scale), else None."""
+    for every weight's scale), else None. Unless `sharded` (FSDP), the FSDP settings are off."""
     if "float8" not in cfg.model.converters:
         return None
     f8 = cfg.float8
@@ -93,8 +93,9 @@ def convert(model: torch.nn.Module, cfg, device: torch.device):
     logging.disable(logging.NOTSET)
     recipe = Float8LinearConfig.from_recipe_name(f8.recipe_name)
     # CPU: torch._scaled_mm takes ~1000x an fp32 matmul there: the float8 values multiply in fp32
+    gather = f8.enable_fsdp_float8_all_gather and sharded
     config = dataclasses.replace(recipe, emulate=device.type == "cpu",
-                                 enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather)
+                                 enable_fsdp_float8_all_gather=gather)
 
     def convertible(m: torch.nn.Linear, fqn: str) -> bool:
         kept = any(f in fqn for f in f8.filter_fqns)  # filter_fqns: stays in high precision
@@ -108,7 +109,7 @@ def convert(model: torch.nn.Module, cfg, device: torch.device):
     cpu = emulated if device.type == "cpu" else ""
     logger.info(f"float8 {f8.recipe_name} (torchao); Linear layers kept in high precision: "
                 f"{', '.join(high) or 'none'}{cpu}")
-    precompute = f8.precompute_float8_dynamic_scale_for_fsdp  # asked for in [float8]
+    precompute = f8.precompute_float8_dynamic_scale_for_fsdp and sharded  # asked for in [float8]
     return precompute_float8_dynamic_scale_for_fsdp if precompute else None
 
 

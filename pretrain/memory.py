@@ -35,8 +35,7 @@ def peak_resident_bytes() -> int:
 
 
 def resident_bytes() -> int:
-    """The process's resident memory now (Linux), or its peak so far elsewhere (close to it at
-    start-up)."""
+    """The process's resident memory now (Linux), or its peak so far (close to it at start-up)."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -47,11 +46,12 @@ def resident_bytes() -> int:
 def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
     """Bytes per device at a training step's peak, by part, for eager mode (compile keeps less).
 
-    Weights, gradients and AdamW's two moments are fp32, sharded over dp_shard x tp. At the peak
-    FSDP holds the root's weights (embedding, norm, output) and the last block gathered in the param
-    dtype. Per block and token, backward keeps (counted from model.py's ops; b: bytes of the param
-    dtype, d: dim, kv: kv heads x head_dim, f: FFN hidden; the fp32 copies in RMSNorm and rope are 4
-    bytes each):
+    Weights, gradients and AdamW's moments are fp32 (or bf16 moments), sharded over dp_shard x tp.
+    At the peak FSDP holds the root's weights (embedding, norm, output) and the last block gathered
+    in the param dtype; without FSDP (one dp rank) bf16 autocast keeps a copy of every block's
+    weights for backward, and the residual stream stays fp32. Per block and token, backward keeps
+    (counted from model.py's ops; b: bytes of the activations' dtype, d: dim, kv: kv heads x
+    head_dim, f: FFN hidden; the fp32 copies in RMSNorm and rope are 4 bytes each):
       AC none 5bd + 2b kv' + 12d + 4kv + 4bf + 4 n_heads, where kv' (the k and v attention keeps)
       is kv, or d on CUDA in fp32 (model.causal_attention copies the kv heads there); selective op
       b(5d + 2kv + 2f) (the matmul and attention outputs); full bd (the block input). With AC one
@@ -62,14 +62,13 @@ def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
     output layer keeps its all-gathered input whole.
     CPU adds the process's resident memory before the model exists (Python, torch, tokenizer).
     float8 with enable_fsdp_float8_all_gather gathers the blocks' Linear weights in 1 byte each;
-    activations stay as counted (torchao keeps each Float8Linear's input in high precision for
-    backward).
-    """
+    activations stay as counted (torchao keeps each Float8Linear's input in high precision)."""
     a = model.args
     t = cfg.training
     tp = cfg.parallelism.tensor_parallel_degree
     shards = sizes["dp_shard"] * tp
-    b = 2 if t.mixed_precision_param == "bfloat16" else 4
+    bw = 2 if t.mixed_precision_param == "bfloat16" else 4  # the param dtype's bytes
+    b = bw if sizes["dp"] > 1 else 4  # the activations' (a little high under autocast)
     block = model.layers[0]
     n_total = model.num_params()
     n_block = sum(q.numel() for q in block.parameters())
@@ -89,7 +88,7 @@ def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
     saved = {"none": full_block,
              "full": b * d / tp,  # the block input
              # wq, attention, wk, wv, w1, w3 | the input | wo, w2
-             "op": b * (2 * d + 2 * kv + 2 * f) / tp + b * d / tp + 2 * b * d}
+             "op": bw * (2 * d + 2 * kv + 2 * f) / tp + b * d / tp + 2 * b * d}
     ac = cfg.activation_checkpoint
     mode = "op" if ac.mode == "selective" and ac.selective_ac_option == "op" else ac.mode
     if mode == "selective":  # full AC on every Nth block, none on the others
@@ -100,12 +99,14 @@ def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
     n_linear = sum(q.numel() for q in block.parameters() if q.ndim == 2)  # wq wk wv wo w1 w2 w3
     float8_gather = "float8" in cfg.model.converters and cfg.float8.enable_fsdp_float8_all_gather
     root_and_last = n_total - (a.n_layers - 1) * n_block  # the root and the last block
-    float8_saves = (b - 1) * n_linear * float8_gather  # float8 gathers 1 byte per Linear weight
+    float8_saves = (bw - 1) * n_linear * float8_gather  # float8 gathers 1 byte per Linear weight
+    gathered = (bw * root_and_last - float8_saves) / tp  # FSDP's; without: autocast's (fp32: none)
+    gathered = gathered if sizes["dp"] > 1 else (bw == 2) * 2 * a.n_layers * n_block / tp
     loss_bytes = 16 if tp > 1 else 12  # per logit: TP's log-softmax keeps the fp32 logits too
     parts = {"weights": 4 * n_total / shards,
-             "optimizer": 8 * n_total / shards,
+             "optimizer": (4 if cfg.optimizer.state_dtype == "bfloat16" else 8) * n_total / shards,
              "gradients": 4 * n_total / shards,
-             "gathered": (b * root_and_last - float8_saves) / tp,
+             "gathered": gathered,
              # the blocks', plus the final norm's and the output layer's input
              "activations": tokens * (all_blocks + 4 * d / tp + b * d),
              # a chunk of positions at a time, vocab-sharded under TP

@@ -52,8 +52,10 @@ def test_memory_prints_the_estimate_for_a_big_flavor_with_fewer_layers(capsys):
     assert 20 < gib[0] < 80 and gib[1] > gib[0]  # one GPU holds all states of the 8-layer model
     # Whether it fits the two GPUs the configs are written for: "fits" leaves a fifth to the allocator.
     assert re.search(r"^H100 80 GB: fits \(\d+% of its memory\)\nH200 141 GB: fits \(\d+% of its memory\)$", full, re.M)
-    whole = memory("--world_size", "1")  # 122 GiB: 8B's states alone are 120 GiB
-    assert "H100 80 GB: too big (153%" in whole and "H200 141 GB: tight (87%" in whole, whole
+    # 167 GiB: 8B's states alone are 120 GiB; one GPU trains without FSDP, under autocast, which keeps a bf16 copy of
+    # the blocks' weights and an fp32 residual stream for backward
+    whole = memory("--world_size", "1")
+    assert "H100 80 GB: too big (209%" in whole and "H200 141 GB: too big (119%" in whole, whole
     assert "H100" not in memory("--world_size", "1", "--device", "cpu")
 
 

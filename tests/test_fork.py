@@ -127,7 +127,7 @@ def test_docs_come_from_comments_in_any_layout_and_a_field_may_have_none():
 
 @pytest.mark.slow
 def test_a_new_field_needs_no_doc_and_is_a_resume_key(tmp_path):
-    """Add `z_loss: float = 0.0` to [training] as a research edit would (no comment): --help and training work, and
+    """Add `label_smoothing: float = 0.0` to [training] as a research edit would (no comment): --help and training work, and
     a resume with another value is refused naming it, with no edit to the resume keys."""
     fork = tmp_path / "fork"
     fork.mkdir()
@@ -137,16 +137,16 @@ def test_a_new_field_needs_no_doc_and_is_a_resume_key(tmp_path):
     src = open(os.path.join(ROOT, "train.py")).read()
     anchor = "    steps: int = 10000"
     assert anchor in src
-    (fork / "train.py").write_text(src.replace(anchor, "    z_loss: float = 0.0\n" + anchor))
+    (fork / "train.py").write_text(src.replace(anchor, "    label_smoothing: float = 0.0\n" + anchor))
     help_out = subprocess.run([sys.executable, "train.py", "--help"], cwd=fork, capture_output=True, text=True)
-    assert help_out.returncode == 0 and "--training.z_loss FLOAT" in help_out.stdout and "(default: 0.0)" in help_out.stdout
+    assert help_out.returncode == 0 and "--training.label_smoothing FLOAT" in help_out.stdout and "(default: 0.0)" in help_out.stdout
     base = [sys.executable, "train.py", "--config", "configs/debug_model.toml", "--job.dump_folder", str(tmp_path / "run"),
             "--validation.enable", "false", "--checkpoint.enable", "--checkpoint.interval", "2", *SMALL]
     first = subprocess.run(base + ["--training.steps", "2"], cwd=fork, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    again = subprocess.run(base + ["--training.steps", "3", "--training.z_loss", "0.1"], cwd=fork,
+    again = subprocess.run(base + ["--training.steps", "3", "--training.label_smoothing", "0.1"], cwd=fork,
                            capture_output=True, text=True, timeout=600)
-    assert again.returncode == 2 and "refusing to resume" in again.stderr and "training.z_loss: 0.0 -> 0.1" in again.stderr, again.stderr
+    assert again.returncode == 2 and "refusing to resume" in again.stderr and "training.label_smoothing: 0.0 -> 0.1" in again.stderr, again.stderr
     assert len(again.stderr.strip().splitlines()) == 1
     # Keys on the documented list may change: the same resume with another peak lr goes on.
     again = subprocess.run(base + ["--training.steps", "3", "--optimizer.lr", "1e-3"], cwd=fork,

@@ -471,6 +471,7 @@ def test_rank_0s_manifest_reaches_a_rank_through_the_store_and_a_dropped_source_
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers the "fake" backend)
 
     import train
+    from pretrain import startup
     cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml"), "--job.dump_folder",
                              str(tmp_path), "--data.resolve_timeout_seconds", "3"])
     manifest = data_manifest.make_manifest(cfg.data.sources, cfg.validation.sources)
@@ -481,7 +482,7 @@ def test_rank_0s_manifest_reaches_a_rank_through_the_store_and_a_dropped_source_
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set("data_manifest_0", zlib.compress(json.dumps(manifest).encode()))  # as rank 0 does
-        assert train.share_manifest(cfg, 1, torch.device("cpu")) == manifest
+        assert startup.share_manifest(cfg, 1, torch.device("cpu")) == manifest
     finally:
         dist.destroy_process_group()
     old = DataSource(name="old", path=str(tmp_path / "gone"))

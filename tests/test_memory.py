@@ -1,6 +1,7 @@
 """The memory estimate (memory.estimate_memory, what `bench.py memory` prints) against a training step's measured peak.
 
-The measurement is torch's FSDPMemTracker: it counts every tensor storage alive (weights, gradients,
+The measurement is torch's FSDPMemTracker (MemTracker where one data-parallel rank trains without FSDP): it
+counts every tensor storage alive (weights, gradients,
 optimizer states, activations, temporaries) through a real step of the trainer's parallelize() on CPU,
 so the comparison is exact at the tensor level and free of the allocator noise in a process's RSS.
 Run as a script (under torchrun for several ranks), this file prints one JSON line per config: {"args", "estimate",
@@ -35,6 +36,7 @@ def measure(configs):
     import torch
     import torch.distributed as dist
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.device_mesh import init_device_mesh
 
     from pretrain import memory
@@ -74,7 +76,11 @@ def measure(configs):
             optimizer.zero_grad(set_to_none=True)
 
         step()  # the first step creates AdamW's state
-        tracker = FSDPMemTracker(model, optimizer)
+        if sizes["dp"] > 1:
+            tracker = FSDPMemTracker(model, optimizer)
+        else:  # no FSDP (train.parallelize's autocast): the general tracker, told of the model and AdamW
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer)
         with tracker:
             step()
         measured = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
