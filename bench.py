@@ -390,7 +390,7 @@ def summary_header(name: str, args, shared: list, shape: dict, blocks: int, capa
             f"untimed; PYTORCH_ALLOC_CONF={alloc}.",
             f"Vocabulary {vocab:,} words. The {shape['wide']} width: {blocks} blocks fit "
             f"{capacity / 2**30:.1f} GiB by the estimate ({memory.FREE:.0%} kept free).",
-            "Each step's output: `<step>.log` beside this file.", "",
+            "MFU counts attention in full (PaLM's, torchtitan's). Each step's log: `<step>.log` here.", "",
             "| step | what ran | tokens/s | TFLOP/s | MFU | peak memory GiB | peak allocated GiB "
             "| estimate GiB | seconds |",
             "|---|---|---|---|---|---|---|---|---|"]

@@ -286,6 +286,7 @@ def test_gpu_skips_what_no_longer_fits_the_budget_and_says_so(tmp_path, monkeypa
         assert not os.path.exists(tmp_path / f"{step}.log")
     summary = (tmp_path / "summary.md").read_text()
     assert "The debugmodel width: 3 blocks fit 0.1 GiB by the estimate" in summary, summary
+    assert "MFU counts attention in full (PaLM's, torchtitan's)." in summary  # the convention beside the figures
     debug = ["--config", "configs/debug_model.toml", *b.GPU_SHAPES["cpu"]["flags"], *b.GPU_SHARED]
     assert b.blocks_that_fit([*debug, "--model.n_layers", "2"], b.CPU_CAPACITY) == 2  # at most the user's count
     assert summary.rstrip().endswith("of the 1 s budget.") and capsys.readouterr().out.count("skipped") == 6
