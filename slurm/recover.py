@@ -9,16 +9,19 @@ where every second counts.
     python slurm/recover.py start RECORD --job JOBID     # at every start; prints the nodes left out
     python slurm/recover.py ended RECORD --log LOG --offset N --since T --code RC --ranks R
     python slurm/recover.py failed RECORD --log LOG --offset N --since T \
-        --nodes "n1 n2" --spares "n3" --down ""
+        --nodes "n1 n2" --spares "n3" --down "" --excluded "n4" --partition "n1 n2 n3 n4" \
+        --nnodes 3 --min_nodes 1 --nproc_per_node 8
     python slurm/recover.py requeue RECORD --excluded "n4" --partition "n1 n2 n3 n4" --nnodes 2
     python slurm/recover.py end RECORD                   # the goodput line, also into metrics.jsonl
 
 `ended` records a launch, after each one. `failed` reads the log from byte N (where the launch
 began), names the failed node and prints on stdout what to do: `spare NODE SPARE` (relaunch with
-SPARE in place of NODE), `relaunch` (same nodes), `requeue [NODE]`, `stop CODE`. `requeue` prints
-the nodes the requeued job must exclude, comma-separated: those Slurm excludes already and every
-node the record left out; when that leaves the partition too few nodes, it stops the job instead,
-with one line (exit 1).
+SPARE in place of NODE), `relaunch` (same nodes), `shrink NODES [SPARES]` (relaunch on the
+comma-separated NODES, the other healthy ones spares: no spare was left, and a requeue would leave
+the partition too few nodes), `requeue [NODE]`, `stop CODE`. `requeue` prints the nodes the
+requeued job must exclude, comma-separated: those Slurm excludes already and every node the record
+left out; when that leaves the partition too few nodes, it stops the job instead, with one line
+(exit 1).
 """
 
 import argparse
@@ -101,11 +104,11 @@ def dump_folder(record: dict, lines: list) -> str:
 # failed: which node, how, and what next
 # -------------------------------------------------------------------------------------------------
 
-def checkpoint_config(dump: str) -> dict:
-    """The run's [checkpoint] section, from config.toml in its dump folder ({}: none readable)."""
+def run_config(dump: str) -> dict:
+    """The run's config as train.py resolved it (config.toml in its dump folder; {}: none readable)."""
     try:
         with open(os.path.join(dump, "config.toml"), "rb") as f:
-            return tomllib.load(f).get("checkpoint", {})
+            return tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError):
         return {}
 
@@ -113,7 +116,7 @@ def checkpoint_config(dump: str) -> dict:
 def newest_checkpoint(dump: str) -> int:
     """The newest step-N with DCP's .metadata, the mark of a complete save (train.py's resume checks
     more)."""
-    folder = os.path.join(dump, checkpoint_config(dump).get("folder", "checkpoint"))
+    folder = os.path.join(dump, run_config(dump).get("checkpoint", {}).get("folder", "checkpoint"))
     names = os.listdir(folder) if dump and os.path.isdir(folder) else []
     steps = [int(m[1]) for d in names if (m := re.fullmatch(r"step-(\d+)", d))]
     complete = [s for s in steps if os.path.isfile(os.path.join(folder, f"step-{s}", ".metadata"))]
@@ -270,8 +273,17 @@ def failed(path: str, a) -> str:
     elif spares:
         action, replacement = "relaunch", "relaunch on the same nodes"
     elif node:
-        action, replacement = f"requeue {node}", f"requeue without {node}"
         record["left_out"].append(node)
+        action, replacement = f"requeue {node}", f"requeue without {node}"
+        room = len(nodes_left(record, a.excluded, a.partition))  # for a requeued job
+        if a.partition and room < a.nnodes:  # a requeue would stop: go on with the nodes left
+            left = [n for n in nodes if n != node and n not in down]
+            k, layout = shrink_to(run_config(dump), len(left), a.min_nodes, a.nproc_per_node)
+            where = f"no spare, and the partition has {room} node(s) for a job of {a.nnodes}"
+            replacement = f"{where}, not shrinking ({layout}); {replacement}"
+            if k:  # the first k train; the others left become spares
+                action = f"shrink {','.join(left[:k])} {','.join(left[k:])}".strip()
+                replacement = f"{where}: {layout}"
     else:
         action, replacement = "requeue", "requeue as is"
     record["restarts"] = n
@@ -290,9 +302,48 @@ def recent_stalls(failures: list, window: float) -> int:
     return sum(1 for f in failures if f.get("stalled") and now - f.get("launched", 0.0) < window)
 
 
+def shrink_to(config: dict, nodes: int, min_nodes: int, nproc: int) -> tuple:
+    """(K, what) for a relaunch on the nodes a job has left: K the most nodes, from `nodes` down to
+    `min_nodes`, that the run's fixed global batch and data streams divide into (train.validate's
+    rules), and a line on the layout and its gradient accumulation; (0, why not) where none does."""
+    if not config:
+        return 0, "the run's config.toml cannot be read"
+    training = config.get("training", {})
+    p = config.get("parallelism", {})
+    gbs = training.get("global_batch_size", -1)
+    streams = config.get("data", {}).get("num_streams", 0)
+    local = training.get("local_batch_size", 1)
+    tp = p.get("tensor_parallel_degree", 1)
+    rep = p.get("data_parallel_replicate_degree", 1)
+    if gbs == -1 or streams == 0:  # they follow the GPU count, and a resume would be refused
+        return 0, (f"training.global_batch_size = {gbs} and data.num_streams = {streams} follow the "
+                   "GPU count: fix both in the config to let a job shrink")
+    if p.get("data_parallel_shard_degree", -1) != -1:
+        return 0, "parallelism.data_parallel_shard_degree is fixed: set -1 to let a job shrink"
+    if nodes < min_nodes:
+        return 0, f"{nodes} node(s) left, below MIN_NODES={min_nodes}"
+    for k in range(nodes, max(min_nodes, 1) - 1, -1):
+        world = k * nproc
+        dp = world // tp
+        if world % (tp * rep) == 0 and streams % dp == 0 and gbs % (local * dp) == 0:
+            accumulation = gbs // (local * dp)
+            return k, (f"relaunching on {k} of the {nodes} node(s) left: world {world} = dp {dp} x "
+                       f"tp {tp}, grad accumulation {accumulation} (global batch {gbs}, "
+                       f"{streams} data streams)")
+    return 0, (f"no node count from {nodes} down to MIN_NODES={min_nodes} divides global batch "
+               f"{gbs} and {streams} data streams at {nproc} rank(s) per node, tp {tp}")
+
+
 # -------------------------------------------------------------------------------------------------
 # requeue: without every node the job left out
 # -------------------------------------------------------------------------------------------------
+
+def nodes_left(record: dict, excluded: str, partition: str) -> list:
+    """The partition's nodes a requeued job could land on: not those Slurm excludes already, nor any
+    the job left out ([]: sinfo said nothing)."""
+    exclude = set(excluded.split()) | set(record["left_out"])
+    return [node for node in partition.split() if node not in exclude]
+
 
 def requeue(path: str, a) -> str:
     """The nodes the requeued job excludes: those Slurm excludes already and every node the job left
@@ -300,9 +351,8 @@ def requeue(path: str, a) -> str:
     one line where the partition would have too few nodes for the job."""
     record = load(path)
     exclude = sorted(set(a.excluded.split()) | set(record["left_out"]))
-    partition = a.partition.split()  # empty: sinfo said nothing, no count to check
-    left = [node for node in partition if node not in exclude]
-    if partition and len(left) < a.nnodes:
+    left = nodes_left(record, a.excluded, a.partition)
+    if a.partition and len(left) < a.nnodes:  # no partition: sinfo said nothing, no count to check
         left_out = " ".join(record["left_out"]) or "none"
         say(f"not requeued: without {' '.join(exclude)} (failed and left out: {left_out}), the "
             f"partition has {len(left)} node(s) for a job of {a.nnodes}: remove a repaired node "
@@ -496,10 +546,14 @@ def main(argv):
     f.add_argument("--stall_window", type=float, default=3600.0,
                    help="seconds of the job's launches within which restarts that got no newer "
                         "checkpoint add up (MAX_STALLED_RESTARTS)")
-    r = sub.choices["requeue"]
-    r.add_argument("--excluded", default="", help="the nodes the job excludes already")
-    r.add_argument("--partition", default="", help="the partition's nodes (none: no count)")
-    r.add_argument("--nnodes", type=int, default=1, help="the nodes the job asks for")
+    for name in ("failed", "requeue"):  # where a requeued job could land
+        r = sub.choices[name]
+        r.add_argument("--excluded", default="", help="the nodes the job excludes already")
+        r.add_argument("--partition", default="", help="the partition's nodes (none: no count)")
+        r.add_argument("--nnodes", type=int, default=1, help="the nodes the job asks for")
+    f.add_argument("--min_nodes", type=int, default=1,
+                   help="the fewest nodes a job that lost one goes on with (MIN_NODES)")
+    f.add_argument("--nproc_per_node", type=int, default=1, help="ranks per node")
     a = p.parse_args(argv)
     if a.command == "start":
         print(start(a.record, a.job))

@@ -317,7 +317,12 @@ JOBS = {  # name: (sbatch args, environment); a kill after 8 new steps: step-5 i
     "fault": (["--nodes=2"], {"FAULT_TASK": "1", "FAULT_ONCE": "fault"}),  # a Hub that times out on one node
     # a spare swap, then the time-limit warning and a minute held in the queue (log_freq 2: watch)
     "swap_requeue": (["--nodes=2"], {"SPARE_NODES": "1", "KILL_TASK": "0", "KILL_AFTER": "4", "KILL_ONCE": "killed"}),
+    # no spare, and with n3 excluded no node to requeue onto: it goes on on n1 alone (SHRINK_ARGS: a fixed batch)
+    "shrink": (["--nodes=2", "--exclude=n3"], {"KILL_AFTER": "8", "KILL_ONCE": "killed"}),
 }
+# The shrink job's global batch is fixed (4: 2 per step from each of debug_model.toml's 2 data streams), with
+# micro-batches of 1: 2 a step on 2 nodes, 4 on 1 node, which the old rule refused (1 sequence from 2 streams).
+SHRINK_ARGS = ["--training.global_batch_size", "4", "--training.local_batch_size", "1"]
 WARN_AT = 8  # the time-limit job gets its warning once it has logged this many steps
 SWAP_WARN_AT = 9  # swap_requeue's, once it has this many training records, 4 or 5 of them before the kill
 HOLD = 60  # seconds swap_requeue is held in the queue after its requeue
@@ -373,6 +378,8 @@ def started_jobs(cluster, tmp_path_factory):
             args.append("--training.stepz=5")  # train.py's ConfigError on every rank: exit 2
         if name == "swap_requeue":
             args += ["--metrics.log_freq", "2"]  # the goodput takes steps from checkpoints, not logged steps
+        if name == "shrink":
+            args += SHRINK_ARGS
         ids[name] = cluster.sbatch(name, job_env(cluster, **env), ["--exclusive=user", *sbatch_args], args)
     dumps["preflight"] = str(tmp_path_factory.mktemp("preflight"))
     ids["preflight"] = cluster.sbatch("preflight", job_env(cluster), ["--exclusive=user"],
@@ -538,6 +545,53 @@ def test_a_lost_rank_without_a_spare_requeues_without_its_node(jobs):
     assert_resumed_exactly(dump, jobs["reference"][2], out)
     assert re.search(r"goodput \d+\.\d%: .*; failures: 1, restarts: 1, requeues: 1, steps trained twice: [1-9]", out), out[-3000:]
     print(f"recovery by requeue: {recovery_seconds(dump):.1f} s from the kill to the next trained step")
+
+
+@pytest.mark.slow
+def test_a_job_that_loses_a_node_and_gets_none_goes_on_with_the_node_it_has(jobs, tmp_path):
+    """--nodes 2 without n3, no spare: a rank on n2 killed, and a requeue without n2 would find 1 node for a job of
+    2. The job relaunches on n1 alone in the same allocation (MIN_NODES: 1 by default, half of 2), one line saying
+    the layout and its accumulation, resumes and finishes. Its losses after the shrink equal, bit for bit, those of
+    train.py on 1 process resuming from a copy of the checkpoint the shrink resumed from: the same layout (1 rank,
+    4 micro-batches of 1) on the same data, so the same arithmetic in the same order. (Against the 2-node launch the
+    sums of a step's gradients run in another order: fp32 rounding apart, not bitwise.)"""
+    job_id, info, dump, log = jobs["shrink"]
+    out = read(log)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out[-5000:]}"
+    assert info["Restarts"] == "0" and info["ExcNodeList"] == "n3", info  # the same allocation, no requeue
+    assert "(training on n1 n2; spare: none)" in out, out[-5000:]
+    assert re.search(r"world 2 = dp_replicate 1 x dp_shard 2 x tp 1, .*grad accumulation 2;", out), out[-5000:]
+    line = re.search(r"multinode.sbatch: restart 1 of 3 \(MAX_RESTARTS\): n2 failed: rank [01] killed by SIGKILL; no "
+                     r"spare, and the partition has 1 node\(s\) for a job of 2: relaunching on 1 of the 1 node\(s\) "
+                     r"left: world 1 = dp 1 x tp 1, grad accumulation 4 \(global batch 4, 2 data streams\); resuming "
+                     r"from step-(\d+)", out)
+    assert line, out[-5000:]
+    after = out.split(line[0])[1]
+    assert re.search(r"world 1 = dp_replicate 1 x dp_shard 1 x tp 1, .*grad accumulation 4;", after), after[-5000:]
+    k = int(line[1])
+    assert re.search(rf"resumed from \S*step-{k} at step {k}", after), after[-5000:]
+    got = losses(dump)
+    assert sorted(dict(got)) == list(range(1, STEPS + 1)), got
+    shrunk = [(s, x) for s, x in got if s > k][-(STEPS - k):]  # the launch on n1
+    assert [s for s, _ in shrunk] == list(range(k + 1, STEPS + 1)), got
+
+    # train.py on 1 process from a copy of step-k (and the data manifest the run pinned)
+    copy = tmp_path / "copy"
+    shutil.copytree(os.path.join(dump, "checkpoint", f"step-{k}"), copy / "checkpoint" / f"step-{k}")
+    shutil.copy(os.path.join(dump, "data_manifest.json"), copy / "data_manifest.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py",
+           "--config", "configs/debug_model.toml", "--job.dump_folder", str(copy), *TRAIN_ARGS, *SHRINK_ARGS]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and f"at step {k}" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-5000:]
+    alone = losses(copy)
+    assert [s for s, _ in alone] == list(range(k + 1, STEPS + 1)), alone
+    assert shrunk == alone, next(f"step {a[0]}: {a[1]!r} != {b[1]!r}" for a, b in zip(shrunk, alone) if a != b)
+    # the same global batches as the reference (2 nodes, 1 micro-batch of 2 each): fp32 rounding apart (1e-6 seen)
+    want = dict(losses(jobs["reference"][2]))
+    assert all(loss == pytest.approx(want[step], rel=1e-5) for step, loss in got), (got, want)
+    assert re.search(r"goodput \d+\.\d%: .*; failures: 1, restarts: 1, requeues: 0, steps trained twice: [1-9]", out), \
+        out[-3000:]
 
 
 def logged_at(out: str, pattern: str) -> float:
@@ -807,6 +861,54 @@ def test_every_requeue_excludes_every_node_the_job_left_out(tmp_path, capsys):
     err = capsys.readouterr().err
     assert stopped.value.code == 1 and re.search(r"not requeued: without n2 n4 \(failed and left out: n2\), the "
                                                  r"partition has 3 node\(s\) for a job of 4: remove a repaired", err)
+
+
+def test_a_job_that_lost_a_node_and_can_get_none_shrinks_to_what_its_batch_divides_into(tmp_path, capsys):
+    """No spare, and a requeue would find too few nodes: `failed` relaunches on the most nodes left, down to
+    MIN_NODES, whose DP degree (nodes x ranks per node / TP) divides the run's fixed data streams and whose
+    micro-batches the global batch divides (its config.toml); the line names the layout and its accumulation.
+    A partition with room requeues; a batch that follows the GPU count or no count that divides requeues with why."""
+    recover = recover_module()
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    log = tmp_path / "job.out"
+    log.write_text(f"0: ...; config in {dump}/config.toml\nsrun: error: n2: task 1: Exited with exit code 1\n")
+
+    def failed(config, nodes="n1 n2 n3 n4", partition="n1 n2 n3 n4", min_nodes=2, nproc=8):
+        (dump / "config.toml").write_text(config)
+        path = str(tmp_path / f"job{len(list(tmp_path.iterdir()))}.recovery.json")
+        recover.start(path, "7")
+        capsys.readouterr()
+        recover.main(["failed", path, "--log", str(log), "--nodes", nodes, "--excluded", "n9", "--partition",
+                      partition, "--nnodes", str(len(nodes.split())), "--min_nodes", str(min_nodes),
+                      "--nproc_per_node", str(nproc)])
+        out = capsys.readouterr()
+        assert json.load(open(path))["left_out"] == ["n2"]  # out of every later launch and requeue
+        return out.out.strip(), out.err
+
+    fixed = ("[training]\nglobal_batch_size = 64\nlocal_batch_size = 1\n[data]\nnum_streams = 64\n"
+             "[parallelism]\ntensor_parallel_degree = 1\ndata_parallel_shard_degree = -1\n")
+    action, line = failed(fixed)  # 3 nodes left, DP 24 does not divide 64 streams: 2 train, 1 is a spare
+    assert action == "shrink n1,n3 n4", line
+    assert re.search(r"restart 1 of 3 \(MAX_RESTARTS\): n2 failed: task 1: Exited with exit code 1; "
+                     r"no spare, and the partition has 3 node\(s\) for a job of 4: relaunching on 2 of the 3 node\(s\) "
+                     r"left: world 16 = dp 16 x tp 1, grad accumulation 4 \(global batch 64, 64 data streams\); "
+                     r"resuming from step-0", line), line
+    assert failed(fixed, partition="n1 n2 n3 n4 n5")[0] == "requeue n2"  # a requeue finds 4 nodes: the whole job
+    action, line = failed(fixed, min_nodes=3)
+    assert action == "requeue n2" and ("not shrinking (no node count from 3 down to MIN_NODES=3 divides global batch "
+                                       "64 and 64 data streams at 8 rank(s) per node, tp 1)") in line, line
+    action, line = failed(fixed, nodes="n1 n2", partition="n1 n2")
+    assert action == "requeue n2" and "not shrinking (1 node(s) left, below MIN_NODES=2)" in line, line
+    seventy = fixed.replace("64", "256", 1).replace("= 1\n[data]", "= 8\n[data]").replace("64", "32")
+    seventy = seventy.replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 8")
+    sixteen = " ".join(f"n{i}" for i in range(1, 17))
+    action, line = failed(seventy, nodes=sixteen, partition=sixteen)  # TP 8: a node is a DP rank; 8 of 15 left
+    assert action == "shrink n1,n3,n4,n5,n6,n7,n8,n9 n10,n11,n12,n13,n14,n15,n16", line
+    assert "world 64 = dp 8 x tp 8, grad accumulation 4 (global batch 256, 32 data streams)" in line, line
+    action, line = failed(fixed.replace("= 64\nlocal", "= -1\nlocal"))
+    assert action == "requeue n2" and "training.global_batch_size = -1 and data.num_streams = 64 follow the GPU count" \
+        in line, line
 
 
 def test_the_job_record_counts_starts_and_is_never_another_jobs(tmp_path):
