@@ -24,15 +24,17 @@ from data import Tokenizer  # noqa: E402
 from pretrain.sources import DataError, DataSource  # noqa: E402
 
 LLAMA3_8B = os.path.join(ROOT, "configs", "llama3_8b.toml")
+# the llama3_* configs fix the batch and the streams; these tests' run leaves both to the layout
+BY_LAYOUT = ["--training.global_batch_size", "-1", "--data.num_streams", "0"]
 TOKENIZER = os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model")
 
 
 def test_a_batch_that_follows_the_world_size_needs_world_size(tmp_path, monkeypatch):
-    """configs/llama3_8b.toml leaves the batch and the streams to the layout: without --world_size, one line (exit 2
-    in __main__), before any listing or fetch."""
+    """A config that leaves the batch and the streams to the layout: without --world_size, one line (exit 2 in
+    __main__), before any listing or fetch."""
     monkeypatch.setattr(download_data, "download", lambda *a: pytest.fail("it went on to download"))
     with pytest.raises(ConfigError) as e:
-        download_data.main(["--config", LLAMA3_8B, "--to", str(tmp_path / "mirror")])
+        download_data.main(["--config", LLAMA3_8B, *BY_LAYOUT, "--to", str(tmp_path / "mirror")])
     assert str(e.value).startswith("--world_size is missing: this config's batch or data streams follow the number "
                                    "of GPUs") and "\n" not in str(e.value), e.value
 
@@ -45,13 +47,12 @@ def test_fixed_degrees_give_the_world_size(tmp_path, monkeypatch):
         tokens=tokens, streams=streams))
     fixed = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "16",
              "--parallelism.tensor_parallel_degree", "2"]
-    download_data.main(["--config", LLAMA3_8B, "--to", str(tmp_path / "mirror"), *fixed])
+    download_data.main(["--config", LLAMA3_8B, *BY_LAYOUT, "--to", str(tmp_path / "mirror"), *fixed])
     assert got == {"tokens": 10_000 * 32 * 8192, "streams": 32}, got
-    cfg = train.load_config(["--config", LLAMA3_8B, *fixed])
+    cfg = train.load_config(["--config", LLAMA3_8B, *BY_LAYOUT, *fixed])
     assert download_data.world_size(cfg, 0) == 64
     assert download_data.world_size(cfg, 64) == 64  # --world_size, when given, is the run's (validate checks it)
-    fixed_batch = ["--training.global_batch_size", "64", "--data.num_streams", "8"]  # no degree fixed: none needed
-    assert download_data.world_size(train.load_config(["--config", LLAMA3_8B, *fixed_batch]), 0) == 1
+    assert download_data.world_size(train.load_config(["--config", LLAMA3_8B]), 0) == 1  # its fixed batch: none needed
 
 
 @pytest.mark.parametrize("path, share", [("c4/en/c4-train.00000-of-00002.json.gz", 3 / 4),
