@@ -14,6 +14,7 @@ the lr schedule go on. The statistics: docs/internals.md#loss-spikes."""
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -140,7 +141,7 @@ class SpikeGuard:
         before, _ = checkpointer.choose(below=first)
         if before is None:
             return {"step": step, "rewound_to": step, "tokens_seen": tokens_seen,
-                    "checkpoint": f"none before step {first}"}
+                    "checkpoint": f"none before step {first}", "time": time.time()}
         path = os.path.join(checkpointer.folder, f"step-{before}")
         to, tokens = checkpointer.load(path, model_only=False, rewind=True)
         self.in_a_row = 0
@@ -148,6 +149,7 @@ class SpikeGuard:
         self.cut_until = to + self.cfg.rewind_lr_steps
         self.cut_lr(checkpointer.optimizer, to + 1)
         return {"step": step, "rewound_to": to, "tokens_seen": tokens, "checkpoint": path,
+                "time": time.time(),  # when: slurm/recover.py's goodput counts the steps again
                 "left_out": [to + 1, step], "lr_factor": self.cfg.rewind_lr_factor,
                 "lr_steps": self.cfg.rewind_lr_steps, "rewinds": self.rewinds}
 

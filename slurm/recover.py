@@ -375,7 +375,7 @@ def launch_records(records: list, launches: list) -> list:
     per = [{"records": [], "tail_rounds": 0.0} for _ in launches]
     current, pending = None, 0.0
     for r in records:
-        if "loss" not in r:
+        if "loss" not in r and "rewound_to" not in r:  # a round (or a skipped step): no step's time
             pending += r.get("validation_seconds", 0.0) + r.get("eval_seconds", 0.0)
             continue
         inside = (j for j, run in enumerate(launches) if run["start"] <= r["time"] <= run["end"])
@@ -402,14 +402,22 @@ def timed_seconds(r: dict, steps: int, ranks: int) -> float | None:
 
 
 def one_launch(run: dict, got: dict, next_resumed: int | None) -> tuple:
-    """({step: seconds} of the steps a launch trained, {cause: seconds} of its time lost). The time
-    from one training record to the next, less the rounds logged between them, is its steps' time
-    as train.py timed them; what is left is start-up before the first record, a save after."""
-    lost = {"start_up": 0.0, "saving": 0.0, "failures": 0.0, "other": 0.0}
+    """({step: seconds} of the steps a launch trained, {cause: seconds} of its time lost, the steps a
+    rewind trained again). The time from one training record to the next, less the rounds logged
+    between them, is its steps' time as train.py timed them; what is left is start-up before the
+    first record, a save after."""
+    lost = {"start_up": 0.0, "trained_again": 0.0, "saving": 0.0, "failures": 0.0, "other": 0.0}
     seconds = {}
     untimed = 0.0  # after the first record, what train.py did not time as steps: saves, an exit
+    rewound = 0
     prev_step, prev_time = run["resumed"], run["start"]
     for r, rounds in got["records"]:
+        if "rewound_to" in r:  # repeated loss spikes (pretrain/spikes.py): those steps train again
+            again = drop(seconds, r["rewound_to"])
+            lost["trained_again"] += sum(again)
+            rewound += len(again)
+            prev_step = r["rewound_to"]
+            continue
         n = r["step"] - prev_step
         if n <= 0:  # a step at or below the checkpoint it resumed from: a record of another run
             continue
@@ -441,7 +449,7 @@ def one_launch(run: dict, got: dict, next_resumed: int | None) -> tuple:
     saving = min(untimed, run.get("saves", untimed))
     lost["saving"] += saving
     lost["other"] += untimed - saving
-    return seconds, lost
+    return seconds, lost, rewound
 
 
 def between_launches(record: dict, now: float) -> dict:
@@ -478,9 +486,10 @@ def account(record: dict, now: float) -> dict:
     steps_again = 0
     for j, (run, got) in enumerate(zip(launches, launch_records(records, launches))):
         next_resumed = launches[j + 1]["resumed"] if j + 1 < len(launches) else None
-        seconds, launch_lost = one_launch(run, got, next_resumed)
+        seconds, launch_lost, rewound = one_launch(run, got, next_resumed)
         for cause, lost_seconds in launch_lost.items():
             lost[cause] += lost_seconds
+        steps_again += rewound
         again = drop(kept, run["resumed"])  # the steps this launch trains again
         lost["trained_again"] += sum(again)
         steps_again += len(again)

@@ -812,6 +812,23 @@ def test_goodput_takes_the_steps_trained_again_from_the_checkpoint_resumed(tmp_p
     assert record["steps_kept"] == 50 and record["steps_trained_twice"] == 5
 
 
+def test_goodput_counts_the_steps_a_rewind_trains_again(tmp_path, monkeypatch, capsys):
+    """Repeated loss spikes rewind the run from step 9 to its step-6 (pretrain/spikes.py's record): steps 7-9 are
+    trained twice, and their first second each is time lost, not the kept steps' nor a save's."""
+    job = FakeJob(tmp_path, monkeypatch)
+    job.start(0)
+    records = [{"step": s, "loss": 2.0, "tokens_seen": 128 * s, "tps": 128.0, "time": 10.0 + s} for s in range(1, 10)]
+    records.append({"step": 9, "rewound_to": 6, "tokens_seen": 768, "time": 19.5})
+    records += [{"step": s, "loss": 2.0, "tokens_seen": 128 * s, "tps": 128.0, "time": 13.5 + s} for s in range(7, 13)]
+    with open(job.dump / "metrics.jsonl", "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    job.launch(9, 26, 0, 0, {}, saves=0.0)
+    numbers, goodput = job.end(26, capsys)
+    assert goodput["steps_kept"] == 12 and goodput["goodput_seconds"] == pytest.approx(12.0), goodput
+    assert numbers["steps trained twice"] == 3 and numbers["trained again"] == pytest.approx(3.0), numbers
+    assert numbers["saving"] == 0.0, numbers
+
+
 def test_a_stall_weeks_ago_does_not_add_to_a_crash_loop(tmp_path, capsys):
     """MAX_STALLED_RESTARTS counts restarts without a newer checkpoint within the last hour of launches."""
     recover = recover_module()
