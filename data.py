@@ -251,15 +251,6 @@ def heldout_windows(src: DataSource, tokenizer: Tokenizer, seq_len: int,
 # Mixture, packing, loader workers
 # --------------------------------------------------------------------------------------------------
 
-def ignore_boundaries(labels, args):
-    """Labels (a tensor) with the positions that carry no signal set to -100 (ignored by the loss). Under
-    block_causal: each position whose label is a document's BOS (the token before it is the last of
-    the previous document, and the mask hides the new one from it). Causal keeps every position."""
-    if args.attn_mask_type != "block_causal":
-        return labels
-    return labels.masked_fill(labels == args.bos_id, -100)
-
-
 class PackedStream:
     """One logical stream: token-weighted mixture of sources, packed into seq_len + 1 windows.
 

@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from torch.distributed.tensor.parallel import RowwiseParallel
 from torch.distributed.tensor.parallel import SequenceParallel, loss_parallel, parallelize_module
 
-from data import DataLoader, Tokenizer, ignore_boundaries, reads_within
+from data import DataLoader, Tokenizer, reads_within
 from model import Transformer, flavors, keyed_normal_
 from pretrain import config
 from pretrain import evals
@@ -49,7 +49,7 @@ from pretrain.data_manifest import manifest_sha256
 from pretrain.distributed import agree, init_distributed, stop_on_signals
 from pretrain.faults import FAULT, RUN, USER, CheckpointError, Fault, is_fault, lost_rank
 from pretrain.float8 import Float8
-from pretrain.loss import chunked_loss, cross_entropy_and_z
+from pretrain.loss import chunked_loss, cross_entropy_and_z, ignore_boundaries
 from pretrain.metrics import MetricsLogger, memory_stats, peak_tflops
 from pretrain.progress import RunClock
 from pretrain.sources import DataError, DataSource

@@ -266,7 +266,7 @@ def read_once(cfg, tokenizer, max_seq_len: int, manifest: dict, device) -> tuple
 def heldout_share(windows: dict, batch: int, dp_rank: int, dp: int, ignore: Callable) -> dict:
     """Per validation source, this rank's (inputs, labels): window i goes to dp rank i % dp. Ranks with fewer rows
     are padded with label -100 (ignored) to as many whole batches as every other rank (FSDP's collectives). `ignore`:
-    data.ignore_boundaries, so the positions training leaves out are left out here too."""
+    ignore_boundaries (pretrain/loss.py), so the positions training leaves out are left out here too."""
     heldout = {}
     for name, rows in windows.items():
         n = -(-len(rows) // (dp * batch)) * batch  # rows per rank, whole batches

@@ -2,7 +2,8 @@
 positions at a time, and a chunk's logits are recomputed in backward, not kept: with Llama 3's
 vocabulary the fp32 logits, their log-softmax and their gradient are the largest tensors of a step,
 about 12 bytes a logit. What to compute on the logits stays train.forward_backward's (loss_fn):
-cross_entropy_and_z below, or any loss a forker swaps in.
+cross_entropy_and_z below, or any loss a forker swaps in. And which positions count at all
+(ignore_boundaries: a document's first token is nobody's prediction under block_causal).
 
     h = model(inputs, last_hidden=True)  # (bs, seqlen, dim): the final norm's output
     summed = chunked_loss(model.output, h, labels, loss_fn)
@@ -52,3 +53,12 @@ def cross_entropy_and_z(logits: torch.Tensor, labels: torch.Tensor, z_loss: floa
     if isinstance(lse, DTensor):  # a plain tensor may not meet a DTensor in one op
         counted = DTensor.from_local(counted, lse.device_mesh, lse.placements)
     return torch.stack([ce, z_loss * (lse.pow(2) * counted).sum()])
+
+
+def ignore_boundaries(labels: torch.Tensor, args) -> torch.Tensor:
+    """Labels with the positions that carry no signal set to -100 (ignored by the loss). Under
+    block_causal: each position whose label is a document's BOS (the token before it is the last of
+    the previous document, and the mask hides the new one from it). Causal keeps every position."""
+    if args.attn_mask_type != "block_causal":
+        return labels
+    return labels.masked_fill(labels == args.bos_id, -100)

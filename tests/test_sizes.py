@@ -13,18 +13,17 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lines at most, from DESIGN.md's file tables.
 BUDGETS = {
-    "train.py": 900, "model.py": 350, "data.py": 560, "checkpoint_convert.py": 430, "download_tokenizer.py": 80,
+    "train.py": 900, "model.py": 350, "data.py": 550, "checkpoint_convert.py": 430, "download_tokenizer.py": 80,
     "download_data.py": 200, "preflight.py": 450, "bench.py": 600, "plot.py": 200,
     "pretrain/config.py": 200, "pretrain/distributed.py": 200, "pretrain/sources.py": 300,
     "pretrain/data_manifest.py": 250, "pretrain/mirror.py": 150, "pretrain/data_check.py": 200,
     "pretrain/checkpoint.py": 260, "pretrain/checkpoint_folder.py": 230, "pretrain/titan_layout.py": 150,
     "pretrain/hf_layout.py": 150, "pretrain/metrics.py": 150, "pretrain/memory.py": 230, "pretrain/measure.py": 150,
     "pretrain/float8.py": 150, "pretrain/evals.py": 300, "pretrain/dryrun.py": 300, "pretrain/titan_run.py": 150,
-    "pretrain/progress.py": 160, "pretrain/loss.py": 60, "pretrain/spikes.py": 200,
+    "pretrain/progress.py": 160, "pretrain/loss.py": 80, "pretrain/spikes.py": 200,
     "pretrain/faults.py": 120, "pretrain/startup.py": 100,
 }
 # checkpoint_convert.py: DESIGN.md's 400 was written before the converters' progress bars were.
-# data.py: DESIGN.md's 550 was written before a rank's micro-batches took its data streams in turn (resizing).
 # pretrain/progress.py, loss.py, spikes.py, faults.py and startup.py are not in DESIGN.md's table yet.
 ROOT_FILES = sorted(glob.glob(os.path.join(ROOT, "*.py")))  # what a user runs and forks
 PACKAGE = sorted(glob.glob(os.path.join(ROOT, "pretrain", "*.py")))
