@@ -132,9 +132,9 @@ def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int,
         why = (f"the Hub refused {path!r}{http} while {what}: check the dataset id and revision; "
                "for a gated or private set log in (`hf auth login` or `huggingface-cli login`, "
                "or set HF_TOKEN) and accept its terms on the dataset's Hub page")
-    elif retries_left:  # but the next would not fit in the budget: this read's, or its step's
-        limit = budget if not in_budget else STEP[1]
-        of_what = "" if not in_budget else " for the reads of one step in all"
+    elif retries_left:  # but the next would not fit: its step's end (the sooner, if both), or this read's
+        limit = budget if in_step else STEP[1]
+        of_what = "" if in_step else " for the reads of one step in all"
         why = (f"{what} failed {times} in {spent:.0f} s and stopped retrying: another "
                f"try{asked_for} could end past comm.init_timeout_seconds = {limit:g} s{of_what}, how "
                "long the other ranks wait for this one in a collective; raise it to give the Hub longer")
