@@ -288,22 +288,23 @@ GPU_SHARED = ["--activation_checkpoint.mode", "selective", "--data.num_streams",
               "--optimizer.lr", "3e-4"]
 # --device cpu: a pretend device, so the estimate picks the blocks as it does on a GPU
 CPU_CAPACITY = 80 * 2**20
-# Seconds a step needs: the first H100 run's (docs/performance.md#one-h100) with some room. A step that
-# no longer fits the budget's remainder is skipped; one is stopped at the budget's end or, on a GPU, at
-# twice its time (a hang).
+# Seconds a step needs (the first H100 run's, docs/performance.md#one-h100, with room): a step is
+# skipped where the budget left is less, and stopped at the budget's end or, on a GPU, twice this.
 STEP_SECONDS = {"cuda": {"self-test": 120, "1B": 40, "8B": 80},
                 "cpu": {"self-test": 60, "1B": 30, "8B": 30}}
 
 
 def gpu_plan(shape: dict, blocks: int) -> list:
     """(name, kind, train.py flags) of each step after the self-test: the 1B flavor, then the 8B
-    width with `blocks` blocks: bf16, float8 rowwise and tensorwise, and block-causal attention."""
+    width with `blocks` blocks: bf16, float8 rowwise (torchao's small layers in bf16), tensorwise
+    (its settings are FSDP's, and one GPU does not shard) and block-causal attention."""
     wide = ["--model.flavor", shape["wide"], "--model.n_layers", str(blocks)]
     float8 = [*wide, "--model.converters", "float8", "--float8.recipe_name"]
+    small = ["--float8.filter_fqns", "output,auto_filter_small_kn"]  # torchao's table of sizes
     return [("self-test", "self-test", []),
             ("1B", "1B", ["--model.flavor", shape["small"]]),
             ("8B-wide", "8B", wide),
-            ("8B-wide-float8-rowwise", "8B", [*float8, "rowwise"]),
+            ("8B-wide-float8-rowwise", "8B", [*float8, "rowwise", *small]),
             ("8B-wide-float8-tensorwise", "8B", [*float8, "tensorwise"]),
             ("8B-wide-block-causal", "8B", [*wide, "--model.attn_mask_type", "block_causal"])]
 
@@ -351,8 +352,9 @@ def describe(cfg, model) -> str:
             f"seq {t.seq_len:,} x {t.local_batch_size}",
             "bf16" if t.mixed_precision_param == "bfloat16" else "fp32",
             "compile" if cfg.compile.enable else "eager", f"AC {cfg.activation_checkpoint.mode}"]
-    if "float8" in cfg.model.converters:
-        what.append(f"float8 {cfg.float8.recipe_name}")
+    if "float8" in cfg.model.converters:  # and whether torchao's table keeps small layers in bf16
+        auto = ", small layers bf16" if "auto_filter_small_kn" in cfg.float8.filter_fqns else ""
+        what.append(f"float8 {cfg.float8.recipe_name}{auto}")
     return ", ".join([*what, a.attn_mask_type])
 
 
@@ -380,14 +382,12 @@ def summary_header(name: str, args, shared: list, shape: dict, blocks: int, capa
     vocab = planned(shared, 1)[1].args.vocab_size
     cuda = f", CUDA {torch.version.cuda}" if args.device == "cuda" else ""
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    python = sys.version.split()[0]
-    alloc = os.environ.get("PYTORCH_ALLOC_CONF", "")
     return [f"# bench.py gpu: {name}", "",
-            f"torch {torch.__version__}{cuda}, Python {python}, {when}, "
+            f"torch {torch.__version__}{cuda}, Python {sys.version.split()[0]}, {when}, "
             f"budget {args.budget:.0f} s.",
             f"Command: `python bench.py {' '.join(sys.argv[1:])}`.",
             f"Every run: `{' '.join(shared)}`, {shape['steps']} steps, the first {shape['warmup']} "
-            f"untimed; PYTORCH_ALLOC_CONF={alloc}.",
+            f"untimed; PYTORCH_ALLOC_CONF={os.environ.get('PYTORCH_ALLOC_CONF', '')}.",
             f"Vocabulary {vocab:,} words. The {shape['wide']} width: {blocks} blocks fit "
             f"{capacity / 2**30:.1f} GiB by the estimate ({memory.FREE:.0%} kept free).",
             "MFU counts attention in full (PaLM's, torchtitan's). Each step's log: `<step>.log` here.", "",

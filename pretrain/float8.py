@@ -1,8 +1,7 @@
 """float8 training with torchao, as torchtitan v0.2 does it: `[model] converters = ["float8"]`
-and the `[float8]` keys. train.py calls these three: check() before any process group exists,
-convert() on the meta-device model before parallelize(), tp_styles() for the tensor-parallel plan.
-Checkpoints keep plain weights under Meta's names (plain() unwraps torchao's all-gather wrapper),
-so float8 may be turned on or off on a resume."""
+and the `[float8]` keys. train.py calls check() before any process group exists, convert() on the
+meta-device model before parallelize(), tp_styles() for the TP plan. Checkpoints hold plain weights
+under Meta's names (plain()), so float8 may be turned on or off on a resume."""
 
 import dataclasses
 import importlib.util
@@ -17,8 +16,8 @@ from torch.distributed.tensor import DTensor
 from pretrain.config import ConfigError
 
 logger = logging.getLogger("train")
-# torchao's Float8LinearConfig.from_recipe_name
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # Float8LinearConfig.from_recipe_name's
+AUTO_FILTER = "auto_filter_small_kn"  # torchtitan's flag in filter_fqns: torchao's table of sizes
 
 
 @dataclass
@@ -26,15 +25,14 @@ class Float8:  # train.py's [float8] section, used when model.converters has "fl
     recipe_name: str = "tensorwise"  # tensorwise (fastest), rowwise or rowwise_with_gw_hp (more accurate)
     enable_fsdp_float8_all_gather: bool = False  # FSDP all-gathers weights in float8, 1 byte not 2 (tensorwise only)
     precompute_float8_dynamic_scale_for_fsdp: bool = False  # all weights' scales in one all-reduce per step (needs the float8 all-gather)
-    filter_fqns: list = field(default_factory=lambda: ["output"])  # Linear layers named with one of these stay in high precision
+    filter_fqns: list = field(default_factory=lambda: ["output"])  # Linear layers named with one of these stay in high precision; "auto_filter_small_kn": small ones too
 
 
 def check(cfg, gpu: bool | None = None) -> None:
     """The [float8] rules, on train.py's config, before any process group exists. float8 needs
     torchao, and on a GPU float8 matmuls: CUDA SM 8.9+ or ROCm MI300+ (gfx942 reports 9.4). `gpu`:
-    whether the job runs on GPUs; None (train.py) asks this machine. dryrun.py passes True: the GPU
-    rules of a job it models without a GPU, whose GPUs are taken to be H100-class (so this machine's
-    GPU, if any, is not asked about float8 matmuls)."""
+    whether the job runs on GPUs; None (train.py) asks this machine; True (dryrun.py): the job's
+    GPUs are taken to be H100-class, whatever this machine has."""
     f8 = cfg.float8
     if f8.recipe_name not in RECIPES:
         recipes = ", ".join(RECIPES)
@@ -46,6 +44,9 @@ def check(cfg, gpu: bool | None = None) -> None:
         raise ConfigError("float8.precompute_float8_dynamic_scale_for_fsdp = True needs "
                           "float8.enable_fsdp_float8_all_gather = true: "
                           "the scales it computes are the all-gather's")
+    if AUTO_FILTER in f8.filter_fqns and f8.recipe_name == "rowwise_with_gw_hp":
+        raise ConfigError(f"float8.filter_fqns: torchao has no {AUTO_FILTER!r} table for "
+                          "rowwise_with_gw_hp; remove it, or name the layers to keep")
     if "float8" not in cfg.model.converters:
         return
     if importlib.util.find_spec("torchao") is None:
@@ -89,7 +90,7 @@ def convert(model: torch.nn.Module, cfg, device: torch.device, sharded: bool = T
                        "turn on --compile.enable")
     logging.disable(logging.WARNING)  # torchao's CUDA kernels fail to load on CPU: not for the log
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8 import _auto_filter_for_recipe, precompute_float8_dynamic_scale_for_fsdp
     logging.disable(logging.NOTSET)
     recipe = Float8LinearConfig.from_recipe_name(f8.recipe_name)
     # CPU: torch._scaled_mm takes ~1000x an fp32 matmul there: the float8 values multiply in fp32
@@ -97,12 +98,13 @@ def convert(model: torch.nn.Module, cfg, device: torch.device, sharded: bool = T
     config = dataclasses.replace(recipe, emulate=device.type == "cpu",
                                  enable_fsdp_float8_all_gather=gather)
 
-    def convertible(m: torch.nn.Linear, fqn: str) -> bool:
+    def convertible(m: torch.nn.Linear, fqn: str) -> bool:  # float8 matmuls: dims multiples of 16
         kept = any(f in fqn for f in f8.filter_fqns)  # filter_fqns: stays in high precision
-        # float8 matmuls need both dims multiples of 16
         return not kept and m.in_features % 16 == 0 and m.out_features % 16 == 0
 
-    convert_to_float8_training(model, config=config, module_filter_fn=convertible)
+    auto = AUTO_FILTER in f8.filter_fqns  # as torchtitan: torchao's H100 thresholds, kept up to date there
+    chosen = _auto_filter_for_recipe(f8.recipe_name, f8.filter_fqns) if auto else convertible
+    convert_to_float8_training(model, config=config, module_filter_fn=chosen)
     high = sorted({re.sub(r"layers\.\d+\.", "layers.*.", n) for n, m in model.named_modules()
                    if type(m) is torch.nn.Linear})
     emulated = "; on CPU the matmuls are emulated in fp32: for correctness, not speed"
@@ -115,9 +117,8 @@ def convert(model: torch.nn.Module, cfg, device: torch.device, sharded: bool = T
 
 def tp_styles(model: torch.nn.Module, device_type: str, recipe_name: str):
     """torchao's (colwise, rowwise, prepare-input) TP styles when every Linear of the blocks is
-    float8 with the tensorwise recipe on CUDA: they cast to float8 before the all-gathers, so they
-    move 1 byte per value. None otherwise (gloo has no float8; on ROCm they are not used), and the
-    plan uses the plain styles."""
+    float8 with the tensorwise recipe on CUDA: their all-gathers move 1 byte per value. None
+    otherwise (gloo has no float8; on ROCm they are not used): the plan's plain styles."""
     linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
     all_float8 = all(type(m).__name__ == "Float8Linear" for m in linears)
     on_cuda = device_type == "cuda" and not torch.version.hip  # a ROCm build's "cuda" is not
@@ -129,9 +130,8 @@ def tp_styles(model: torch.nn.Module, device_type: str, recipe_name: str):
 
 
 def plain(t):
-    """The fp32 tensor inside torchao's float8 weight wrapper (the float8 all-gather's), sharing its
-    memory: checkpoints hold plain tensors, loadable without torchao, and a load into the plain view
-    fills the parameter."""
+    """The fp32 tensor inside torchao's float8 all-gather wrapper, sharing its memory: checkpoints
+    hold plain tensors, loadable without torchao; a load into the plain view fills the parameter."""
     local = t._local_tensor if isinstance(t, DTensor) else t
     float8_weight = "WeightWithDynamicFloat8CastTensor"  # the one wrapper unwrapped here
     is_wrapper = torch.utils._python_dispatch.is_traceable_wrapper_subclass(local)

@@ -13,6 +13,7 @@ seq_len 128 at most 0.0052: the short, small runs keep this file's CPU time down
 """
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -206,6 +207,9 @@ ERRORS = {  # name: (python prelude that fakes the machine, extra args, the one 
     "a100": ("torch.cuda.is_available = lambda: True; torch.cuda.get_device_capability = lambda i: (8, 0); "
              "torch.cuda.get_device_name = lambda i: 'NVIDIA A100-SXM4-80GB'", [],
              "float8 needs float8 matmuls (H100, H200, B200, MI300 or newer), which this NVIDIA A100-SXM4-80GB lacks"),
+    "auto_filter_gw_hp": ("", ["--float8.recipe_name", "rowwise_with_gw_hp", "--float8.filter_fqns",
+                               "output,auto_filter_small_kn"],
+                          "float8.filter_fqns: torchao has no 'auto_filter_small_kn' table for rowwise_with_gw_hp"),
     "precompute_alone": ("", ["--float8.precompute_float8_dynamic_scale_for_fsdp"],
                          "precompute_float8_dynamic_scale_for_fsdp = True needs float8.enable_fsdp_float8_all_gather"),
     "rowwise_fp32_on_h100": (H100, ["--float8.recipe_name", "rowwise", "--training.mixed_precision_param", "float32"],
@@ -272,6 +276,24 @@ def test_config_lists_and_the_conversion_keep_meta_names():
     kinds = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert kinds["output"] == kinds["layers.0.feed_forward.w2"] == "Linear"
     assert kinds["layers.0.attention.wq"] == kinds["layers.5.feed_forward.w3"] == "Float8Linear"
+
+
+def test_auto_filter_keeps_the_layers_float8_does_not_speed_up(caplog):
+    """torchtitan's "auto_filter_small_kn" in filter_fqns: torchao's H100 table of the matmul sizes each recipe speeds
+    up. At the 1B width (dim 2048, hidden 8192, 8 KV heads), rowwise converts only w1 and w3 (N 8192 x K 2048); the
+    attention's and w2 (N 2048) stay in bf16. tensorwise converts every block's Linear but wk and wv (N 512, K 2048)."""
+    kept = {}
+    for recipe in ("rowwise", "tensorwise"):
+        cfg = T.load_config(["--config", "configs/debug_model.toml", "--model.flavor", "1B", "--model.converters",
+                             "float8", "--float8.recipe_name", recipe, "--float8.filter_fqns",
+                             "output,auto_filter_small_kn"])
+        with torch.device("meta"):
+            model = T.Transformer(T.flavor_args(cfg, vocab_size=2048))
+        with caplog.at_level(logging.INFO, logger="train"):
+            float8.convert(model, cfg, torch.device("cpu"))
+        kept[recipe] = {n.split(".")[-1] for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+        assert f"float8 {recipe} (torchao); Linear layers kept in high precision: layers.*.attention.wk" in caplog.text
+    assert kept == {"rowwise": {"wq", "wk", "wv", "wo", "w2", "output"}, "tensorwise": {"wk", "wv", "output"}}
 
 
 def test_memory_estimate_counts_the_float8_all_gather():
