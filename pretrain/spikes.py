@@ -108,7 +108,8 @@ class SpikeGuard:
         self.reason = "not finite" if not_finite else "spike"
         loss, grad_norm = self.step_values.tolist()
         record = {"step": step, "skipped": self.reason, "step_loss": loss,
-                  "step_grad_norm": grad_norm, "skipped_steps": self.skipped, "sigma": self.cfg.sigma}
+                  "step_grad_norm": grad_norm, "skipped_steps": self.skipped, "sigma": self.cfg.sigma,
+                  "time": time.time()}  # when: slurm/recover.py's goodput counts its time as lost
         if self.thresholds is not None:
             record["loss_threshold"], record["grad_norm_threshold"] = self.thresholds.tolist()
         return record

@@ -6,22 +6,23 @@ launches with their times, its failures, the nodes left out) is a JSON file next
 outlives the job's requeues. It imports no torch: it runs between a failure and the next launch,
 where every second counts.
 
-    python slurm/recover.py start RECORD --job JOBID     # at every start; prints the nodes left out
+    python slurm/recover.py start RECORD --job JOBID --nodes 2  # at every start; see start()
     python slurm/recover.py ended RECORD --log LOG --offset N --since T --code RC --ranks R
     python slurm/recover.py failed RECORD --log LOG --offset N --since T \
         --nodes "n1 n2" --spares "n3" --down "" --excluded "n4" --partition "n1 n2 n3 n4" \
         --nnodes 3 --min_nodes 1 --nproc_per_node 8
-    python slurm/recover.py requeue RECORD --excluded "n4" --partition "n1 n2 n3 n4" --nnodes 2
+    python slurm/recover.py requeue RECORD --excluded "n4" --partition "n1 n2 n3 n4" --nnodes 2 \
+        --min_nodes 1 --nproc_per_node 8 --spares 0
     python slurm/recover.py end RECORD                   # the goodput line, also into metrics.jsonl
 
 `ended` records a launch, after each one. `failed` reads the log from byte N (where the launch
 began), names the failed node and prints on stdout what to do: `spare NODE SPARE` (relaunch with
 SPARE in place of NODE), `relaunch` (same nodes), `shrink NODES [SPARES]` (relaunch on the
 comma-separated NODES, the other healthy ones spares: no spare was left, and a requeue would leave
-the partition too few nodes), `requeue [NODE]`, `stop CODE`. `requeue` prints the nodes the
-requeued job must exclude, comma-separated: those Slurm excludes already and every node the record
-left out; when that leaves the partition too few nodes, it stops the job instead, with one line
-(exit 1).
+the partition too few nodes), `requeue [NODE]`, `stop CODE`. `requeue` prints how many nodes the
+requeued job asks for and the nodes it must exclude, comma-separated: those Slurm excludes already
+and every node the record left out; when that leaves the partition too few nodes, fewer (as a
+shrink), or where none will do, it stops the job instead, with one line (exit 1).
 """
 
 import argparse
@@ -35,6 +36,9 @@ import tomllib
 
 # the lines of a rank that lost its peer (pretrain/distributed.py's lost_rank)
 LOST = ("lost its connection to another rank", "for a rank that never joined it")
+# NCCL's watchdog, which aborts its process (SIGABRT) before lost_rank sees the error: a collective that
+# timed out, or failed on a peer's error, waiting for another rank (torch's ProcessGroupNCCL.cpp)
+WATCHDOG = ("Watchdog caught collective operation timeout", "detected by watchdog at work")
 
 
 def say(line: str):
@@ -60,18 +64,21 @@ def save(record: dict, path: str):
 # start and ended: the job's record, its starts and launches
 # -------------------------------------------------------------------------------------------------
 
-def start(path: str, job: str) -> str:
+def start(path: str, job: str, nodes: int = 1) -> str:
     """The job's record at `path`, made at its first start; every start (1 + its requeues) counts,
-    with its time. Returns the nodes the job left out: none of them trains in it again."""
+    with its time. Returns "N LEFT_OUT": the training nodes of the job's first start (`nodes` then;
+    MIN_NODES's default is half of it, though a requeue may ask for fewer), and the nodes the job
+    left out: none of them trains in it again."""
     old = load(path) if os.path.exists(path) else {}
     record = old
     if old.get("job") != job:  # another job's record: a log name without %j
         record = {"job": job, "first_start": time.time(), "starts": 0, "started": [],
                   "launches": [], "failures": [], "restarts": 0, "left_out": [], "dump_folder": ""}
+    record.setdefault("nodes", nodes)
     record["starts"] += 1
     record["started"].append(time.time())
     save(record, path)
-    return " ".join(record["left_out"])
+    return f"{record['nodes']} {' '.join(record['left_out'])}".strip()
 
 
 def ended(path: str, a):
@@ -154,14 +161,17 @@ def how_it_ended(code: int) -> str:
 
 def reports(lines: list) -> tuple:
     """What each srun task (node) said: torchrun's (rank, exit code) per failed rank, train.py's
-    `error:` lines, and srun's own `error: NODE: task N: ...` lines (node, line), in log order."""
-    ranks, codes, errors, sruns = {}, {}, {}, []
+    `error:` lines, srun's own `error: NODE: task N: ...` lines (node, line), in log order, and the
+    tasks whose ranks NCCL's watchdog stopped."""
+    ranks, codes, errors, sruns, watchdog = {}, {}, {}, [], set()
     for line in lines:
         if m := re.match(r"srun: error: (\S+): tasks? [\d\-,]+: ", line):
             sruns.append((m[1], line.strip()))
         if not (m := re.match(r"(\d+): (.*)", line)):  # srun --label: the task's index
             continue
         task, text = int(m[1]), m[2]
+        if any(w in text for w in WATCHDOG):
+            watchdog.add(task)
         if e := re.match(r"error: (.*)", text):
             errors.setdefault(task, []).append(e[1])
         elif r := re.match(r"\s+rank\s*: (\d+)", text):  # torchrun's report: rank, then exitcode
@@ -169,7 +179,7 @@ def reports(lines: list) -> tuple:
         elif c := re.match(r"\s+exitcode\s*: (-?\d+)", text):
             codes.setdefault(task, []).append(int(c[1]))
     failed = {t: list(zip(ranks.get(t, [None] * len(c)), c)) for t, c in codes.items()}
-    return failed, errors, sruns
+    return failed, errors, sruns, watchdog
 
 
 def diagnose(lines: list, nodes: list, down: list) -> dict:
@@ -177,11 +187,12 @@ def diagnose(lines: list, nodes: list, down: list) -> dict:
     lines, in this order:
     1. one Slurm marks down;
     2. one a fault's line names (`error: node NAME: ...`, exit 4: pretrain/faults.py);
-    3. a rank that died by itself (a signal, a traceback), not one that lost its peer (exit 3);
+    3. a rank that died by itself (a signal, a traceback), not one that lost its peer (exit 3, or
+       NCCL's watchdog's SIGABRT after a collective timed out waiting for a peer);
     4. srun's first failed task that lost no peer;
     5. the one node that said nothing while the others lost a peer.
     Returns node (None: not named), how, error (the line to quote) and user (some rank's exit 2)."""
-    failed, errors, sruns = reports(lines)
+    failed, errors, sruns, watchdog = reports(lines)
     def own(task):  # the task's first error line that is not a lost peer's
         return next((e for e in errors.get(task, []) if not any(s in e for s in LOST)), None)
     def named(node, how, error=""):
@@ -198,9 +209,10 @@ def diagnose(lines: list, nodes: list, down: list) -> dict:
         for line in said:
             if (m := re.match(r"node (\S+): ", line)) and m[1] in nodes:
                 return named(m[1], "a fault of that node (exit 4)", line)
-    # ranks that ended by themselves: any exit but 3 (lost a peer), or 3 with an error line of their own
+    # ranks that ended by themselves: any exit but 3 (lost a peer) or the watchdog's SIGABRT (-6), or
+    # either with an error line of their own
     culprits = [(t, rank, code) for t, ended in failed.items() for rank, code in ended
-                if code != 3 or own(t)]
+                if (code != 3 and not (code == -6 and t in watchdog)) or own(t)]
     alike = {own(t) for t, _, _ in culprits}
     every_node = len({t for t, _, _ in culprits}) == len(nodes)
     if len(alike) == 1 and None not in alike and every_node:  # a non-finite loss, a full disk
@@ -283,7 +295,7 @@ def failed(path: str, a) -> str:
             replacement = f"{where}, not shrinking ({layout}); {replacement}"
             if k:  # the first k train; the others left become spares
                 action = f"shrink {','.join(left[:k])} {','.join(left[k:])}".strip()
-                replacement = f"{where}: {layout}"
+                replacement = f"{where}: relaunching on {layout}"
     else:
         action, replacement = "requeue", "requeue as is"
     record["restarts"] = n
@@ -303,9 +315,10 @@ def recent_stalls(failures: list, window: float) -> int:
 
 
 def shrink_to(config: dict, nodes: int, min_nodes: int, nproc: int) -> tuple:
-    """(K, what) for a relaunch on the nodes a job has left: K the most nodes, from `nodes` down to
-    `min_nodes`, that the run's fixed global batch and data streams divide into (train.validate's
-    rules), and a line on the layout and its gradient accumulation; (0, why not) where none does."""
+    """(K, what) for a relaunch or a requeue on the nodes a job has left: K the most nodes, from
+    `nodes` down to `min_nodes`, that the run's fixed global batch and data streams divide into
+    (train.validate's rules), and a line on the layout and its gradient accumulation; (0, why not)
+    where none does."""
     if not config:
         return 0, "the run's config.toml cannot be read"
     training = config.get("training", {})
@@ -327,7 +340,7 @@ def shrink_to(config: dict, nodes: int, min_nodes: int, nproc: int) -> tuple:
         dp = world // tp
         if world % (tp * rep) == 0 and streams % dp == 0 and gbs % (local * dp) == 0:
             accumulation = gbs // (local * dp)
-            return k, (f"relaunching on {k} of the {nodes} node(s) left: world {world} = dp {dp} x "
+            return k, (f"{k} of the {nodes} node(s) left: world {world} = dp {dp} x "
                        f"tp {tp}, grad accumulation {accumulation} (global batch {gbs}, "
                        f"{streams} data streams)")
     return 0, (f"no node count from {nodes} down to MIN_NODES={min_nodes} divides global batch "
@@ -346,21 +359,30 @@ def nodes_left(record: dict, excluded: str, partition: str) -> list:
 
 
 def requeue(path: str, a) -> str:
-    """The nodes the requeued job excludes: those Slurm excludes already and every node the job left
-    out (a person brings one back by removing it from the record's left_out). Stops (exit 1) with
-    one line where the partition would have too few nodes for the job."""
+    """"N EXCLUDE": the nodes the requeued job asks for, and those it excludes: the ones Slurm
+    excludes already and every node the job left out (a person brings one back by removing it from
+    the record's left_out). Where the partition has too few nodes left for the job (one that shrank
+    after a failure, at its time limit), N is fewer: its spares and the most training nodes that
+    shrink_to allows, down to MIN_NODES. Stops (exit 1) with one line where none does."""
     record = load(path)
     exclude = sorted(set(a.excluded.split()) | set(record["left_out"]))
     left = nodes_left(record, a.excluded, a.partition)
+    nodes = a.nnodes
     if a.partition and len(left) < a.nnodes:  # no partition: sinfo said nothing, no count to check
         left_out = " ".join(record["left_out"]) or "none"
-        say(f"not requeued: without {' '.join(exclude)} (failed and left out: {left_out}), the "
-            f"partition has {len(left)} node(s) for a job of {a.nnodes}: remove a repaired node "
-            f"from left_out in {path} and from the job's ExcNodeList (scontrol update "
-            f"job={record['job']} ExcNodeList=...), or resubmit with fewer nodes")
-        end(path)
-        sys.exit(1)
-    return ",".join(exclude)
+        where = (f"without {' '.join(exclude)} (failed and left out: {left_out}), the partition "
+                 f"has {len(left)} node(s) for a job of {a.nnodes}")
+        k, layout = shrink_to(run_config(record["dump_folder"]), len(left) - a.spares,
+                              a.min_nodes, a.nproc_per_node)
+        if not k:
+            say(f"not requeued: {where}, and not shrinking ({layout}): remove a repaired node from "
+                f"left_out in {path} and from the job's ExcNodeList (scontrol update "
+                f"job={record['job']} ExcNodeList=...), or resubmit with fewer nodes")
+            end(path)
+            sys.exit(1)
+        nodes = k + a.spares
+        say(f"{where}: requeueing on {layout}" + (f", and {a.spares} spare(s)" if a.spares else ""))
+    return f"{nodes} {','.join(exclude)}".strip()
 
 
 # -------------------------------------------------------------------------------------------------
@@ -375,7 +397,7 @@ def launch_records(records: list, launches: list) -> list:
     per = [{"records": [], "tail_rounds": 0.0} for _ in launches]
     current, pending = None, 0.0
     for r in records:
-        if "loss" not in r and "rewound_to" not in r:  # a round (or a skipped step): no step's time
+        if "loss" not in r and "rewound_to" not in r and "skipped" not in r:  # a round: no step's time
             pending += r.get("validation_seconds", 0.0) + r.get("eval_seconds", 0.0)
             continue
         inside = (j for j, run in enumerate(launches) if run["start"] <= r["time"] <= run["end"])
@@ -404,10 +426,12 @@ def timed_seconds(r: dict, steps: int, ranks: int) -> float | None:
 def one_launch(run: dict, got: dict, next_resumed: int | None) -> tuple:
     """({step: seconds} of the steps a launch trained, {cause: seconds} of its time lost, the steps a
     rewind trained again). The time from one training record to the next, less the rounds logged
-    between them, is its steps' time as train.py timed them; what is left is start-up before the
-    first record, a save after."""
-    lost = {"start_up": 0.0, "trained_again": 0.0, "saving": 0.0, "failures": 0.0, "other": 0.0}
+    between them, is its steps' time as train.py timed them (a skipped step's is lost: its update
+    was thrown away); what is left is start-up before the first record, a save after."""
+    lost = {"start_up": 0.0, "trained_again": 0.0, "skipped_steps": 0.0, "saving": 0.0,
+            "failures": 0.0, "other": 0.0}
     seconds = {}
+    skipped = set()  # the steps a loss spike skipped (pretrain/spikes.py's records)
     untimed = 0.0  # after the first record, what train.py did not time as steps: saves, an exit
     rewound = 0
     prev_step, prev_time = run["resumed"], run["start"]
@@ -417,6 +441,10 @@ def one_launch(run: dict, got: dict, next_resumed: int | None) -> tuple:
             lost["trained_again"] += sum(again)
             rewound += len(again)
             prev_step = r["rewound_to"]
+            skipped = {k for k in skipped if k <= prev_step}  # those above train again
+            continue
+        if "skipped" in r:
+            skipped.add(r["step"])
             continue
         n = r["step"] - prev_step
         if n <= 0:  # a step at or below the checkpoint it resumed from: a record of another run
@@ -429,7 +457,9 @@ def one_launch(run: dict, got: dict, next_resumed: int | None) -> tuple:
         else:
             untimed += took - trained
         lost["other"] += rounds
-        seconds.update({k: trained / n for k in range(prev_step + 1, r["step"] + 1)})
+        steps = range(prev_step + 1, r["step"] + 1)
+        lost["skipped_steps"] += trained / n * len(skipped.intersection(steps))
+        seconds.update({k: trained / n for k in steps if k not in skipped})
         prev_step, prev_time = r["step"], r["time"]
     # After the last record: a clean end's unlogged steps up to the checkpoint the next launch
     # resumed from (a stop on the time-limit warning) at the launch's pace, then its save and
@@ -473,13 +503,13 @@ def between_launches(record: dict, now: float) -> dict:
 def account(record: dict, now: float) -> dict:
     """The job's wall time since its first start split into the training of the steps it kept (each
     step's time in the launch that trained it last) and the time lost to each cause: queued,
-    start-up (to the first step), steps trained again, saving, failures, other (validation and
-    eval rounds, the bookkeeping)."""
+    start-up (to the first step), steps trained again, steps skipped, saving, failures, other
+    (validation and eval rounds, the bookkeeping)."""
     dump = record["dump_folder"]
     records = metrics_records(os.path.join(dump, "metrics.jsonl")) if dump else []
     launches = record["launches"]
-    lost = {"queued": 0.0, "start_up": 0.0, "trained_again": 0.0, "saving": 0.0, "failures": 0.0,
-            "other": 0.0}
+    lost = {"queued": 0.0, "start_up": 0.0, "trained_again": 0.0, "skipped_steps": 0.0, "saving": 0.0,
+            "failures": 0.0, "other": 0.0}
     for cause, seconds in between_launches(record, now).items():
         lost[cause] += seconds
     kept = {}  # step: its seconds in the launch that trained it last
@@ -543,6 +573,8 @@ def main(argv):
     for name in ("ended", "failed"):
         sub.choices[name].add_argument("--since", type=float, default=0.0,
                                        help="when the launch began (unix s)")
+    sub.choices["start"].add_argument("--nodes", type=int, default=1,
+                                      help="the training nodes of this start")
     e = sub.choices["ended"]
     e.add_argument("--code", type=int, default=0, help="srun's exit status")
     e.add_argument("--ranks", type=int, default=0, help="the launch's ranks (0: not known)")
@@ -555,17 +587,19 @@ def main(argv):
     f.add_argument("--stall_window", type=float, default=3600.0,
                    help="seconds of the job's launches within which restarts that got no newer "
                         "checkpoint add up (MAX_STALLED_RESTARTS)")
-    for name in ("failed", "requeue"):  # where a requeued job could land
+    for name in ("failed", "requeue"):  # where a requeued job could land, and on how many nodes
         r = sub.choices[name]
         r.add_argument("--excluded", default="", help="the nodes the job excludes already")
         r.add_argument("--partition", default="", help="the partition's nodes (none: no count)")
         r.add_argument("--nnodes", type=int, default=1, help="the nodes the job asks for")
-    f.add_argument("--min_nodes", type=int, default=1,
-                   help="the fewest nodes a job that lost one goes on with (MIN_NODES)")
-    f.add_argument("--nproc_per_node", type=int, default=1, help="ranks per node")
+        r.add_argument("--min_nodes", type=int, default=1,
+                       help="the fewest nodes a job that lost one goes on with (MIN_NODES)")
+        r.add_argument("--nproc_per_node", type=int, default=1, help="ranks per node")
+    sub.choices["requeue"].add_argument("--spares", type=int, default=0,
+                                        help="the job's spare nodes (SPARE_NODES)")
     a = p.parse_args(argv)
     if a.command == "start":
-        print(start(a.record, a.job))
+        print(start(a.record, a.job, a.nodes))
     elif a.command == "ended":
         ended(a.record, a)
     elif a.command == "failed":

@@ -317,7 +317,8 @@ JOBS = {  # name: (sbatch args, environment); a kill after 8 new steps: step-5 i
     "fault": (["--nodes=2"], {"FAULT_TASK": "1", "FAULT_ONCE": "fault"}),  # a Hub that times out on one node
     # a spare swap, then the time-limit warning and a minute held in the queue (log_freq 2: watch)
     "swap_requeue": (["--nodes=2"], {"SPARE_NODES": "1", "KILL_TASK": "0", "KILL_AFTER": "4", "KILL_ONCE": "killed"}),
-    # no spare, and with n3 excluded no node to requeue onto: it goes on on n1 alone (SHRINK_ARGS: a fixed batch)
+    # no spare, and with n3 excluded no node to requeue onto: it goes on on n1 alone (SHRINK_ARGS: a fixed batch),
+    # then the time-limit warning: it requeues itself asking for 1 node
     "shrink": (["--nodes=2", "--exclude=n3"], {"KILL_AFTER": "8", "KILL_ONCE": "killed"}),
 }
 # The shrink job's global batch is fixed (4: 2 per step from each of debug_model.toml's 2 data streams), with
@@ -325,6 +326,7 @@ JOBS = {  # name: (sbatch args, environment); a kill after 8 new steps: step-5 i
 SHRINK_ARGS = ["--training.global_batch_size", "4", "--training.local_batch_size", "1"]
 WARN_AT = 8  # the time-limit job gets its warning once it has logged this many steps
 SWAP_WARN_AT = 9  # swap_requeue's, once it has this many training records, 4 or 5 of them before the kill
+SHRINK_WARN_AT = 13  # shrink's, once it has this many: 8 before the kill, the rest on n1 alone
 HOLD = 60  # seconds swap_requeue is held in the queue after its requeue
 
 
@@ -332,7 +334,7 @@ def watch(cluster, ids: dict, dumps: dict, ended: dict, marks: dict, deadline: f
     """Until every job of ids ({name: job id}) has ended or the deadline passed: scontrol's fields of each job that
     ended into ended, the time-limit jobs' warnings once they train, and swap_requeue's minute held in the queue
     after its requeue (marks: when it was held and released)."""
-    warned = swap_warned = False
+    warned = swap_warned = shrink_warned = False
     swap = ids["swap_requeue"]
     while len(ended) < len(ids) and time.time() < deadline:
         if not warned and metrics_steps(dumps["timelimit"]) >= WARN_AT:
@@ -342,6 +344,10 @@ def watch(cluster, ids: dict, dumps: dict, ended: dict, marks: dict, deadline: f
         if not swap_warned and killed and metrics_steps(dumps["swap_requeue"]) >= SWAP_WARN_AT:
             cluster.run("scancel", "--batch", "--signal=USR1", swap)
             swap_warned = True
+        shrunk = os.path.exists(os.path.join(dumps["shrink"], "killed"))
+        if not shrink_warned and shrunk and metrics_steps(dumps["shrink"]) >= SHRINK_WARN_AT:
+            cluster.run("scancel", "--batch", "--signal=USR1", ids["shrink"])
+            shrink_warned = True
         infos = cluster.jobs()
         if swap_warned and "held" not in marks and infos.get(swap, {}).get("JobState") == "PENDING":
             cluster.run("scontrol", "hold", swap)
@@ -551,14 +557,16 @@ def test_a_lost_rank_without_a_spare_requeues_without_its_node(jobs):
 def test_a_job_that_loses_a_node_and_gets_none_goes_on_with_the_node_it_has(jobs, tmp_path):
     """--nodes 2 without n3, no spare: a rank on n2 killed, and a requeue without n2 would find 1 node for a job of
     2. The job relaunches on n1 alone in the same allocation (MIN_NODES: 1 by default, half of 2), one line saying
-    the layout and its accumulation, resumes and finishes. Its losses after the shrink equal, bit for bit, those of
+    the layout and its accumulation, and resumes. At its time limit it requeues itself asking for 1 node (it
+    asked for 2: on the partition without n2 and n3 it would stop), resumes and finishes. Its losses after the
+    shrink equal, bit for bit, those of
     train.py on 1 process resuming from a copy of the checkpoint the shrink resumed from: the same layout (1 rank,
     4 micro-batches of 1) on the same data, so the same arithmetic in the same order. (Against the 2-node launch the
     sums of a step's gradients run in another order: fp32 rounding apart, not bitwise.)"""
     job_id, info, dump, log = jobs["shrink"]
     out = read(log)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out[-5000:]}"
-    assert info["Restarts"] == "0" and info["ExcNodeList"] == "n3", info  # the same allocation, no requeue
+    assert info["Restarts"] == "1" and info["ExcNodeList"] == "n2,n3" and info["NumNodes"] == "1", info
     assert "(training on n1 n2; spare: none)" in out, out[-5000:]
     assert re.search(r"world 2 = dp_replicate 1 x dp_shard 2 x tp 1, .*grad accumulation 2;", out), out[-5000:]
     line = re.search(r"multinode.sbatch: restart 1 of 3 \(MAX_RESTARTS\): n2 failed: rank [01] killed by SIGKILL; no "
@@ -570,6 +578,8 @@ def test_a_job_that_loses_a_node_and_gets_none_goes_on_with_the_node_it_has(jobs
     assert re.search(r"world 1 = dp_replicate 1 x dp_shard 1 x tp 1, .*grad accumulation 4;", after), after[-5000:]
     k = int(line[1])
     assert re.search(rf"resumed from \S*step-{k} at step {k}", after), after[-5000:]
+    assert f"requeued job {job_id} without n2,n3 on 1 node(s)" in after, after[-5000:]  # after the warning
+    assert "(restart 1) on 1 node(s) n1 (training on n1; spare: none)" in after, after[-5000:]
     got = losses(dump)
     assert sorted(dict(got)) == list(range(1, STEPS + 1)), got
     shrunk = [(s, x) for s, x in got if s > k][-(STEPS - k):]  # the launch on n1
@@ -590,7 +600,7 @@ def test_a_job_that_loses_a_node_and_gets_none_goes_on_with_the_node_it_has(jobs
     # the same global batches as the reference (2 nodes, 1 micro-batch of 2 each): fp32 rounding apart (1e-6 seen)
     want = dict(losses(jobs["reference"][2]))
     assert all(loss == pytest.approx(want[step], rel=1e-5) for step, loss in got), (got, want)
-    assert re.search(r"goodput \d+\.\d%: .*; failures: 1, restarts: 1, requeues: 0, steps trained twice: [1-9]", out), \
+    assert re.search(r"goodput \d+\.\d%: .*; failures: 1, restarts: 1, requeues: 1, steps trained twice: [1-9]", out), \
         out[-3000:]
 
 
@@ -637,7 +647,8 @@ def test_a_node_swapped_for_a_spare_stays_out_and_the_goodput_leaves_out_the_que
     assert "(restart 1) on 2 node(s) n[2-3] (training on n2; spare: n3)" in out, out[-5000:]
 
     line = re.search(r"goodput ([\d.]+)%: ([\d.]+) s of the ([\d.]+) s .*steps trained twice: (\d+); time lost: "
-                     r"queued ([\d.]+) s, start up ([\d.]+) s, trained again ([\d.]+) s, saving ([\d.]+) s, "
+                     r"queued ([\d.]+) s, start up ([\d.]+) s, trained again ([\d.]+) s, skipped steps ([\d.]+) s, "
+                     r"saving ([\d.]+) s, "
                      r"failures ([\d.]+) s, other ([\d.]+) s", out)
     assert line, out[-3000:]
     goodput, kept, wall, twice, queued, *lost = map(float, line.groups())
@@ -725,6 +736,19 @@ def test_the_failed_node_is_the_one_whose_rank_died_not_the_one_that_lost_its_pe
     fault = [f"{t}: error: node n2: data source 'c4': reading a file failed 10 times" for t in (0, 1)]
     fault += [f"{t}:   exitcode  : 4 (pid: 1)" for t in (0, 1)]
     assert recover.diagnose(fault, ["n1", "n2"], [])["node"] == "n2"  # the node the fault's line names
+    # NCCL's watchdog aborts n1's rank, whose all-reduce waited 10 min for n2's (hung in a kernel: srun ends it)
+    watchdog = ["0: [rank0]:[E1127 11:02:01.123 ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog caught collective operation "
+                "timeout: WorkNCCL(SeqNum=812, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for "
+                "600012 milliseconds before timing out.",
+                "0: [rank0]:[E1127 11:02:01.124 ProcessGroupNCCL.cpp:2271] [PG ID 0 PG GUID 0(default_pg) Rank 0]  "
+                "failure detected by watchdog at work sequence id: 812 PG status: last enqueued work: 812, last "
+                "completed work: 811", "0: terminate called after throwing an instance of 'c10::DistBackendError'",
+                "0: Root Cause (first observed failure):", "0:   rank      : 0 (local_rank: 0)",
+                "0:   exitcode  : -6 (pid: 2201)  (SIGABRT)"]
+    hung = watchdog + ["srun: error: n1: task 0: Exited with exit code 1", "srun: error: n2: task 1: Killed"]
+    assert recover.diagnose(hung, ["n1", "n2"], [])["node"] == "n2"  # not n1, the rank the watchdog aborted
+    both = watchdog + [line.replace("0: ", "1: ", 1).replace("rank0", "rank1") for line in watchdog]
+    assert recover.diagnose(both, ["n1", "n2"], [])["node"] is None  # every rank timed out: no node to blame
     nan = [f"{t}: error: step 9: the loss or the gradient norm is not finite" for t in (0, 1)]
     nan += [f"{t}:   exitcode  : 3 (pid: 1)" for t in (0, 1)]
     assert recover.diagnose(nan, ["n1", "n2"], [])["node"] is None  # every rank alike: no node to blame
@@ -771,10 +795,10 @@ class FakeJob:
         """The goodput line's numbers ({name: seconds}) and metrics.jsonl's goodput record."""
         capsys.readouterr()
         self.at(t).recover.main(["end", self.record])
-        line = capsys.readouterr().err
+        line = self.line = capsys.readouterr().err
         assert "goodput" in line, line
         numbers = {"trained": float(re.search(r"goodput [\d.]+%: ([\d.]+) s of the", line)[1])}
-        lost = re.findall(r"(queued|start up|trained again|saving|failures|other) ([\d.]+) s", line)
+        lost = re.findall(r"(queued|start up|trained again|skipped steps|saving|failures|other) ([\d.]+) s", line)
         numbers.update({name: float(x) for name, x in lost})
         numbers.update({name: int(x) for name, x in re.findall(r"(steps trained twice|requeues): (\d+)", line)})
         goodput = json.loads((self.dump / "metrics.jsonl").read_text().splitlines()[-1])
@@ -791,7 +815,8 @@ def test_goodput_leaves_out_the_queue_the_start_up_and_the_saves(tmp_path, monke
     job.launch(3680.0, 3708.0, 0, 34, {s: 3666.0 + s for s in range(35, 41)}, saves=1.0)
     numbers, record = job.end(3709.0, capsys)
     assert numbers == {"trained": 40.0, "queued": 3600.0, "start up": 63.0, "trained again": 0.0,
-                       "saving": 3.0, "failures": 0.0, "other": 3.0, "steps trained twice": 0, "requeues": 1}
+                       "skipped steps": 0.0, "saving": 3.0, "failures": 0.0, "other": 3.0, "steps trained twice": 0,
+                       "requeues": 1}
     assert record["record"] == "goodput" and "step" not in record, record  # no training step's key
     assert record["steps_kept"] == 40 and record["goodput"] == pytest.approx(40 / 3709)
     assert record["wall_seconds"] == 3709.0 and record["lost_seconds"]["queued"] == 3600.0
@@ -807,8 +832,8 @@ def test_goodput_takes_the_steps_trained_again_from_the_checkpoint_resumed(tmp_p
     job.launch(0.0, 57.0, 1, 0, {1: 21.0, 10: 30.0, 20: 40.0, 30: 52.0})
     job.launch(60.0, 98.0, 0, 25, {30: 75.0, 40: 85.0, 50: 95.0})  # start-up 10 s; the last save 3 s
     numbers, record = job.end(99.0, capsys)
-    assert numbers == {"trained": 50.0, "queued": 0.0, "start up": 30.0, "trained again": 5.0, "saving": 5.0,
-                       "failures": 8.0, "other": 1.0, "steps trained twice": 5, "requeues": 0}
+    assert numbers == {"trained": 50.0, "queued": 0.0, "start up": 30.0, "trained again": 5.0, "skipped steps": 0.0,
+                       "saving": 5.0, "failures": 8.0, "other": 1.0, "steps trained twice": 5, "requeues": 0}
     assert record["steps_kept"] == 50 and record["steps_trained_twice"] == 5
 
 
@@ -827,6 +852,26 @@ def test_goodput_counts_the_steps_a_rewind_trains_again(tmp_path, monkeypatch, c
     assert goodput["steps_kept"] == 12 and goodput["goodput_seconds"] == pytest.approx(12.0), goodput
     assert numbers["steps trained twice"] == 3 and numbers["trained again"] == pytest.approx(3.0), numbers
     assert numbers["saving"] == 0.0, numbers
+
+
+def test_goodput_counts_a_skipped_steps_time_as_lost(tmp_path, monkeypatch, capsys):
+    """A loss spike skips steps 4 and 5 (pretrain/spikes.py's records): their updates were thrown away, so their
+    seconds are lost to skipped steps, not the kept steps' time; a rewind then trains step 5 again and keeps it."""
+    job = FakeJob(tmp_path, monkeypatch)
+    job.start(0)
+    records = [{"step": s, "loss": 2.0, "tokens_seen": 128 * s, "tps": 128.0, "time": 10.0 + s} for s in (1, 2, 3)]
+    records += [{"step": s, "skipped": "spike", "step_loss": 9.0, "time": 10.0 + s} for s in (4, 5)]
+    records += [{"step": s, "loss": 2.0, "tokens_seen": 128 * s, "tps": 128.0, "time": 10.0 + s} for s in (6, 8)]
+    records.append({"step": 8, "rewound_to": 4, "tokens_seen": 512, "time": 18.5})  # 6-8 again; 5 too, and kept
+    records += [{"step": s, "loss": 2.0, "tokens_seen": 128 * s, "tps": 128.0, "time": 14.5 + s} for s in (5, 10)]
+    with open(job.dump / "metrics.jsonl", "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    job.launch(9, 25, 0, 0, {}, saves=0.0)
+    numbers, goodput = job.end(25, capsys)
+    assert goodput["lost_seconds"]["skipped_steps"] == pytest.approx(2.0), goodput  # steps 4 and 5, once each
+    assert goodput["steps_kept"] == 9 and goodput["goodput_seconds"] == pytest.approx(9.0), goodput  # 1-3, 5-10
+    assert numbers["steps trained twice"] == 3 and numbers["trained again"] == pytest.approx(3.0), numbers  # 6-8
+    assert "trained again 3.0 s, skipped steps 2.0 s, saving" in job.line, job.line
 
 
 def test_a_stall_weeks_ago_does_not_add_to_a_crash_loop(tmp_path, capsys):
@@ -869,15 +914,45 @@ def test_every_requeue_excludes_every_node_the_job_left_out(tmp_path, capsys):
     recover.save(record, path)
     capsys.readouterr()
     recover.main(["start", path, "--job", "7"])  # the script keeps these out of the allocation
-    assert capsys.readouterr().out.strip() == "n2"
+    assert capsys.readouterr().out.strip() == "1 n2"  # (after the first start's training nodes)
     partition = ["--excluded", "n4", "--partition", "n1 n2 n3 n4 n5"]
     recover.main(["requeue", path, *partition, "--nnodes", "3"])
-    assert capsys.readouterr().out.strip() == "n2,n4"  # the job's own exclusions and the left out
+    assert capsys.readouterr().out.strip() == "3 n2,n4"  # as many nodes, without its own exclusions and the left out
     with pytest.raises(SystemExit) as stopped:
         recover.main(["requeue", path, *partition, "--nnodes", "4"])
     err = capsys.readouterr().err
     assert stopped.value.code == 1 and re.search(r"not requeued: without n2 n4 \(failed and left out: n2\), the "
-                                                 r"partition has 3 node\(s\) for a job of 4: remove a repaired", err)
+                                                 r"partition has 3 node\(s\) for a job of 4, and not shrinking \(the "
+                                                 r"run's config.toml cannot be read\): remove a repaired", err), err
+
+
+def test_a_requeue_onto_too_few_nodes_asks_for_fewer(tmp_path, capsys):
+    """A job that shrank after a failure (its node left out, no other to get) reaches its time limit: the requeue
+    asks for the most nodes the partition has left that the run's batch and streams divide into (as a shrink
+    does), its spares beside them, down to MIN_NODES; below that it stops with one line."""
+    recover = recover_module()
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / "config.toml").write_text("[training]\nglobal_batch_size = 8\nlocal_batch_size = 1\n"
+                                      "[data]\nnum_streams = 4\n")
+    path = str(tmp_path / "job.recovery.json")
+    assert recover.start(path, "7", 4) == "4"  # the first start's training nodes; none left out
+    assert recover.start(path, "7", 2) == "4"  # a requeue's start on fewer keeps the first's count
+    record = json.load(open(path))
+    record.update(left_out=["n2"], dump_folder=str(dump))
+    recover.save(record, path)
+    partition = ["--excluded", "n4", "--partition", "n1 n2 n3 n4 n5", "--nnodes", "4", "--nproc_per_node", "2"]
+    for spares, asked in ((0, "2"), (1, "3")):  # 3 nodes left: 3 x 2 ranks do not divide 4 streams, 2 x 2 do
+        capsys.readouterr()
+        recover.main(["requeue", path, *partition, "--min_nodes", "2", "--spares", str(spares)])
+        out = capsys.readouterr()
+        assert out.out.strip() == f"{asked} n2,n4", out
+        assert ("the partition has 3 node(s) for a job of 4: requeueing on 2 of the " f"{3 - spares} node(s) left: "
+                "world 4 = dp 4 x tp 1, grad accumulation 2 (global batch 8, 4 data streams)") in out.err, out.err
+    with pytest.raises(SystemExit) as stopped:
+        recover.main(["requeue", path, *partition, "--min_nodes", "3"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 1 and "not shrinking (no node count from 3 down to MIN_NODES=3 divides" in err, err
 
 
 def test_a_job_that_lost_a_node_and_can_get_none_shrinks_to_what_its_batch_divides_into(tmp_path, capsys):
