@@ -36,9 +36,10 @@ import tomllib
 
 # the lines of a rank that lost its peer (pretrain/distributed.py's lost_rank)
 LOST = ("lost its connection to another rank", "for a rank that never joined it")
-# NCCL's watchdog, which aborts its process (SIGABRT) before lost_rank sees the error: a collective that
-# timed out, or failed on a peer's error, waiting for another rank (torch's ProcessGroupNCCL.cpp)
-WATCHDOG = ("Watchdog caught collective operation timeout", "detected by watchdog at work")
+# NCCL's watchdog's line before it aborts its process (SIGABRT), where lost_rank never sees the error:
+# a collective that timed out waiting for another rank (torch's ProcessGroupNCCL.cpp). Not its other
+# lines ("failure detected by watchdog"): those follow a CUDA error of the rank's own GPU too.
+WATCHDOG = "Watchdog caught collective operation timeout"
 
 
 def say(line: str):
@@ -162,7 +163,7 @@ def how_it_ended(code: int) -> str:
 def reports(lines: list) -> tuple:
     """What each srun task (node) said: torchrun's (rank, exit code) per failed rank, train.py's
     `error:` lines, srun's own `error: NODE: task N: ...` lines (node, line), in log order, and the
-    tasks whose ranks NCCL's watchdog stopped."""
+    (task, rank) of each rank whose collective NCCL's watchdog timed out."""
     ranks, codes, errors, sruns, watchdog = {}, {}, {}, [], set()
     for line in lines:
         if m := re.match(r"srun: error: (\S+): tasks? [\d\-,]+: ", line):
@@ -170,8 +171,8 @@ def reports(lines: list) -> tuple:
         if not (m := re.match(r"(\d+): (.*)", line)):  # srun --label: the task's index
             continue
         task, text = int(m[1]), m[2]
-        if any(w in text for w in WATCHDOG):
-            watchdog.add(task)
+        if WATCHDOG in text and (w := re.search(r"\[rank(\d+)\]|Rank (\d+)\]", text)):
+            watchdog.add((task, int(w[1] or w[2])))
         if e := re.match(r"error: (.*)", text):
             errors.setdefault(task, []).append(e[1])
         elif r := re.match(r"\s+rank\s*: (\d+)", text):  # torchrun's report: rank, then exitcode
@@ -212,7 +213,7 @@ def diagnose(lines: list, nodes: list, down: list) -> dict:
     # ranks that ended by themselves: any exit but 3 (lost a peer) or the watchdog's SIGABRT (-6), or
     # either with an error line of their own
     culprits = [(t, rank, code) for t, ended in failed.items() for rank, code in ended
-                if (code != 3 and not (code == -6 and t in watchdog)) or own(t)]
+                if (code != 3 and not (code == -6 and (t, rank) in watchdog)) or own(t)]
     alike = {own(t) for t, _, _ in culprits}
     every_node = len({t for t, _, _ in culprits}) == len(nodes)
     if len(alike) == 1 and None not in alike and every_node:  # a non-finite loss, a full disk
@@ -397,7 +398,8 @@ def launch_records(records: list, launches: list) -> list:
     per = [{"records": [], "tail_rounds": 0.0} for _ in launches]
     current, pending = None, 0.0
     for r in records:
-        if "loss" not in r and "rewound_to" not in r and "skipped" not in r:  # a round: no step's time
+        # a round: no step's time (nor a skip's record from before they carried theirs)
+        if "time" not in r or ("loss" not in r and "rewound_to" not in r and "skipped" not in r):
             pending += r.get("validation_seconds", 0.0) + r.get("eval_seconds", 0.0)
             continue
         inside = (j for j, run in enumerate(launches) if run["start"] <= r["time"] <= run["end"])
@@ -407,8 +409,9 @@ def launch_records(records: list, launches: list) -> list:
             pending = 0.0
         current = j
         if j is not None:
-            per[j]["records"].append((r, pending))
-        pending = 0.0
+            per[j]["records"].append((r, 0.0 if "skipped" in r else pending))
+        if "skipped" not in r:  # a skip's record ends no span of steps: its rounds go to the next
+            pending = 0.0
     if current is not None:
         per[current]["tail_rounds"] += pending
     return per
@@ -435,12 +438,25 @@ def one_launch(run: dict, got: dict, next_resumed: int | None) -> tuple:
     untimed = 0.0  # after the first record, what train.py did not time as steps: saves, an exit
     rewound = 0
     prev_step, prev_time = run["resumed"], run["start"]
+
+    def spread(steps: range, each: float):  # a skipped step's seconds are lost: its update was not kept
+        lost["skipped_steps"] += each * len(skipped.intersection(steps))
+        seconds.update({k: each for k in steps if k not in skipped})
+
     for r, rounds in got["records"]:
         if "rewound_to" in r:  # repeated loss spikes (pretrain/spikes.py): those steps train again
+            took = max(0.0, r["time"] - prev_time - rounds)
+            lost["other"] += rounds
+            if prev_time == run["start"]:  # no record yet to tell its start-up from its steps
+                lost["start_up"] += took
+            elif r["step"] > prev_step:  # the steps since the last record, skipped or kept till now
+                spread(range(prev_step + 1, r["step"] + 1), took / (r["step"] - prev_step))
+            else:
+                untimed += took  # the reload
             again = drop(seconds, r["rewound_to"])
             lost["trained_again"] += sum(again)
             rewound += len(again)
-            prev_step = r["rewound_to"]
+            prev_step, prev_time = r["rewound_to"], r["time"]
             skipped = {k for k in skipped if k <= prev_step}  # those above train again
             continue
         if "skipped" in r:
@@ -457,9 +473,7 @@ def one_launch(run: dict, got: dict, next_resumed: int | None) -> tuple:
         else:
             untimed += took - trained
         lost["other"] += rounds
-        steps = range(prev_step + 1, r["step"] + 1)
-        lost["skipped_steps"] += trained / n * len(skipped.intersection(steps))
-        seconds.update({k: trained / n for k in steps if k not in skipped})
+        spread(range(prev_step + 1, r["step"] + 1), trained / n)
         prev_step, prev_time = r["step"], r["time"]
     # After the last record: a clean end's unlogged steps up to the checkpoint the next launch
     # resumed from (a stop on the time-limit warning) at the launch's pace, then its save and
@@ -472,7 +486,8 @@ def one_launch(run: dict, got: dict, next_resumed: int | None) -> tuple:
         pace = sum(seconds.values()) / len(seconds) if seconds else 0.0
         n = max(0, (next_resumed or 0) - prev_step)
         trained = min(tail, n * pace)
-        seconds.update({k: trained / n for k in range(prev_step + 1, prev_step + n + 1)})
+        if n:
+            spread(range(prev_step + 1, prev_step + n + 1), trained / n)
         untimed += tail - trained
     # train.py's `done:` line says how long a clean end's saves took; the rest is its exit (and
     # torchrun's). A failed launch's time between records is its saves.

@@ -747,8 +747,16 @@ def test_the_failed_node_is_the_one_whose_rank_died_not_the_one_that_lost_its_pe
                 "0:   exitcode  : -6 (pid: 2201)  (SIGABRT)"]
     hung = watchdog + ["srun: error: n1: task 0: Exited with exit code 1", "srun: error: n2: task 1: Killed"]
     assert recover.diagnose(hung, ["n1", "n2"], [])["node"] == "n2"  # not n1, the rank the watchdog aborted
-    both = watchdog + [line.replace("0: ", "1: ", 1).replace("rank0", "rank1") for line in watchdog]
+    both = watchdog + [line.replace("0: ", "1: ", 1).replace("rank0", "rank1").replace("Rank 0", "Rank 1")
+                       .replace(": 0 (local", ": 1 (local") for line in watchdog]
     assert recover.diagnose(both, ["n1", "n2"], [])["node"] is None  # every rank timed out: no node to blame
+    # n2's own GPU failed (the watchdog's other lines follow a CUDA error too), and n1's rank timed out waiting
+    cuda = ["1: [rank1]:[E1127 11:01:58.001 ProcessGroupNCCL.cpp:1899] CUDA error: an illegal memory access was "
+            "encountered", both[len(watchdog) + 1], *both[-3:]]
+    assert recover.diagnose(watchdog + cuda, ["n1", "n2"], [])["node"] == "n2"
+    # the excuse is a rank's, not its node's: n1's rank 1 aborted with no timeout line of its own
+    other_rank = watchdog + ["0:   rank      : 1 (local_rank: 1)", "0:   exitcode  : -6 (pid: 2202)  (SIGABRT)"]
+    assert recover.diagnose(other_rank, ["n1", "n2"], [])["node"] == "n1"
     nan = [f"{t}: error: step 9: the loss or the gradient norm is not finite" for t in (0, 1)]
     nan += [f"{t}:   exitcode  : 3 (pid: 1)" for t in (0, 1)]
     assert recover.diagnose(nan, ["n1", "n2"], [])["node"] is None  # every rank alike: no node to blame
@@ -872,6 +880,37 @@ def test_goodput_counts_a_skipped_steps_time_as_lost(tmp_path, monkeypatch, caps
     assert goodput["steps_kept"] == 9 and goodput["goodput_seconds"] == pytest.approx(9.0), goodput  # 1-3, 5-10
     assert numbers["steps trained twice"] == 3 and numbers["trained again"] == pytest.approx(3.0), numbers  # 6-8
     assert "trained again 3.0 s, skipped steps 2.0 s, saving" in job.line, job.line
+
+
+def test_goodput_places_skips_around_rounds_rewinds_and_a_clean_ends_tail(tmp_path, monkeypatch, capsys):
+    """Skipped steps wherever the log puts them: after a 2 s validation round (the round stays other), before a
+    rewind with no training record between (steps 8 and 9 skipped, 7 trained again), and in a clean end's unlogged
+    tail up to the checkpoint the next launch resumes from (12). A skip's record from before they carried their
+    time is passed by, not a crash. A step takes 1 s."""
+    job = FakeJob(tmp_path, monkeypatch)
+
+    def step(s, t):
+        return {"step": s, "loss": 2.0, "tokens_seen": 128 * s, "tps": 128.0, "time": t}
+
+    records = [step(s, 10.0 + s) for s in (1, 2, 3, 4)]
+    records += [{"step": 4, "validation_loss": 3.0, "validation_seconds": 2.0},
+                {"step": 5, "skipped": "spike", "time": 17.0}, step(6, 18.0), {"step": 7, "skipped": "spike"},
+                {"step": 8, "skipped": "spike", "time": 20.0}, {"step": 9, "skipped": "spike", "time": 21.0},
+                {"step": 9, "rewound_to": 6, "tokens_seen": 768, "time": 21.0}]
+    records += [step(s, 15.0 + s) for s in (7, 8, 9, 10)] + [{"step": 12, "skipped": "spike", "time": 27.0}]
+    records.append(step(13, 38.0))  # the next launch's
+    with open(job.dump / "metrics.jsonl", "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    job.start(0)
+    job.launch(9, 30, 0, 0, {}, saves=1.0)  # stopped on the warning at step 12, saved it
+    job.start(32)
+    job.launch(35, 40, 0, 12, {}, saves=0.0)
+    numbers, goodput = job.end(40, capsys)
+    assert goodput["lost_seconds"]["skipped_steps"] == pytest.approx(4.0), goodput  # 5, 8, 9, 12
+    assert goodput["steps_kept"] == 11 and goodput["goodput_seconds"] == pytest.approx(11.0), goodput
+    assert numbers["steps trained twice"] == 1 and numbers["trained again"] == pytest.approx(1.0), numbers  # 7
+    assert numbers["other"] == pytest.approx(2.0 + 2.0 + 2.0), numbers  # the round, each launch's exit
+    assert sum(v for k, v in numbers.items() if k not in ("steps trained twice", "requeues")) == pytest.approx(40.0)
 
 
 def test_a_stall_weeks_ago_does_not_add_to_a_crash_loop(tmp_path, capsys):
