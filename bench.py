@@ -248,12 +248,19 @@ def matrix_row(extra: list, steps: int, warmup: int, nproc: int, cuda: bool, tim
             f"{allocated:.2f}" if allocated else "n/a", estimate], out
 
 
+PADDED = " padded from the bundled tokenizer's (Llama 3's step and memory, not its loss)"
+
+
 def meta_vocabulary(extra: list, device: str) -> list:
-    """On a GPU the runs train Meta's vocabulary, unless --model.tokenizer_path names another."""
-    if device != "cuda" or "--model.tokenizer_path" in extra:
+    """On a GPU the runs train Meta's vocabulary unless --model.tokenizer_path or vocab_size says otherwise;
+    without llama-models, Llama 3's size padded (a GPU's start is not lost to a missing wheel)."""
+    if device != "cuda" or {"--model.tokenizer_path", "--model.vocab_size"} & set(extra):
         return []
-    path = measure.meta_tokenizer() or fail("no Llama 3 tokenizer: pip install llama-models==0.3.0")
-    return ["--model.tokenizer_path", path]
+    path = measure.meta_tokenizer()
+    if path:
+        return ["--model.tokenizer_path", path]
+    print(f"no Llama 3 tokenizer (pip install llama-models==0.3.0): vocabulary 128,256{PADDED}", flush=True)
+    return ["--model.vocab_size", "128256"]
 
 
 def matrix(args, extra):
@@ -379,7 +386,7 @@ def append(path: str, line: str, mode: str = "a"):
 def summary_header(name: str, args, shared: list, shape: dict, blocks: int, capacity: int) -> list:
     """summary.md's first lines: where and what ran, the settings all runs share, the table head."""
     import torch
-    vocab = planned(shared, 1)[1].args.vocab_size
+    vocab = f"{planned(shared, 1)[1].args.vocab_size:,} words" + PADDED * ("--model.vocab_size" in shared)
     cuda = f", CUDA {torch.version.cuda}" if args.device == "cuda" else ""
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return [f"# bench.py gpu: {name}", "",
@@ -388,7 +395,7 @@ def summary_header(name: str, args, shared: list, shape: dict, blocks: int, capa
             f"Command: `python bench.py {' '.join(sys.argv[1:])}`.",
             f"Every run: `{' '.join(shared)}`, {shape['steps']} steps, the first {shape['warmup']} "
             f"untimed; PYTORCH_ALLOC_CONF={os.environ.get('PYTORCH_ALLOC_CONF', '')}.",
-            f"Vocabulary {vocab:,} words. The {shape['wide']} width: {blocks} blocks fit "
+            f"Vocabulary {vocab}. The {shape['wide']} width: {blocks} blocks fit "
             f"{capacity / 2**30:.1f} GiB by the estimate ({memory.FREE:.0%} kept free).",
             "MFU counts attention in full (PaLM's, torchtitan's). Each step's log: `<step>.log` here.", "",
             "| step | what ran | tokens/s | TFLOP/s | MFU | peak memory GiB | peak allocated GiB "
@@ -479,12 +486,6 @@ def profile(args, extra):
 
 # --- side by side with torchtitan 0.2.2 (pretrain/titan_run.py; the trainer never imports it)
 
-def titan_tps(log: str, warmup: int):
-    """Steady-state tokens/s per process from torchtitan's log; None if no step after the warmup."""
-    records = titan_run.log_records(log)
-    return measure.steady_tps(records, warmup) if any(r["step"] > warmup for r in records) else None
-
-
 def titan(args, extra):
     if importlib.util.find_spec("torchtitan") is None:
         fail("torchtitan is not installed: pip install -r requirements-bench.txt (bench only)")
@@ -507,7 +508,7 @@ def titan(args, extra):
             out = subprocess.run(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT).stdout
             failed = f"error: torchtitan failed:\n{out[-3000:]}"
-            return titan_tps(out, args.warmup) or sys.exit(failed)
+            return titan_run.steady_tps(out, args.warmup) or sys.exit(failed)
         runs = {"ours": lambda: trainer_tps(extra, args, args.nproc), "torchtitan": theirs}
         measure.side_by_side(runs, args.repeats)
 
@@ -589,8 +590,7 @@ def main(argv: list):
     import train
     try:
         commands = {"overhead": overhead, "startup": startup, "memory": estimate, "matrix": matrix,
-                    "titan": titan, "loader": loader, "mask": mask, "gpu": gpu,
-                    "profile": profile}
+                    "titan": titan, "loader": loader, "mask": mask, "gpu": gpu, "profile": profile}
         commands[a.what](a, rest)
     except (train.ConfigError, train.DataError) as e:  # a bad key, value or data source: one line
         fail(str(e))

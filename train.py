@@ -76,6 +76,7 @@ class Model:
     flavor: str = "debugmodel"  # debugmodel, 1B, 3B, 8B, 70B or 405B (see model.py)
     n_layers: int = 0  # 0: the flavor's; N: the flavor's width with N blocks (e.g. an 8B-wide model on one GPU)
     tokenizer_path: str = "assets/tokenizer/tokenizer.model"  # Llama 3 tokenizer.model (tiktoken); sets vocab_size
+    vocab_size: int = 0  # 0: the tokenizer's; N above it: the output padded to N rows, never a target (bench.py's Llama 3 step without Meta's tokenizer)
     attn_mask_type: str = "causal"  # causal, or block_causal: attention stays inside each document (Llama 3's recipe)
     converters: list = field(default_factory=list)  # ["float8"]: the blocks' Linear layers train in float8 (torchao; H100+; [float8])
 
@@ -231,8 +232,11 @@ def model_args(cfg: Config, tokenizer=None):
     if tokenizer is None and os.path.exists(cfg.model.tokenizer_path):
         tokenizer = Tokenizer(cfg.model.tokenizer_path)
     if tokenizer is None:
-        return flavor_args(cfg, bos_id=LLAMA3_BOS)
-    return flavor_args(cfg, tokenizer.n_words, tokenizer.bos_id)
+        return flavor_args(cfg, cfg.model.vocab_size, bos_id=LLAMA3_BOS)
+    if 0 < cfg.model.vocab_size < tokenizer.n_words:
+        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is below the {tokenizer.n_words:,} "
+                          f"words of {cfg.model.tokenizer_path}: 0 takes the tokenizer's")
+    return flavor_args(cfg, max(cfg.model.vocab_size, tokenizer.n_words), tokenizer.bos_id)
 
 
 def validate(cfg: Config, world_size: int, gpu: bool | None = None) -> dict:
@@ -270,7 +274,7 @@ def validate(cfg: Config, world_size: int, gpu: bool | None = None) -> dict:
         "checkpoint.keep_latest_k": nonneg,
         "checkpoint.load_step": (lambda x: x >= -1, "-1 or >= 0"),
         "metrics.peak_tflops": nonneg, "data.num_streams": nonneg, "data.num_workers": nonneg,
-        "model.n_layers": nonneg, "data.hub_timeout_seconds": positive,
+        "model.n_layers": nonneg, "model.vocab_size": nonneg, "data.hub_timeout_seconds": positive,
         "data.resolve_timeout_seconds": pos, "validation.freq": pos,
         "validation.sequences": minus1_or, "validation.local_batch_size": pos,
         "activation_checkpoint.mode": one_of("none", "full", "selective"),
@@ -291,7 +295,7 @@ def validate(cfg: Config, world_size: int, gpu: bool | None = None) -> dict:
     float8.check(cfg, gpu)
     evals.check(cfg)
     spikes.check(cfg)
-    args = flavor_args(cfg)
+    args = model_args(cfg) if cfg.model.vocab_size else flavor_args(cfg)  # the first checks it
     if t.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {t.seq_len} exceeds the {cfg.model.flavor} model's "
                           f"max_seq_len {args.max_seq_len}")

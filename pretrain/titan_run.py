@@ -1,5 +1,5 @@
 """torchtitan 0.2.2 on our shapes: the torchrun command for the run train.py does, the tokenizer
-files it reads, the tokens/s its log reports, and (run as a program) the one torchtitan process
+files it reads, the steady tokens/s its log reports, and (run as a program) the one torchtitan process
 torchrun starts. `bench.py titan` runs it side by side with ours; tests/test_titan.py trains with
 it. The trainer never imports it, and it imports nothing of bench.py.
 
@@ -11,6 +11,8 @@ import json
 import os
 import re
 import sys
+
+from pretrain import measure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 # What torchtitan needs of our ModelArgs to build the same model (the same parameter count).
@@ -120,11 +122,13 @@ def titan_command(cfg, a, sizes: dict, args, folder: str) -> list:
     return [*torchrun, *rank, *cli, "--metrics.disable_color_printing", *compiling]
 
 
-def log_records(log: str) -> list:
-    """[{"step", "tps"}, ...] of torchtitan's log lines (`step: 20  loss: ... tps: 1,234`)."""
+def steady_tps(log: str, warmup: int):
+    """Steady-state tokens/s per process from torchtitan's log (`step: 20  loss: ... tps: 1,234`),
+    as ours is read (measure.steady_tps); None if no step after the warmup."""
     log = re.sub(r"\x1b\[[\d;]*m", "", log)  # its colours, if they were on
     found = re.findall(r"step:\s*(\d+)\s.*?\stps: ([\d,]+)", log)
-    return [{"step": int(step), "tps": float(tps.replace(",", ""))} for step, tps in found]
+    records = [{"step": int(step), "tps": float(tps.replace(",", ""))} for step, tps in found]
+    return measure.steady_tps(records, warmup) if any(r["step"] > warmup for r in records) else None
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """bench.py runs end to end on CPU (its numbers go to the README; here only that it works and reports)."""
 
+import argparse
 import importlib.util
 import os
 import re
@@ -157,7 +158,7 @@ def test_side_by_side_alternates_and_reports_medians_and_load(capsys):
 
 
 def test_titan_log_parsing_takes_the_steps_after_the_warmup():
-    import bench as b
+    from pretrain import titan_run
 
     head = "[rank0]:[titan] 2026-11-23 02:19:33,259 - root - INFO - "
     log = "\n".join([
@@ -167,8 +168,8 @@ def test_titan_log_parsing_takes_the_steps_after_the_warmup():
         head + "step:  5  loss:  7.96  grad_norm:  0.83  memory: 0.00GiB(0.00%)  tps: 1,380  tflops: 0.05",
         head + "step: 10  loss:  7.61  grad_norm:  0.76  memory: 0.00GiB(0.00%)  tps: 1,000  tflops: 0.05",
         head + "step: 15  loss:  6.53  grad_norm:  1.28  memory: 0.00GiB(0.00%)  tps: 1,500  tflops: 0.05"])
-    assert b.titan_tps(log, 5) == pytest.approx(1200)  # harmonic mean of 1,000 and 1,500: equal tokens per record
-    assert b.titan_tps(log, 15) is None  # nothing after the warmup: a failed or cut-short run
+    assert titan_run.steady_tps(log, 5) == pytest.approx(1200)  # harmonic mean of 1,000 and 1,500: equal tokens per record
+    assert titan_run.steady_tps(log, 15) is None  # nothing after the warmup: a failed or cut-short run
 
 
 def test_titan_runs_torchtitan_on_our_shapes_and_tokens_per_step(tmp_path):
@@ -350,7 +351,8 @@ def test_profile_says_where_the_steps_time_goes(device, tmp_path, monkeypatch, c
 
 def test_gpu_runs_measure_metas_vocabulary(monkeypatch):
     """On a GPU every run trains Llama 3's 128,256 words (llama-models' tokenizer.model), not the bundled 2,048,
-    unless --model.tokenizer_path says otherwise; without llama-models it is one line."""
+    unless --model.tokenizer_path or --model.vocab_size says otherwise; without llama-models, the bundled
+    tokenizer's output padded to 128,256 words, and the summary's header says so."""
     import bench as b
     from pretrain import measure
     meta = measure.meta_tokenizer()
@@ -358,7 +360,11 @@ def test_gpu_runs_measure_metas_vocabulary(monkeypatch):
     assert b.meta_vocabulary(["--config", "x"], "cuda") == ["--model.tokenizer_path", meta]
     assert b.meta_vocabulary(["--model.tokenizer_path", "mine"], "cuda") == []
     assert b.meta_vocabulary([], "cpu") == []  # --device cpu: the bundled data's own, tiny shapes
+    assert b.meta_vocabulary(["--model.vocab_size", "4096"], "cuda") == []
     monkeypatch.setattr(measure, "meta_tokenizer", lambda: "")
-    with pytest.raises(SystemExit) as e:
-        b.meta_vocabulary([], "cuda")
-    assert e.value.code == 2
+    padded = b.meta_vocabulary(["--config", "configs/debug_model.toml"], "cuda")
+    assert padded == ["--model.vocab_size", "128256"]
+    args = argparse.Namespace(device="cpu", budget=1)
+    shape = {"steps": 20, "warmup": 10, "wide": "8B"}
+    header = "\n".join(b.summary_header("x", args, ["--config", "configs/debug_model.toml", *padded], shape, 1, 2**30))
+    assert "Vocabulary 128,256 words padded from the bundled tokenizer's (Llama 3's step and memory, not its loss)." in header

@@ -34,6 +34,8 @@ BAD_INPUT = [
     (["--training.seq_len", "4096"], "training.seq_len = 4096 exceeds the debugmodel model's max_seq_len 2048"),
     (["--parallelism.tensor_parallel_degree", "2"], "must equal the world size 1"),
     (["stray"], "unexpected argument 'stray'"),
+    (["--model.vocab_size", "-1"], "model.vocab_size = -1: must be >= 0"),
+    (["--model.vocab_size", "100"], "model.vocab_size = 100 is below the 2,048 words of assets/tokenizer/tokenizer.model"),
     (["--validation.steps", "20"], "[validation] steps was replaced by sequences = N, the first N windows of each"),
 ]
 
@@ -210,3 +212,8 @@ def test_the_vocabulary_follows_the_tokenizer_and_a_llama3_sized_one_gives_metas
         assert train.flavor_args(cfg, vocab_size=tok.n_words).vocab_size == 128256 == model.flavors[flavor].vocab_size
     small = data.Tokenizer(os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model"))
     assert train.flavor_args(train.load_config(["--model.flavor", "8B"]), vocab_size=small.n_words).vocab_size == 2048
+    # [model] vocab_size pads the output past the tokenizer's words (bench.py's Llama 3 step without its tokenizer)
+    padded = train.model_args(train.load_config(["--config", DEBUG, "--model.vocab_size", "128256"]), small)
+    assert (padded.vocab_size, padded.bos_id) == (128256, small.bos_id)
+    missing = train.load_config(["--model.tokenizer_path", "missing.model", "--model.vocab_size", "5000"])
+    assert train.model_args(missing).vocab_size == 5000
