@@ -488,3 +488,64 @@ def test_initial_load_takes_torchtitan_layout_and_continues_its_run(tmp_path, ca
             load(tmp_path / "export", model_only=False)
     finally:
         dist.destroy_process_group()
+
+
+class NoData:
+    """A loader without streams: the data's part of a checkpoint, empty."""
+    stream_ids = []
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_a_resume_trains_at_the_new_peak_lr_and_schedule(tmp_path):
+    """optimizer.lr, the [lr_scheduler] keys and training.steps may change on a resume (train.RESUME_MAY_CHANGE):
+    the lr in force after it is the new config's at the checkpoint's step, not the one the checkpoint last set
+    (LambdaLR's own load brings back its base_lrs). Without a change, the saved lr to the bit."""
+    import torch.distributed as dist
+    sys.path.insert(0, ROOT)
+    import train
+    from model import ModelArgs, Transformer
+    from pretrain.checkpoint import Checkpointer
+    from pretrain.spikes import SpikeGuard
+
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=384, max_seq_len=32)
+
+    def checkpointer(cfg):
+        torch.manual_seed(0)
+        model = Transformer(args)
+        model.init_weights()
+        optimizer, scheduler = train.build_optimizer(model, cfg, torch.device("cpu"))
+        ckpt_cfg = dataclasses.replace(cfg.checkpoint, enable=True)
+        return Checkpointer(ckpt_cfg, str(tmp_path / "checkpoint"), {}, cfg.training.steps, model, optimizer,
+                            scheduler, NoData(), {}, SpikeGuard(cfg.spikes, "cpu"))
+
+    old = train.Config()
+    old.optimizer.lr, old.lr_scheduler.warmup_steps, old.training.steps = 1e-3, 2, 10
+    new = train.Config()
+    new.optimizer.lr, new.lr_scheduler.warmup_steps, new.training.steps = 5e-4, 1, 12
+    new.lr_scheduler.decay_ratio, new.lr_scheduler.decay_type, new.lr_scheduler.min_lr_factor = 0.5, "cosine", 0.1
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        saving = checkpointer(old)
+        for _ in range(3):
+            saving.optimizer.zero_grad()
+            saving.model(torch.randint(0, 384, (2, 16))).logsumexp(-1).mean().backward()
+            saving.optimizer.step()
+            saving.scheduler.step()
+        saving.save(3, 0, final=True)
+        saved_lr = saving.optimizer.param_groups[0]["lr"]
+
+        same = checkpointer(old)
+        assert same.resume() == (3, 0) and same.optimizer.param_groups[0]["lr"] == saved_lr
+        ours = checkpointer(new)
+        assert ours.resume() == (3, 0)
+        for step in (3, 4, 5):  # the lr of steps 4, 5 and 6 (0-based factors)
+            assert ours.optimizer.param_groups[0]["lr"] == new.optimizer.lr * train.lr_factor(step, new), step
+            assert ours.scheduler.get_last_lr() == [ours.optimizer.param_groups[0]["lr"]]
+            ours.scheduler.step()
+    finally:
+        dist.destroy_process_group()
