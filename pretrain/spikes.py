@@ -78,10 +78,10 @@ class SpikeGuard:
     def check(self, shares: list, grad_norm: torch.Tensor, group) -> torch.Tensor:
         """(2,) int on the device: [not finite, spike] for this step. shares: this rank's loss shares
         of the step (one per micro-batch); their sum over the dp ranks (`group`; None: this process
-        alone) is the step's loss. Without sigma no all-reduce: a non-finite share on any rank shows
-        in the step's agreement."""
+        alone) is the step's loss. It is reduced even with sigma 0, where no spike is looked for: the
+        window and a skip's record hold the step's loss, so a resume may turn sigma on."""
         loss = torch.stack(shares).sum()
-        if self.cfg.sigma and group is not None:
+        if group is not None:
             dist.all_reduce(loss, group=group)  # tiny, and no host sync: the agreement waits for it
         x = torch.stack([loss.float(), grad_norm.float()])  # (2,)
         not_finite = ~torch.isfinite(x).all()

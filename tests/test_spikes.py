@@ -144,6 +144,29 @@ def test_the_window_keeps_the_last_kept_steps_and_its_state_round_trips():
     assert small.kept == 0 and small.skipped == 1
 
 
+def test_the_window_holds_the_steps_loss_whatever_sigma(monkeypatch):
+    """sigma 0 looks for no spike, but its window and a skip's record still hold the step's loss (the shares
+    summed over the dp ranks), not one rank's share: a resume with sigma > 0 then compares like with like."""
+    def two_ranks(tensor, group=None):  # an all-reduce over 2 dp ranks whose shares are this rank's
+        tensor.mul_(2)
+
+    monkeypatch.setattr(spikes.dist, "all_reduce", two_ranks)
+    dp_group = object()
+    off = spikes.SpikeGuard(spikes.Spikes(window=4, sigma=0), "cpu")
+    on = spikes.SpikeGuard(spikes.Spikes(window=4, sigma=6), "cpu")
+    for guard in (off, on):
+        for share in (1.0, 1.1, 0.9, 1.0):  # a loss of about 2.0 over both ranks
+            guard.check([torch.tensor(share)], torch.tensor(1.0), dp_group)
+            guard.keep()
+    assert torch.equal(off.values, on.values) and off.values[0].tolist() == pytest.approx([2.0, 2.2, 1.8, 2.0])
+    resumed = spikes.SpikeGuard(spikes.Spikes(window=4, sigma=6), "cpu")
+    resumed.load_state_dict(off.state_dict())
+    assert resumed.check([torch.tensor(1.05)], torch.tensor(1.0), dp_group).tolist() == [0, 0]  # 2.1: no spike
+    off.check([torch.tensor(math.nan)], torch.tensor(1.0), dp_group)
+    off.check([torch.tensor(1.5)], torch.tensor(math.inf), dp_group)
+    assert off.skip(5, not_finite=True)["step_loss"] == 3.0  # the step's, not this rank's 1.5
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("sigma", "-1", "spikes.sigma = -1.0: must be >= 0"),
     ("window", "2", "spikes.window = 2: must be >= 4"),
