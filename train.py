@@ -768,6 +768,19 @@ def main(cfg: Config):
     counted_sum = torch.zeros((), device=device)  # positions whose loss counted, logged steps
 
     while step < cfg.training.steps:
+        # Repeated spikes: back to the checkpoint before them, their data left out. Here, before the
+        # next step, so that a stop that came as it fell due saves first and the resume rewinds at once.
+        if guard.rewind_due():
+            with clock.timed("rewind"):
+                record = guard.rewind(checkpointer, step, tokens_seen)
+            metrics.log(record)
+            step, tokens_seen = record["rewound_to"], record["tokens_seen"]
+            # The next log line covers the steps trained from here, not those the rewind threw away.
+            loss_sum.zero_()
+            counted_sum.zero_()
+            log_steps = log_kept = 0
+            data_time = 0.0
+            clock.lap(0)
         step += 1
         optimizer.zero_grad(set_to_none=True)
         # every micro-batch first: the loss divides by the global batch's count
@@ -794,7 +807,7 @@ def main(cfg: Config):
         lr = optimizer.param_groups[0]["lr"]  # the lr this step used
         if skipped:  # neither the weights nor AdamW's state move; the data goes on
             metrics.log(guard.skip(step, not_finite))
-            if guard.in_a_row == cfg.spikes.max_skipped:  # after an earlier step's save is in place
+            if guard.too_many():  # after an earlier step's save is in place
                 raise RunError(guard.stop_line(step, checkpointer))
         else:
             optimizer.step()
@@ -856,11 +869,6 @@ def main(cfg: Config):
         if stopping:
             logger.info(f"stopping at step {step} on signal")
             break
-        if guard.rewind_due() and not last:  # repeated spikes: back to before them, their data left out
-            with clock.timed("checkpoint"):
-                record = guard.rewind(checkpointer, step, tokens_seen)
-            metrics.log(record)
-            step, tokens_seen = record["rewound_to"], record["tokens_seen"]
 
     metrics.summary()  # steps, tokens, wall time, the last losses, peak memory, the rounds' time
     # A second preemption signal during shutdown must not kill a rank that already saved (Python

@@ -52,10 +52,15 @@ def incomplete(path: str, meta=None):
             return f"{file} is {what}"
 
 
+def numbered(folder: str) -> list:
+    """The N of every step-N folder, complete or not, lowest first."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return sorted(int(m[1]) for d in names if (m := re.fullmatch(r"step-(\d+)", d)))
+
+
 def checkpoints(folder: str, warn: bool = False) -> list:
     """Steps of the complete checkpoints, oldest first; `warn` logs each incomplete step-N."""
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    steps = sorted(int(m.group(1)) for d in names if (m := re.fullmatch(r"step-(\d+)", d)))
+    steps = numbered(folder)
     reasons = {s: incomplete(os.path.join(folder, f"step-{s}")) for s in steps}
     for s in [s for s in steps if reasons[s] and warn]:
         logger.warning(f"skipping incomplete checkpoint step-{s}: {reasons[s]}")
@@ -65,8 +70,7 @@ def checkpoints(folder: str, warn: bool = False) -> list:
 def newest_complete(folder: str, below: float = math.inf, warn: bool = False):
     """The newest complete step-N below `below`, or None. Checked from the newest down: a long run's
     folder costs a listing and a check or two. `warn` logs each incomplete one passed over."""
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    for s in sorted((int(m[1]) for d in names if (m := re.fullmatch(r"step-(\d+)", d))), reverse=True):
+    for s in reversed(numbered(folder)):
         reason = incomplete(os.path.join(folder, f"step-{s}")) if s < below else "later"
         if not reason:
             return s
@@ -205,6 +209,28 @@ class Saver:
         keep = self.cfg.keep_latest_k  # old checkpoints go only now, after the new one is complete
         for old in (checkpoints(self.folder)[:-keep] if keep > 0 and self.rank == 0 else []):
             shutil.rmtree(os.path.join(self.folder, f"step-{old}"), ignore_errors=True)
+
+    def drop_after(self, step: int) -> list:
+        """A rewind's: remove every step-N above `step`, on the timeline the rewind left, so that a
+        restart resumes from the rewound run. Rank 0 renames each to a crashed save's name first (the
+        next save clears one a crash leaves), so no half-deleted step-N is ever there to be read;
+        every rank learns the outcome. No save is in flight (the rewind finished it). Returns the Ns."""
+        later = [n for n in numbered(self.folder) if n > step] if self.rank == 0 else []
+        outcome = [later, ""]
+        for n in later:
+            tmp = os.path.join(self.folder, f".step-{n}.tmp")
+            try:
+                os.rename(os.path.join(self.folder, f"step-{n}"), tmp)
+            except OSError as e:
+                outcome[1] = f"{type(e).__name__}: {e}"
+                break
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.broadcast_object_list(outcome, src=0)  # rank 0's list and error
+        if outcome[1]:
+            raise SaveError(f"rewind to step-{step}: cannot remove the later checkpoints of "
+                            f"{self.folder} ({outcome[1]}); remove every step-N above {step} before "
+                            "a restart, or it resumes on the timeline the rewind left")
+        return outcome[0]
 
     def put_in_place(self, step: int):
         """Rank 0's part of a commit: params.json, then the one rename."""

@@ -134,13 +134,14 @@ class MetricsLogger:
         last = self.last
         validation = f", validation {last['validation_loss']:.4f}" if "validation_loss" in last else ""
         spent = self.clock.spent
+        rewinds = f"rewinds {spent['rewind']:.1f}s, " if spent["rewind"] else ""  # their reloads
         gib, allocated = self.peak["memory_gib"], self.peak["memory_allocated_gib"]
         gpu = f"{allocated:.2f} GiB allocated, {gib:.2f} GiB reserved"  # a GPU's; else the host's
         logger.info(f"memory: peak {gpu if allocated else f'{gib:.2f} GiB RSS'}")
         logger.info(f"done: step {last['step']}, {last['tokens_seen']:,} tokens, "
                     f"{duration(self.clock.now() - self.clock.start)} wall; loss {last['loss']:.4f}"
                     f"{validation}; validation {spent['validation']:.1f}s, evals {spent['eval']:.1f}s, "
-                    f"saves {spent['checkpoint']:.1f}s")
+                    f"{rewinds}saves {spent['checkpoint']:.1f}s")
 
     def close(self):
         for sink in (self.jsonl, self.tb):

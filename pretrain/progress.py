@@ -108,7 +108,7 @@ class RunClock:
                       "eval": cfg.eval.freq if cfg.eval.enable else 0,
                       "checkpoint": cfg.checkpoint.interval if cfg.checkpoint.enable else 0}
         self.cost = {}  # kind -> its last round's seconds
-        self.spent = dict.fromkeys(self.every, 0.0)  # kind -> all its rounds' seconds
+        self.spent = dict.fromkeys([*self.every, "rewind"], 0.0)  # kind -> all its rounds' seconds
         self.mark = self.start  # where the steps of the next lap began
         self.paused = 0.0  # the rounds' seconds since then
         self.laps = collections.deque(maxlen=9)  # (steps, training seconds) of the recent laps

@@ -114,6 +114,10 @@ class SpikeGuard:
             record["loss_threshold"], record["grad_norm_threshold"] = self.thresholds.tolist()
         return record
 
+    def too_many(self) -> bool:
+        """max_skipped steps in a row, or more: spikes.max_skipped may be lowered on a resume."""
+        return self.in_a_row >= self.cfg.max_skipped
+
     def stop_line(self, step: int, checkpointer) -> str:
         """RunError's line once max_skipped steps in a row were skipped: an async save in flight,
         of an earlier step, is put in place first (it is good)."""
@@ -132,9 +136,9 @@ class SpikeGuard:
     def rewind(self, checkpointer, step: int, tokens_seen: int) -> dict:
         """Repeated spikes (rewind_due): back to the newest complete checkpoint before the first of
         them: its weights, optimizer state, lr schedule and window, while the data loader keeps its
-        place, so the batches since that checkpoint are left out. Returns the log's record, with
-        the run's new step and tokens_seen ("rewound_to" is `step` itself when there is no
-        checkpoint to go back to)."""
+        place, so the batches since that checkpoint are left out, and the checkpoints after it are
+        removed. Returns the log's record, with the run's new step and tokens_seen ("rewound_to" is
+        `step` itself when there is no checkpoint to go back to)."""
         if checkpointer.saver.pending is not None:  # a save in flight may be the one to go back to
             checkpointer.saver.finish()
         first = self.rewind_due()
@@ -145,13 +149,16 @@ class SpikeGuard:
                     "checkpoint": f"none before step {first}", "time": time.time()}
         path = os.path.join(checkpointer.folder, f"step-{before}")
         to, tokens = checkpointer.load(path, model_only=False, rewind=True)
+        # The checkpoints saved since belong to the timeline left behind: a restart would resume
+        # from the newest of them and train on the spikes' data again.
+        dropped = checkpointer.saver.drop_after(to)
         self.in_a_row = 0
         self.rewinds += 1
         self.cut_until = to + self.cfg.rewind_lr_steps
         self.cut_lr(checkpointer.optimizer, to + 1)
         return {"step": step, "rewound_to": to, "tokens_seen": tokens, "checkpoint": path,
                 "time": time.time(),  # when: slurm/recover.py's goodput counts the steps again
-                "left_out": [to + 1, step], "lr_factor": self.cfg.rewind_lr_factor,
+                "left_out": [to + 1, step], "dropped": dropped, "lr_factor": self.cfg.rewind_lr_factor,
                 "lr_steps": self.cfg.rewind_lr_steps, "rewinds": self.rewinds}
 
     def cut_lr(self, optimizer, step: int):
@@ -190,5 +197,7 @@ def line(r: dict) -> str:
     if "left_out" not in r:
         return f"rewind at step {r['step']}: no checkpoint ({r['checkpoint']}), going on"
     first, end = r["left_out"]
+    dropped = "".join(f"; step-{s} removed" for s in r.get("dropped", []))
     return (f"rewind at step {r['step']}: back to {r['checkpoint']}; the data of steps {first}-{end}"
-            f" is left out; lr x {r['lr_factor']:g} for {r['lr_steps']} steps (rewind {r['rewinds']})")
+            f" is left out{dropped}; lr x {r['lr_factor']:g} for {r['lr_steps']} steps "
+            f"(rewind {r['rewinds']})")

@@ -6,15 +6,18 @@ and the planted spike by thousands.
 
 The plant (planted_train, below, run as a training program): the model's output layer multiplies its logits
 by 50 (a spike) or by NaN at the steps of $PLANT, e.g. "6:spike,7:nan", each once, on rank $PLANT_RANK (every
-rank if unset). It writes DUMP/steps.rank{R}.jsonl: at the start of each step, sha256 of the weights, of
-AdamW's state and of the step's first batch."""
+rank if unset); "stop" sends the process SIGTERM, and "6@2:..." plants at the second time step 6 is trained
+(after a rewind), "9:spike+stop" both. It writes DUMP/steps.rank{R}.jsonl: at the start of each step, sha256
+of the weights, of AdamW's state and of the step's first batch."""
 
+import collections
 import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import signal
 import sys
 
 import pytest
@@ -41,6 +44,7 @@ def sha(tensors) -> str:
 def planted_train(argv):
     import train
     plant = dict(item.split(":") for item in os.environ.get("PLANT", "").split(",") if item)
+    trained = collections.Counter()  # step -> the times this launch has trained it
     rank = int(os.environ.get("RANK", 0))
     planted_here = os.environ.get("PLANT_RANK", str(rank)) == str(rank)
     held = {}
@@ -55,14 +59,23 @@ def planted_train(argv):
 
     def forward_backward(model, inputs, labels, global_tokens, dp, tp, z_loss=0.0):
         step = held["scheduler"].last_epoch + 1
+        kinds = []
         if held.get("step") != step:  # the step's first micro-batch
             held["step"] = step
+            trained[step] += 1
+            kinds = plant.pop(f"{step}@{trained[step]}", "")
+            if trained[step] == 1:
+                kinds = kinds or plant.pop(str(step), "")
+            kinds = kinds.split("+")
             opt = held["optimizer"]
             adam = [v for s in opt.state.values() for v in s.values()]
             held["log"].write(json.dumps({"step": step, "weights": sha(model.parameters()), "adam": sha(adam),
                                           "batch": sha([inputs]), "lr": opt.param_groups[0]["lr"]}) + "\n")
             held["log"].flush()
-        kind = plant.pop(str(step), None) if planted_here else None
+        kinds = kinds if planted_here else []
+        if "stop" in kinds:  # a preemption's signal, taken at the step's agreement
+            os.kill(os.getpid(), signal.SIGTERM)
+        kind = next((k for k in kinds if k in ("spike", "nan")), None)
         hook = None
         if kind:
             factor = 50.0 if kind == "spike" else math.nan
@@ -242,6 +255,62 @@ def test_repeated_spikes_rewind_past_their_data_and_resume_exactly(baseline, tmp
     run(tmp_path / "resumed", *args)
     assert losses(tmp_path / "resumed") == {s: losses(dump)[s] for s in (10, 11, 12)}
     assert records(tmp_path / "resumed")[-1]["skipped_steps"] == 3
+
+
+REWIND = ("--checkpoint.enable", "--checkpoint.interval", 4, "--spikes.rewind_after", 2, "--spikes.rewind_within", 10)
+
+
+@pytest.fixture(scope="module")
+def rewound(tmp_path_factory):
+    """(dump, output) of a run whose spikes at 7 and 9 rewind it to step-4, with step-8 saved between them."""
+    dump = tmp_path_factory.mktemp("rewound")
+    return dump, run(dump, *REWIND, plant="7:spike,9:spike")
+
+
+@pytest.mark.slow
+def test_a_rewind_removes_the_later_checkpoints_and_a_restart_after_it_is_exact(rewound, tmp_path):
+    dump, out = rewound
+    (rewind,) = [r for r in records(dump) if "rewound_to" in r]
+    assert (rewind["step"], rewind["rewound_to"], rewind["dropped"]) == (9, 4, [8])
+    assert "is left out; step-8 removed; lr x 1" in out and re.search(r"rewinds [\d.]+s, saves [\d.]+s$", out, re.M)
+    assert sorted(os.listdir(dump / "checkpoint")) == ["step-12", "step-4", "step-8"]  # step-8 saved anew
+    rewound_run = losses(dump)  # each step's last record: after the rewind, the rewound run's
+
+    # A stop at the rewound run's step 6 saves step-6, and the restart resumes there, not at the step-8 the
+    # rewind left behind (which would feed the spike's batch again)
+    stopped = tmp_path / "stopped"
+    run(stopped, *REWIND, plant="7:spike,9:spike,6@2:stop")
+    assert sorted(os.listdir(stopped / "checkpoint")) == ["step-4", "step-6"]
+    out = run(stopped, *REWIND)
+    assert f"resumed from {stopped}/checkpoint/step-6 at step 6" in out
+    assert losses(stopped) == rewound_run  # bit for bit
+
+    # A stop at the step where the rewind falls due saves that step; the restart rewinds before it trains
+    due = tmp_path / "due"
+    run(due, *REWIND, plant="7:spike,9:spike+stop")
+    assert sorted(os.listdir(due / "checkpoint")) == ["step-4", "step-8", "step-9"]
+    before = len(steps(due))
+    run(due, *REWIND)
+    assert [s["step"] for s in steps(due)[before:]] == list(range(5, 13))  # not step 10 first, then thrown away
+    assert losses(due) == rewound_run
+    assert sorted(os.listdir(due / "checkpoint")) == ["step-12", "step-4", "step-8"]
+
+    # The first log line after the rewind covers the steps trained since it, not those it threw away
+    every5 = tmp_path / "every5"
+    run(every5, *REWIND, "--metrics.log_freq", 5, plant="7:spike,9:spike")
+    lines = [r for r in records(every5) if "loss" in r]
+    assert [r["step"] for r in lines] == [1, 5, 5, 10, 12] and lines[2]["loss"] == rewound_run[5]
+
+
+def test_a_max_skipped_lowered_on_a_resume_stops_a_run_already_past_it():
+    g = guard_after([2.0] * 4, max_skipped=5)
+    for step in (5, 6, 7):
+        g.check([torch.tensor(50.0)], torch.tensor(1.0), None)
+        g.skip(step, not_finite=False)
+    assert not g.too_many()
+    resumed = spikes.SpikeGuard(spikes.Spikes(window=8, max_skipped=2), "cpu")
+    resumed.load_state_dict(g.state_dict())
+    assert resumed.in_a_row == 3 and resumed.too_many()
 
 
 @pytest.mark.slow

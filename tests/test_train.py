@@ -248,7 +248,7 @@ def test_the_eta_counts_the_steps_left_and_the_rounds_still_due():
     times = clock.times(40)
     assert times["eta_seconds"] == 60 * 2.0 + 4 * 5.0 + 3 * 7.0 + 3 * 3.0  # the 30 s step left out
     assert times["elapsed_seconds"] == 10.0 + 30.0 + 39 * 2.0 + 5.0 + 7.0 + 3.0
-    assert clock.spent == {"validation": 5.0, "eval": 7.0, "checkpoint": 3.0}
+    assert clock.spent == {"validation": 5.0, "eval": 7.0, "checkpoint": 3.0, "rewind": 0.0}
     assert clock.times(100)["eta_seconds"] == 5.0 + 7.0 + 3.0  # the last step's rounds, after its line
     assert [duration(s) for s in (59.6, 3725, 52260, 183600)] == ["1m00s", "1h02m", "14h31m", "2d03h"]
 
