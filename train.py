@@ -89,7 +89,7 @@ class Optimizer:
     beta2: float = 0.95  # Adam beta2
     eps: float = 1e-8  # Adam epsilon
     weight_decay: float = 0.1  # decoupled weight decay (applied to every weight)
-    state_dtype: str = "float32"  # AdamW's two moments: float32, or bfloat16 (4 bytes a parameter less; the update stays fp32)
+    state_dtype: str = "float32"  # AdamW's two moments: float32, or bfloat16 (4 bytes a parameter less; the update stays fp32; beta2 <= 0.99)
 
 
 @dataclass
@@ -292,6 +292,12 @@ def validate(cfg: Config, world_size: int, gpu: bool | None = None) -> dict:
         value = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
         if not ok(value):
             raise ConfigError(f"{key} = {value!r}: must be {allowed}")
+    o = cfg.optimizer
+    if o.state_dtype == "bfloat16" and o.beta2 > AdamWBF16State.MAX_BETA2:
+        raise ConfigError(f"optimizer.beta2 = {o.beta2:g} with state_dtype = \"bfloat16\": a bf16 "
+                          f"exp_avg_sq cannot decay by 1 - beta2 = {1 - o.beta2:.2g} a step (the rounding "
+                          "undoes it), so the lr would fall silently; use beta2 <= "
+                          f"{AdamWBF16State.MAX_BETA2} or state_dtype = \"float32\"")
     float8.check(cfg, gpu)
     evals.check(cfg)
     spikes.check(cfg)
@@ -568,7 +574,14 @@ def build_optimizer(model, cfg: Config, device: torch.device):
 class AdamWBF16State(torch.optim.Optimizer):
     """torch.optim.AdamW's update with its two moments stored in bf16: 4 bytes a parameter instead of
     8. Each parameter's moments are read up to fp32, updated, applied and rounded back in turn, so
-    the fp32 copies exist for one parameter at a time (torch's fused AdamW wants one dtype)."""
+    the fp32 copies exist for one parameter at a time (torch's fused AdamW wants one dtype).
+
+    Rounding to bf16 (8 significant bits) undoes a decay by beta2 smaller than about half its spacing:
+    from beta2 0.997 on, a moment that gets no more gradient stays where it was, where fp32's would
+    fall (0.999: 1.0 after 1,000 steps, fp32 0.37). Up to MAX_BETA2 it decays as fp32's does, within
+    the rounding; validate() refuses more."""
+
+    MAX_BETA2 = 0.99
 
     def __init__(self, params, lr: float, betas: tuple, eps: float, weight_decay: float):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))

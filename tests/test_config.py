@@ -35,6 +35,8 @@ BAD_INPUT = [
     (["--parallelism.tensor_parallel_degree", "2"], "must equal the world size 1"),
     (["stray"], "unexpected argument 'stray'"),
     (["--model.vocab_size", "-1"], "model.vocab_size = -1: must be >= 0"),
+    (["--optimizer.state_dtype", "bfloat16", "--optimizer.beta2", "0.999"],
+     'optimizer.beta2 = 0.999 with state_dtype = "bfloat16": a bf16 exp_avg_sq cannot decay by 1 - beta2 = 0.001'),
     (["--model.vocab_size", "100"], "model.vocab_size = 100 is below the 2,048 words of assets/tokenizer/tokenizer.model"),
     (["--validation.steps", "20"], "[validation] steps was replaced by sequences = N, the first N windows of each"),
 ]

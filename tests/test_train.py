@@ -290,6 +290,34 @@ def test_bf16_optimizer_states_take_adamws_step_with_half_the_bytes():
     assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16 and state["step"] == 5
 
 
+def test_bf16_moments_decay_as_fp32_ones_up_to_the_beta2_validate_allows():
+    """With no more gradient, exp_avg_sq falls by beta2 a step. Rounded to bf16 each step, it follows fp32's at the
+    beta2 validate() allows (0.99: within 2x after 500 steps, fp32 6.6e-5), and stays put at 0.999, which validate()
+    refuses: the effective lr would fall silently."""
+    import torch
+
+    import train
+
+    def exp_avg_sq_after(beta2, steps):
+        w = torch.zeros(4, requires_grad=True)
+        opt = train.AdamWBF16State([w], lr=1e-3, betas=(0.9, beta2), eps=1e-8, weight_decay=0.0)
+        w.grad = torch.ones(4)
+        opt.step()  # exp_avg_sq = 1 - beta2
+        w.grad = torch.zeros(4)
+        for _ in range(steps):
+            opt.step()
+        return opt.state[w]["exp_avg_sq"].float()[0].item()
+
+    assert train.AdamWBF16State.MAX_BETA2 == 0.99
+    fp32 = 0.01 * 0.99**500
+    assert fp32 / 2 < exp_avg_sq_after(0.99, 500) < fp32 * 2
+    start = exp_avg_sq_after(0.999, 0)
+    assert exp_avg_sq_after(0.999, 1000) == start  # fp32: 0.37 x start
+    cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml"),
+                             "--optimizer.state_dtype", "bfloat16", "--optimizer.beta2", "0.99"])
+    train.validate(cfg, 1)
+
+
 BF16_STATES = r"""
 import json
 import shutil
