@@ -37,6 +37,7 @@ from data import heldout_windows
 from pretrain.config import ConfigError, unknown
 from pretrain.data_manifest import source_files
 from pretrain.distributed import from_rank0, wait_for_rank0
+from pretrain.loss import heldout_loss
 from pretrain.mirror import open_file
 from pretrain.sources import RETRY_DELAYS, DataError, DataSource, HubFile, retry_or_raise
 
@@ -289,9 +290,7 @@ def validate(model, heldout: dict, batch: int, device, dp_group, tp: int) -> dic
         for b in range(0, len(inputs), batch):
             x = inputs[b:b + batch].to(device)
             y = labels[b:b + batch].to(device)
-            with loss_parallel() if tp > 1 else contextlib.nullcontext():
-                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")  # -100: ignored
-            sums[i, 0] += loss.full_tensor() if isinstance(loss, DTensor) else loss
+            sums[i, 0] += heldout_loss(model, x, y, tp)  # -100: ignored
             sums[i, 1] += (y != -100).sum()
     dist.all_reduce(sums, group=dp_group)
     model.train()
