@@ -40,6 +40,7 @@ from model import Transformer, flavors, keyed_normal_
 from pretrain import config
 from pretrain import evals
 from pretrain import float8
+from pretrain import optimizers
 from pretrain import spikes
 from pretrain import startup
 from pretrain.checkpoint import Checkpointer
@@ -292,12 +293,7 @@ def validate(cfg: Config, world_size: int, gpu: bool | None = None) -> dict:
         value = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
         if not ok(value):
             raise ConfigError(f"{key} = {value!r}: must be {allowed}")
-    o = cfg.optimizer
-    if o.state_dtype == "bfloat16" and o.beta2 > AdamWBF16State.MAX_BETA2:
-        raise ConfigError(f"optimizer.beta2 = {o.beta2:g} with state_dtype = \"bfloat16\": a bf16 "
-                          f"exp_avg_sq cannot decay by 1 - beta2 = {1 - o.beta2:.2g} a step (the rounding "
-                          "undoes it), so the lr would fall silently; use beta2 <= "
-                          f"{AdamWBF16State.MAX_BETA2} or state_dtype = \"float32\"")
+    optimizers.check(cfg.optimizer)
     float8.check(cfg, gpu)
     evals.check(cfg)
     spikes.check(cfg)
@@ -389,7 +385,8 @@ def run_summary(cfg: Config, model: Transformer, world_size: int, sizes: dict) -
     p = cfg.parallelism
     description = cfg.job.description + ": " if cfg.job.description else ""
     precision = cfg.training.mixed_precision_param
-    path = f"FSDP2 in {precision}" if sizes["dp"] > 1 else f"no FSDP (one dp rank), {precision} autocast"
+    autocast = " autocast" if precision != "float32" else ""  # apply_autocast's rule
+    path = f"FSDP2 in {precision}" if sizes["dp"] > 1 else f"no FSDP (one dp rank), {precision}{autocast}"
     return (f"{description}model {cfg.model.flavor} "
             f"({model.num_params():,} parameters, vocab {model.args.vocab_size:,}), "
             f"world {world_size} = dp_replicate {p.data_parallel_replicate_degree} "
@@ -564,55 +561,11 @@ def build_optimizer(model, cfg: Config, device: torch.device):
     o = cfg.optimizer
     kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
     if o.state_dtype == "bfloat16":
-        optimizer = AdamWBF16State(model.parameters(), **kwargs)
+        optimizer = optimizers.AdamWBF16State(model.parameters(), **kwargs)
     else:  # fused: one kernel per step on CUDA and CPU (the debug model's CPU step: ~10x foreach's)
         optimizer = torch.optim.AdamW(model.parameters(), **kwargs, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
     return optimizer, scheduler
-
-
-class AdamWBF16State(torch.optim.Optimizer):
-    """torch.optim.AdamW's update with its two moments stored in bf16: 4 bytes a parameter instead of
-    8. Each parameter's moments are read up to fp32, updated, applied and rounded back in turn, so
-    the fp32 copies exist for one parameter at a time (torch's fused AdamW wants one dtype).
-
-    Rounding to bf16 (8 significant bits) undoes a decay by beta2 smaller than about half its spacing:
-    from beta2 0.997 on, a moment that gets no more gradient stays where it was, where fp32's would
-    fall (0.999: 1.0 after 1,000 steps, fp32 0.37). Up to MAX_BETA2 it decays as fp32's does, within
-    the rounding; validate() refuses more."""
-
-    MAX_BETA2 = 0.99
-
-    def __init__(self, params, lr: float, betas: tuple, eps: float, weight_decay: float):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-
-    def load_state_dict(self, state_dict: dict):
-        super().load_state_dict(state_dict)  # which casts the moments to the weights' dtype: undo it
-        for state in self.state.values():
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[key] = state[key].to(torch.bfloat16)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
-            for p in (p for p in group["params"] if p.grad is not None):
-                state = self.state[p]
-                if not state:  # "step" on the host, as torch's AdamW keeps it off CUDA graphs
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
-                state["step"] += 1
-                t = state["step"].item()
-                grad = p.grad.float()
-                exp_avg = state["exp_avg"].float().lerp_(grad, 1 - beta1)
-                exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2)
-                exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
-                p.mul_(1 - lr * group["weight_decay"])  # decoupled weight decay
-                denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
-                p.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**t))
-                state["exp_avg"].copy_(exp_avg)
-                state["exp_avg_sq"].copy_(exp_avg_sq)
 
 
 def build_loader(cfg: Config, tokenizer, dp_rank: int, dp: int, manifest: dict) -> DataLoader:
@@ -700,6 +653,18 @@ def agree_on_step(stop: list, data_error: str, checkpointer: Checkpointer, verdi
     return flags.tolist()
 
 
+class LogSums:
+    """What the next training log line reports: sums over the steps since the last line (a rewind
+    starts afresh), the losses kept on the device until the line reads them."""
+
+    def __init__(self, device):
+        self.steps = 0  # steps since the last line, skipped ones too
+        self.kept = 0  # those applied: the loss is their mean
+        self.data_seconds = 0.0  # the steps' wait for batches
+        self.loss = torch.zeros(2, device=device)  # cross-entropy, z term: the kept steps' shares
+        self.loss_tokens = torch.zeros((), device=device)  # positions whose loss counted, every step
+
+
 # -------------------------------------------------------------------------------------------------
 # main
 # -------------------------------------------------------------------------------------------------
@@ -775,10 +740,7 @@ def main(cfg: Config):
     params = [q for q in model.parameters() if q.requires_grad]
     memory_stats(device)  # reset the GPU peak so the first log covers training only
     clock.lap(0)  # and the first log's tps
-    log_steps = log_kept = 0  # the steps since the last training log, and those not skipped
-    data_time = 0.0  # and their seconds waiting for batches
-    loss_sum = torch.zeros(2, device=device)  # cross-entropy, z term: summed on the device
-    counted_sum = torch.zeros((), device=device)  # positions whose loss counted, logged steps
+    sums = LogSums(device)  # what the next log line averages
 
     while step < cfg.training.steps:
         # Repeated spikes: back to the checkpoint before them, their data left out. Here, before the
@@ -788,21 +750,19 @@ def main(cfg: Config):
                 record = guard.rewind(checkpointer, step, tokens_seen)
             metrics.log(record)
             step, tokens_seen = record["rewound_to"], record["tokens_seen"]
-            # The next log line covers the steps trained from here, not those the rewind threw away.
-            loss_sum.zero_()
-            counted_sum.zero_()
-            log_steps = log_kept = 0
-            data_time = 0.0
+            if float8_scales:  # the scales cached for the next all-gathers are the old weights'
+                float8_scales(model)
+            sums = LogSums(device)  # the next log line covers the steps trained from here on
             clock.lap(0)
         step += 1
         optimizer.zero_grad(set_to_none=True)
         # every micro-batch first: the loss divides by the global batch's count
         batches, data_error, seconds = read_step(loader, cfg, grad_accum, args, device)
-        data_time += seconds
+        sums.data_seconds += seconds
         counted = sum((y != -100).sum() for _, y in batches).float()
         # over the global batch (TP ranks hold the same)
         dist.all_reduce(counted, group=dp_mesh.get_group())
-        counted_sum += counted
+        sums.loss_tokens += counted
         shares = [forward_backward(model, inputs, labels, counted.clamp(min=1), dp, tp,
                                    cfg.training.z_loss) for inputs, labels in batches]
         max_norm = cfg.training.max_norm or math.inf  # 0: no clipping
@@ -820,8 +780,7 @@ def main(cfg: Config):
         lr = optimizer.param_groups[0]["lr"]  # the lr this step used
         if skipped:  # neither the weights nor AdamW's state move; the data goes on
             metrics.log(guard.skip(step, not_finite))
-            if guard.too_many():  # after an earlier step's save is in place
-                raise RunError(guard.stop_line(step, checkpointer))
+            guard.stop_if_too_many(step, checkpointer)
         else:
             optimizer.step()
             # every float8 weight's scale in one all-reduce, for the next step's float8 all-gathers
@@ -829,38 +788,35 @@ def main(cfg: Config):
                 float8_scales(model)
             guard.keep()
             for share in shares:
-                loss_sum += share
+                sums.loss += share
         scheduler.step()
         guard.cut_lr(optimizer, step + 1)  # after a rewind
         tokens_seen += tokens_per_step
-        log_steps += 1
-        log_kept += not skipped
+        sums.steps += 1
+        sums.kept += not skipped
         last = step == cfg.training.steps
 
         if (step % cfg.metrics.log_freq == 0 or step == 1 or last) and not skipped:
             source_tokens = loader.source_tokens().values()
-            sums = torch.tensor([*source_tokens, 0.0, 0.0], dtype=torch.float64, device=device)
-            sums[-2:] = loss_sum
+            reduced = torch.tensor([*source_tokens, 0.0, 0.0], dtype=torch.float64, device=device)
+            reduced[-2:] = sums.loss
             # tokens per source, the loss and the z term, over dp ranks
-            dist.all_reduce(sums, group=dp_mesh.get_group())
-            dt = clock.lap(log_steps)  # their seconds, the validation, eval and save rounds left out
-            tps = log_steps * tokens_per_step / dt / world_size
+            dist.all_reduce(reduced, group=dp_mesh.get_group())
+            dt = clock.lap(sums.steps)  # their seconds, the validation, eval and save rounds left out
+            tps = sums.steps * tokens_per_step / dt / world_size
             mfu = 100 * flops_per_token * tps / 1e12 / peak if peak else None
             mem_gib, mem_pct, allocated = memory_stats(device)
-            per_source = dict(zip(loader.names, [int(x) for x in sums[:-2].tolist()]))
-            loss_tokens_pct = 100 * counted_sum.item() / (log_steps * tokens_per_step)
-            z_loss = {"z_loss": sums[-1].item() / log_kept} if cfg.training.z_loss else {}
-            metrics.log({"step": step, "loss": sums[-2].item() / log_kept, **z_loss,
+            per_source = dict(zip(loader.names, [int(x) for x in reduced[:-2].tolist()]))
+            loss_tokens_pct = 100 * sums.loss_tokens.item() / (sums.steps * tokens_per_step)
+            z_loss = {"z_loss": reduced[-1].item() / sums.kept} if cfg.training.z_loss else {}
+            metrics.log({"step": step, "loss": reduced[-2].item() / sums.kept, **z_loss,
                          "grad_norm": grad_norm.item(), "lr": lr, "memory_gib": mem_gib,
                          "memory_pct": mem_pct, "memory_allocated_gib": allocated, "tps": tps,
                          "tflops": flops_per_token * tps / 1e12, "mfu": mfu,
-                         "data_wait_pct": 100 * data_time / dt, "tokens_seen": tokens_seen,
-                         "source_tokens": per_source, "loss_tokens": int(counted_sum.item()),
+                         "data_wait_pct": 100 * sums.data_seconds / dt, "tokens_seen": tokens_seen,
+                         "source_tokens": per_source, "loss_tokens": int(sums.loss_tokens.item()),
                          "loss_tokens_pct": loss_tokens_pct, "skipped_steps": guard.skipped})
-            loss_sum.zero_()
-            counted_sum.zero_()
-            log_steps = log_kept = 0
-            data_time = 0.0
+            sums = LogSums(device)
 
         if cfg.validation.enable and (step % cfg.validation.freq == 0 or last):
             with clock.timed("validation") as took:

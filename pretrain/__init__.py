@@ -17,6 +17,7 @@
     progress           the run's clock (elapsed, ETA); progress bars and lines on long work
     loss               the loss a chunk of positions at a time, without the whole logits; z-loss
     spikes             loss spikes: a step skipped, repeated spikes rewound
+    optimizers         optimizers beside torch's (AdamW with bf16 moments) and their config rules
     memory             memory per device: estimated from the layout, or counted live
     measure            how bench.py measures: timed commands, side by side, steady rates, profiles
     float8             torchao float8: the config rules, conversion, TP styles

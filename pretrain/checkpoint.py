@@ -23,6 +23,7 @@ from pretrain import checkpoint_folder
 from pretrain.distributed import raise_first, wait_for_rank0
 from pretrain.faults import CheckpointError, node_name
 from pretrain.float8 import plain
+from pretrain.optimizers import set_schedule
 from pretrain.titan_layout import load_torchtitan, model_prefix
 
 logger = logging.getLogger("checkpoint")
@@ -217,7 +218,8 @@ class Checkpointer:
         opt = get_optimizer_state_dict(self.model, self.optimizer, options=self.sd_options)
         opt = {**opt, **state["optimizer"]}
         set_optimizer_state_dict(self.model, self.optimizer, opt, options=self.sd_options)
-        self.restore_schedule(json_from(train["lr_scheduler"]))
+        # the schedule's position only: optimizer.lr and the schedule's shape may change on a resume
+        set_schedule(self.scheduler, self.optimizer, json_from(train["lr_scheduler"])["last_epoch"])
         step = int(train["step"])
         if "spikes" in train:  # older checkpoints have none
             self.guard.load_state_dict(json_from(train["spikes"]), window_only=rewind)
@@ -232,20 +234,6 @@ class Checkpointer:
         logger.info(f"resumed from {path} at step {step}")
         self.log_changes(train, steps)
         return step, int(train["tokens_seen"])
-
-    def restore_schedule(self, saved: dict):
-        """The schedule's position (its step count) from the checkpoint; the peak lr and the
-        schedule's shape from this run's config, which a resume may change (optimizer.lr,
-        [lr_scheduler], training.steps). LambdaLR's own load would bring back the saved base_lrs
-        and the lr it last set, so the old lr would go on."""
-        base_lrs = self.scheduler.base_lrs
-        self.scheduler.load_state_dict(saved)
-        self.scheduler.base_lrs = base_lrs
-        factors = [f(self.scheduler.last_epoch) for f in self.scheduler.lr_lambdas]
-        lrs = [base * factor for base, factor in zip(base_lrs, factors)]
-        self.scheduler._last_lr = lrs  # what get_last_lr() reports until the next step
-        for group, lr in zip(self.optimizer.param_groups, lrs):
-            group["lr"] = lr
 
     def log_changes(self, train: dict, steps: int):
         """Logs what this resume changes of the values it may change: notes, training.steps."""

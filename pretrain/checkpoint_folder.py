@@ -79,6 +79,15 @@ def newest_complete(folder: str, below: float = math.inf, warn: bool = False):
     return None
 
 
+def remove(folder: str, steps: list):
+    """The step-N of `steps`, each renamed to a crashed save's name before it is deleted (the next
+    save clears one that a crash leaves), so that none is ever half there to be resumed from."""
+    for n in steps:
+        tmp = os.path.join(folder, f".step-{n}.tmp")
+        os.rename(os.path.join(folder, f"step-{n}"), tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def newest(folder: str) -> str:
     step = newest_complete(folder)
     return os.path.join(folder, f"step-{step}") if step is not None else "none"
@@ -194,42 +203,34 @@ class Saver:
 
     def commit(self, step: int):
         """Once every rank has written (dcp fsyncs each file): one rename makes step-N appear
-        whole. Rank 0 alone renames, and every rank learns how that went: a failure (a stale
-        step-N, a quota) is every rank's."""
+        whole. A failure (a stale step-N, a quota) is every rank's."""
         dist.barrier()
-        outcome = [""]
-        if self.rank == 0:
-            try:
-                self.put_in_place(step)
-            except OSError as e:
-                outcome[0] = f"{type(e).__name__}: {e}"
-        dist.broadcast_object_list(outcome, src=0)  # a string: rank 0's outcome
-        if outcome[0]:
-            raise OSError(f"putting it in place: {outcome[0]}")
+        if error := self.on_rank0(self.put_in_place, step):
+            raise OSError(f"putting it in place: {error}")
         keep = self.cfg.keep_latest_k  # old checkpoints go only now, after the new one is complete
         for old in (checkpoints(self.folder)[:-keep] if keep > 0 and self.rank == 0 else []):
             shutil.rmtree(os.path.join(self.folder, f"step-{old}"), ignore_errors=True)
 
     def drop_after(self, step: int) -> list:
         """A rewind's: remove every step-N above `step`, on the timeline the rewind left, so that a
-        restart resumes from the rewound run. Rank 0 renames each to a crashed save's name first (the
-        next save clears one a crash leaves), so no half-deleted step-N is ever there to be read;
-        every rank learns the outcome. No save is in flight (the rewind finished it). Returns the Ns."""
+        restart resumes on the rewound one. No save is in flight (the rewind finished it)."""
         later = [n for n in numbered(self.folder) if n > step] if self.rank == 0 else []
-        outcome = [later, ""]
-        for n in later:
-            tmp = os.path.join(self.folder, f".step-{n}.tmp")
-            try:
-                os.rename(os.path.join(self.folder, f"step-{n}"), tmp)
-            except OSError as e:
-                outcome[1] = f"{type(e).__name__}: {e}"
-                break
-            shutil.rmtree(tmp, ignore_errors=True)
-        dist.broadcast_object_list(outcome, src=0)  # rank 0's list and error
-        if outcome[1]:
+        if error := self.on_rank0(remove, self.folder, later):
             raise SaveError(f"rewind to step-{step}: cannot remove the later checkpoints of "
-                            f"{self.folder} ({outcome[1]}); remove every step-N above {step} before "
-                            "a restart, or it resumes on the timeline the rewind left")
+                            f"{self.folder} ({error}); remove every step-N above {step} before a "
+                            "restart, or it resumes on the timeline the rewind left")
+        return later
+
+    def on_rank0(self, change, *args) -> str:
+        """Rank 0 alone changes the folder, which every node shares; every rank learns how that
+        went: "" or rank 0's error."""
+        outcome = [""]
+        if self.rank == 0:
+            try:
+                change(*args)
+            except OSError as e:
+                outcome[0] = f"{type(e).__name__}: {e}"
+        dist.broadcast_object_list(outcome, src=0)
         return outcome[0]
 
     def put_in_place(self, step: int):

@@ -75,6 +75,10 @@ class MetricsLogger:
             project = cfg.metrics.wandb_project or os.environ.get("WANDB_PROJECT") or "llama3-pretrain"
             self.wandb = wandb.init(project=project, name=name, id=run_id, resume="allow", dir=dump,
                                     config=dataclasses.asdict(cfg))
+            # The training step is a field, the x-axis: W&B's own step must grow, and would drop the
+            # steps a rewind, or a resume from an older checkpoint, trains again.
+            self.wandb.define_metric("train_step")
+            self.wandb.define_metric("*", step_metric="train_step")
 
     def log(self, r: dict):
         if self.jsonl is None:
@@ -125,7 +129,7 @@ class MetricsLogger:
             for k, x in scalars.items():
                 self.tb.add_scalar(k, x, r["step"])
         if self.wandb:
-            self.wandb.log(scalars, step=r["step"])
+            self.wandb.log({**scalars, "train_step": r["step"]})
 
     def summary(self):
         """The end of a run: peak memory; steps, tokens, wall time, the last losses, the rounds' time."""
@@ -133,15 +137,12 @@ class MetricsLogger:
             return
         last = self.last
         validation = f", validation {last['validation_loss']:.4f}" if "validation_loss" in last else ""
-        spent = self.clock.spent
-        rewinds = f"rewinds {spent['rewind']:.1f}s, " if spent["rewind"] else ""  # their reloads
         gib, allocated = self.peak["memory_gib"], self.peak["memory_allocated_gib"]
         gpu = f"{allocated:.2f} GiB allocated, {gib:.2f} GiB reserved"  # a GPU's; else the host's
         logger.info(f"memory: peak {gpu if allocated else f'{gib:.2f} GiB RSS'}")
         logger.info(f"done: step {last['step']}, {last['tokens_seen']:,} tokens, "
                     f"{duration(self.clock.now() - self.clock.start)} wall; loss {last['loss']:.4f}"
-                    f"{validation}; validation {spent['validation']:.1f}s, evals {spent['eval']:.1f}s, "
-                    f"{rewinds}saves {spent['checkpoint']:.1f}s")
+                    f"{validation}; {self.clock.rounds()}")
 
     def close(self):
         for sink in (self.jsonl, self.tb):

@@ -135,6 +135,13 @@ class RunClock:
             self.laps.append((steps, seconds))
         return seconds
 
+    def rounds(self) -> str:
+        """The `done:` line's account of the rounds' time (rewinds only where there were any)."""
+        s = self.spent
+        rewinds = f"rewinds {s['rewind']:.1f}s, " if s["rewind"] else ""  # their reloads
+        return (f"validation {s['validation']:.1f}s, evals {s['eval']:.1f}s, {rewinds}"
+                f"saves {s['checkpoint']:.1f}s")
+
     def due(self, kind: str, step: int) -> int:
         """Rounds of `kind` at `step` and after (every `every` steps, and at the last step): a step's
         rounds come after its log line."""

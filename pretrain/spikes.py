@@ -8,6 +8,7 @@ above mean + sigma x std of the last `window` kept steps, once half the window i
     ... the step's one all-reduce (train.agree_on_step) carries it; then either
     guard.keep()  # after optimizer.step(): the step joins the window
     record = guard.skip(step, not_finite)  # no optimizer.step(): its line, its record
+    record = guard.rewind(checkpointer, step, tokens_seen)  # before the next step, once rewind_due()
 
 A skipped step changes neither the weights nor AdamW's state (moments, step count); the data and
 the lr schedule go on. The statistics: docs/internals.md#loss-spikes."""
@@ -114,19 +115,16 @@ class SpikeGuard:
             record["loss_threshold"], record["grad_norm_threshold"] = self.thresholds.tolist()
         return record
 
-    def too_many(self) -> bool:
-        """max_skipped steps in a row, or more: spikes.max_skipped may be lowered on a resume."""
-        return self.in_a_row >= self.cfg.max_skipped
-
-    def stop_line(self, step: int, checkpointer) -> str:
-        """RunError's line once max_skipped steps in a row were skipped: an async save in flight,
-        of an earlier step, is put in place first (it is good)."""
+    def stop_if_too_many(self, step: int, checkpointer):
+        """RunError once max_skipped steps in a row were skipped, or more (it may be lowered on a
+        resume). An async save in flight, of an earlier step, is put in place first: it is good."""
+        if self.in_a_row < self.cfg.max_skipped:
+            return
         if checkpointer.saver.pending is not None:
             checkpointer.saver.finish()
-        last_good = newest(checkpointer.folder)
-        return (f"steps {step - self.in_a_row + 1}-{step}: {self.in_a_row} steps in a row were "
-                f"skipped (spikes.max_skipped = {self.cfg.max_skipped}; the last: {self.reason}); "
-                f"nothing was trained on them. Last good checkpoint: {last_good}")
+        raise RunError(f"steps {step - self.in_a_row + 1}-{step}: {self.in_a_row} steps in a row were "
+                       f"skipped (spikes.max_skipped = {self.cfg.max_skipped}; the last: {self.reason}); "
+                       f"nothing was trained on them. Last good checkpoint: {newest(checkpointer.folder)}")
 
     def rewind_due(self) -> int:
         """0, or the first step of the cluster of skips that asks for a rewind (rewind_after)."""
@@ -149,9 +147,7 @@ class SpikeGuard:
                     "checkpoint": f"none before step {first}", "time": time.time()}
         path = os.path.join(checkpointer.folder, f"step-{before}")
         to, tokens = checkpointer.load(path, model_only=False, rewind=True)
-        # The checkpoints saved since belong to the timeline left behind: a restart would resume
-        # from the newest of them and train on the spikes' data again.
-        dropped = checkpointer.saver.drop_after(to)
+        dropped = checkpointer.saver.drop_after(to)  # else a restart would resume on the old timeline
         self.in_a_row = 0
         self.rewinds += 1
         self.cut_until = to + self.cfg.rewind_lr_steps

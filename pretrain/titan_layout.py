@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 from pretrain.checkpoint_folder import why
 from pretrain.faults import CheckpointError
 from pretrain.float8 import plain
+from pretrain.optimizers import set_schedule
 
 logger = logging.getLogger("checkpoint")
 
@@ -87,11 +88,7 @@ def load_torchtitan(path: str, meta: dict, model, optimizer=None, scheduler=None
     position = int(planner.values["lr_scheduler.last_epoch"])
     # Our schedule at its position (torchtitan's own lr curve differs slightly: its warmup reaches
     # the peak one step earlier), so the lr continues rather than restarting warm-up.
-    lrs = [base * f(position) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    at = {"last_epoch": position, "_step_count": position + 1, "_last_lr": lrs}
-    scheduler.load_state_dict({**scheduler.state_dict(), **at})
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
+    set_schedule(scheduler, optimizer, position)
     step = int(planner.values["train_state.step"])
     logger.info(f"{path} is torchtitan's: took its weights, AdamW moments, step {step} and lr "
                 "schedule position; not its data position (another loader): the data starts from "

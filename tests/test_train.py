@@ -160,6 +160,22 @@ def test_bf16_mixed_precision_stays_close_to_fp32(runs, baseline):
     assert "x tp 1, no FSDP (one dp rank), bfloat16 autocast, grad accumulation 1;" in runs["bf16"][1]
 
 
+def test_the_start_up_line_names_autocast_only_where_it_is_applied():
+    import torch
+
+    import train
+    from model import Transformer
+    lines = {}
+    for precision in ("float32", "bfloat16"):
+        cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml"),
+                                 "--training.mixed_precision_param", precision])
+        with torch.device("meta"):
+            model = Transformer(train.flavor_args(cfg, vocab_size=64))
+        lines[precision] = train.run_summary(cfg, model, 1, train.validate(cfg, 1))
+    assert "x tp 1, no FSDP (one dp rank), float32, grad accumulation 1;" in lines["float32"]
+    assert "x tp 1, no FSDP (one dp rank), bfloat16 autocast, grad accumulation 1;" in lines["bfloat16"]
+
+
 def test_one_data_parallel_rank_trains_unsharded_fp32_weights_under_autocast():
     """One process (or TP alone): no fully_shard, so no bf16 copy of each weight twice a step; the forward and the
     output layer the loss calls run in bf16 under autocast, over fp32 weights and gradients."""
@@ -271,36 +287,37 @@ def test_bf16_optimizer_states_take_adamws_step_with_half_the_bytes():
     steps: after 5 steps the weights are AdamW's within that rounding, and the moments take 2 bytes each."""
     import torch
 
-    import train
+    from pretrain import optimizers
     torch.manual_seed(0)
     weights = [torch.randn(64, 32), torch.randn(32)]
     ours = [w.clone().requires_grad_() for w in weights]
     theirs = [w.clone().requires_grad_() for w in weights]
     kwargs = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    optimizers = [train.AdamWBF16State(ours, **kwargs), torch.optim.AdamW(theirs, **kwargs)]
+    pair = [optimizers.AdamWBF16State(ours, **kwargs), torch.optim.AdamW(theirs, **kwargs)]
     for _ in range(5):
         grads = [torch.randn_like(w) for w in weights]
-        for params, opt in zip((ours, theirs), optimizers):
+        for params, opt in zip((ours, theirs), pair):
             for q, g in zip(params, grads):
                 q.grad = g.clone()
             opt.step()
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-4)  # 5 steps of 1e-2 at most, moments within 0.4%
-    state = optimizers[0].state[ours[0]]
+    state = pair[0].state[ours[0]]
     assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16 and state["step"] == 5
 
 
 def test_bf16_moments_decay_as_fp32_ones_up_to_the_beta2_validate_allows():
     """With no more gradient, exp_avg_sq falls by beta2 a step. Rounded to bf16 each step, it follows fp32's at the
-    beta2 validate() allows (0.99: within 2x after 500 steps, fp32 6.6e-5), and stays put at 0.999, which validate()
+    beta2 optimizers.check allows (0.99: within 2x after 500 steps, fp32 6.6e-5), and stays put at 0.999, which it
     refuses: the effective lr would fall silently."""
     import torch
 
     import train
+    from pretrain import optimizers
 
     def exp_avg_sq_after(beta2, steps):
         w = torch.zeros(4, requires_grad=True)
-        opt = train.AdamWBF16State([w], lr=1e-3, betas=(0.9, beta2), eps=1e-8, weight_decay=0.0)
+        opt = optimizers.AdamWBF16State([w], lr=1e-3, betas=(0.9, beta2), eps=1e-8, weight_decay=0.0)
         w.grad = torch.ones(4)
         opt.step()  # exp_avg_sq = 1 - beta2
         w.grad = torch.zeros(4)
@@ -308,7 +325,7 @@ def test_bf16_moments_decay_as_fp32_ones_up_to_the_beta2_validate_allows():
             opt.step()
         return opt.state[w]["exp_avg_sq"].float()[0].item()
 
-    assert train.AdamWBF16State.MAX_BETA2 == 0.99
+    assert optimizers.AdamWBF16State.MAX_BETA2 == 0.99
     fp32 = 0.01 * 0.99**500
     assert fp32 / 2 < exp_avg_sq_after(0.99, 500) < fp32 * 2
     start = exp_avg_sq_after(0.999, 0)

@@ -114,6 +114,21 @@ def wandb_records(path):
             buf = b""
 
 
+def wandb_history(dump) -> tuple:
+    """(history rows, (project, name, run id) of each run) of a dump folder's offline W&B runs, oldest first."""
+    from wandb.proto import wandb_internal_pb2
+    rows, names = [], []
+    for run in sorted(glob.glob(os.path.join(dump, "wandb", "offline-run-*"))):
+        for data in wandb_records(glob.glob(os.path.join(run, "*.wandb"))[0]):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(data)
+            if rec.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+            elif rec.WhichOneof("record_type") == "run":
+                names.append((rec.run.project, rec.run.display_name, rec.run.run_id))
+    return rows, names
+
+
 @pytest.mark.slow
 def test_wandb_offline_gets_the_same_scalars_and_a_resume_continues_the_run(tmp_path):
     pytest.importorskip("wandb")
@@ -125,17 +140,10 @@ def test_wandb_offline_gets_the_same_scalars_and_a_resume_continues_the_run(tmp_
     assert (tmp_path / "wandb_run_id").read_text() == run_id
     runs = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")))
     assert len(runs) == 2 and all(r.endswith(f"-{run_id}") for r in runs)
-    from wandb.proto import wandb_internal_pb2
-    logged, names = {}, []
-    for run in runs:
-        for data in wandb_records(glob.glob(os.path.join(run, "*.wandb"))[0]):
-            rec = wandb_internal_pb2.Record()
-            rec.ParseFromString(data)
-            if rec.WhichOneof("record_type") == "history":
-                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
-                logged.setdefault(items["_step"], {}).update(items)
-            elif rec.WhichOneof("record_type") == "run":
-                names.append((rec.run.project, rec.run.display_name, rec.run.run_id))
+    rows, names = wandb_history(tmp_path)
+    logged = {}
+    for row in rows:  # the training step is a field, W&B's x-axis
+        logged.setdefault(row["train_step"], {}).update(row)
     assert sorted(logged) == [1, 2, 3, 4]
     assert set(names) == {("test-project", tmp_path.name, run_id)}  # from WANDB_PROJECT and the dump folder's name
     records = [json.loads(ln) for ln in open(tmp_path / "metrics.jsonl")]
