@@ -213,3 +213,36 @@ def test_the_code_points_at_headings_that_exist():
             elif anchor and anchor not in {slug(h) for h in re.findall(r"^#+ (.*)$", open(path).read(), re.M)}:
                 found.append(f"{name}: docs/{page}#{anchor}: no such heading")
     assert not found, "\n".join(found)
+
+
+def test_the_requirements_name_every_package_the_code_imports():
+    """A package the code imports is pinned in a requirements file by its own name, not only reached through
+    another's dependencies (tqdm came with datasets, tokenizers with transformers, a test requirement): a new
+    release of the other may drop it."""
+    import ast
+    from importlib.metadata import packages_distributions
+    files = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "pretrain", "*.py"))
+    files += glob.glob(os.path.join(ROOT, "slurm", "*.py")) + glob.glob(os.path.join(ROOT, "assets", "*.py"))
+    ours = {os.path.basename(f)[:-3] for f in files} | {"pretrain"}
+    imported = set()
+    for path in files:
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    third_party = imported - set(sys.stdlib_module_names) - ours
+    pinned = set()
+    for name in ("requirements.txt", "requirements-dev.txt", "requirements-bench.txt"):
+        for line in open(os.path.join(ROOT, name)):
+            if m := re.match(r"([A-Za-z0-9_.-]+)(\[[\w,]+\])?==", line):
+                pinned.add(m[1].lower().replace("_", "-"))
+    if "torch==" in open(os.path.join(ROOT, ".ci", "run")).read():  # installed first, for its platform
+        pinned.add("torch")
+    distributions = packages_distributions()
+    missing = []
+    for module in sorted(third_party):
+        names = {d.lower().replace("_", "-") for d in distributions.get(module, [module])}
+        if not names & pinned:
+            missing.append(f"{module} ({', '.join(sorted(names))})")
+    assert not missing, f"imported but not pinned in a requirements file: {missing}"
