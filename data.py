@@ -346,7 +346,7 @@ def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int, st
     into one bounded queue per pair. Each document travels with its reader positions, so the trainer
     checkpoints exactly what it consumed, whatever was read ahead. SIGTERM/SIGUSR1/SIGINT are
     ignored (the trainer saves, then stops the workers); it ends when told, or when the trainer is
-    gone (even by SIGKILL)."""
+    gone (even by SIGKILL), not after an error: an exit drops what a full pipe has not taken."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     # blocked from the fork to here: none got through
@@ -370,13 +370,11 @@ def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int, st
                 time.sleep(0.002)
     except DataError as e:  # hand the one-line error to every queue, behind what is already in it
         undelivered = list(queues.values())
-        while undelivered and not stop.is_set() and os.getppid() == parent:
+        while not stop.is_set() and os.getppid() == parent:
             for q in list(undelivered):
-                try:
-                    q.put_nowait(("error", str(e), e.fault))
+                if not q.full():  # nobody is waiting on a full queue yet: try again later
+                    q.put(("error", str(e), e.fault))
                     undelivered.remove(q)
-                except queue.Full:  # nobody is waiting on a full queue yet: try again later
-                    pass
             time.sleep(0.01)
     for q in queues.values():  # exit without waiting to flush read-ahead nobody will read
         q.cancel_join_thread()
@@ -392,6 +390,7 @@ class Workers:
         self.queues = {key: ctx.Queue(maxsize=prefetch) for key in pairs}
         self.stop = ctx.Event()
         self.procs = []
+        self.pairs = pairs  # pair k goes to worker k % num_workers
         self.failed = {}  # (stream, source) -> its error
         self.names = [r.src.name for r in streams[0].readers]  # each source's, for the lines
         # the end of the step's reads, in memory the workers share: set by reads_within here
@@ -414,6 +413,10 @@ class Workers:
                 self.procs[-1].start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        # The trainer never puts: it closes its copy of each queue's write end, so a dead worker's
+        # queue reads as ended (EOFError), never waiting for the rest of a message it was writing.
+        for q in self.queues.values():
+            q._writer.close()
 
     def get(self, s: int, i: int):
         """Source i's next document for stream s, as `PackedStream.read_doc` gives it."""
@@ -426,17 +429,23 @@ class Workers:
             try:
                 item = self.queues[(s, i)].get(timeout=min(5, max(left, 0.01)))
                 break
+            except (EOFError, OSError):  # its worker died, maybe mid-message: its node's fault
+                raise self.died(s, i)
             except queue.Empty:
-                dead = [p for p in self.procs if not p.is_alive()]
-                if dead:
-                    raise DataError(f"data loader worker {dead[0].pid} died "
-                                    f"(exit code {dead[0].exitcode})")
                 if left <= 0:  # a read that is slow but not failing, or a worker slow to start
                     raise DataError(self.too_long(s, i, time.monotonic() - asked), fault=True)
         if item[0] == "error":  # the worker has stopped: later reads of this pair fail at once
             self.failed[(s, i)] = item[1:]  # its line, and whether a fault
             raise DataError(*item[1:])
         return item
+
+    def died(self, s: int, i: int) -> DataError:
+        worker = self.procs[self.pairs.index((s, i)) % len(self.procs)]  # the pair's, as dealt
+        worker.join(timeout=1)  # it closed its queues as it exited: its exit code comes next
+        killed = worker.exitcode == -signal.SIGKILL  # the out-of-memory killer's signal
+        how = "killed by SIGKILL: out of memory?" if killed else f"exit code {worker.exitcode}"
+        self.failed[(s, i)] = (f"data loader worker {worker.pid} died ({how})", True)
+        return DataError(*self.failed[(s, i)])
 
     def too_long(self, s: int, i: int, waited: float) -> str:
         seconds = pretrain.sources.STEP[1]
@@ -446,21 +455,15 @@ class Workers:
                 "its loader worker; raise it to give the Hub longer")
 
     def close(self):
+        # Nothing is drained: no worker waits to put, and a dead one's queue may end mid-message.
         self.stop.set()
-        for q in self.queues.values():  # unblock a worker waiting to put
-            while not q.empty():
-                try:
-                    q.get_nowait()
-                except queue.Empty:
-                    break
         for p in self.procs:
             p.join(timeout=5)
             if p.is_alive():
-                p.terminate()
-                p.join()
+                p.kill()  # it ignores SIGTERM
+                p.join(timeout=5)
         for q in self.queues.values():
-            q.cancel_join_thread()  # the read-ahead is thrown away, not flushed
-            q.close()
+            q.close()  # the read-ahead is thrown away
         # Lets their semaphores go now, not at interpreter exit.
         self.queues = {}
         self.procs = []

@@ -1,11 +1,12 @@
 """Which kind of failure ended a run, and its exit code. Each is one `error:` line:
 - 2, the user's: a config, command line, tokenizer, data source or checkpoint path that a person
-  must fix. Nothing was trained, so a restart would only repeat it.
+  must fix, found at start-up or mid-run. A restart would only repeat it, so none is made.
 - 3, the run's: skipped steps in a row, a failed final save, a rank that stopped answering
   (lost_rank).
 - 4, a fault of the infrastructure or of one node: a Hub that kept failing, a node that lacks the
-  data's files or sees a stale checkpoint folder. A restart may succeed; one node named in the
-  line (`error: node NAME: ...`) is left out of it (slurm/multinode.sbatch and recover.py).
+  data's files or sees a stale checkpoint folder, a loader worker that died (the out-of-memory
+  killer's SIGKILL). A restart may succeed; one node named in the line (`error: node NAME: ...`) is
+  left out of it (slurm/multinode.sbatch and recover.py).
 A bug keeps its traceback (exit 1)."""
 
 import os

@@ -7,6 +7,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pyarrow as pa
@@ -458,6 +459,70 @@ time.sleep(120)
     while any(alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids), "loader workers outlived their killed parent"
+
+
+def big_documents(folder, n=4):
+    """A json lines source of n documents of about 40,000 tokens: each one's message (103 KB) is larger than a pipe
+    (64 KiB), so a worker that waits to write one has always written part of it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    with open(folder / "docs.jsonl", "w") as f:
+        for _ in range(n):
+            f.write(json.dumps({"text": " ".join(f"w{rng.randrange(10**6)}" for _ in range(8000))}) + "\n")
+    return DataSource(name="big", path=str(folder), data_files="*.jsonl")
+
+
+def test_a_loader_worker_killed_mid_document_is_one_fault_line_not_a_hang(tok, tmp_path):
+    """SIGKILL to a worker (the out-of-memory killer's) that was writing a document into its queue leaves half of it
+    in the pipe. The trainer reads what came whole, then gets one line that is a fault (exit 4: a restart without
+    the node), and close() returns. Reading the half document waited forever for the rest."""
+    loader = DataLoader([big_documents(tmp_path)], tok, 64, 2, 0, 1, 1)
+    loader.workers = data.Workers(loader.streams, 1, prefetch=2)
+    next(loader)  # the first document came whole
+    its_queue = loader.workers.queues[(0, 0)]
+    deadline = time.time() + 30
+    while not its_queue.full() and time.time() < deadline:  # the worker reads the next two documents
+        time.sleep(0.01)
+    time.sleep(0.5)  # its queue's thread writes the first of them into the pipe, and waits with it half written
+    (worker,) = loader.workers.procs
+    os.kill(worker.pid, signal.SIGKILL)
+    outcome = []  # the error, then "closed": in a thread, as a read that waits forever cannot be interrupted
+
+    def read_to_the_end():
+        try:
+            for _ in range(1000):  # the first document holds about 300 batches
+                next(loader)
+        except DataError as e:
+            outcome.append(e)
+        loader.close()
+        outcome.append("closed")
+
+    reader = threading.Thread(target=read_to_the_end, daemon=True)
+    reader.start()
+    reader.join(timeout=20)
+    assert outcome[-1:] == ["closed"], "a read of the dead worker's queue, or close(), is waiting forever"
+    error = outcome[0]
+    assert isinstance(error, DataError) and error.fault is True
+    assert str(error) == f"data loader worker {worker.pid} died (killed by SIGKILL: out of memory?)"
+
+
+def test_a_worker_stopped_by_a_data_error_hands_its_line_over_behind_a_full_pipe(tok, tmp_path):
+    """The worker meets a bad line 64 documents ahead of the trainer, more than its pipe holds: its error waits in
+    the queue's thread behind them. The worker stays until told to stop, so the trainer gets the source's line
+    (exit 2: a person fixes the file), not that its worker died (exit 4: a restart that fails the same way)."""
+    rng = random.Random(0)
+    with open(tmp_path / "a.jsonl", "w") as f:
+        for _ in range(150):  # 2.6 KB a message, under a pipe's atomic write: never half of one in the pipe
+            f.write(json.dumps({"text": " ".join(f"w{rng.randrange(10**6)}" for _ in range(200))}) + "\n")
+        f.write("{not json\n")
+    source = DataSource(name="bad", path=str(tmp_path), data_files="*.jsonl")
+    loader = DataLoader([source], tok, 64, 1, 0, 1, 1, num_workers=1)
+    try:
+        with pytest.raises(DataError, match=r"^data source 'bad': reading .*a.jsonl at row 150 failed at once"):
+            for _ in range(100000):
+                next(loader)
+    finally:
+        loader.close()
 
 
 def test_local_folders_resolve_as_datasets_does(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ size."""
 
 import json
 import os
+import random
 import re
 import resource
 import shutil
@@ -363,6 +364,68 @@ def test_a_data_error_on_one_rank_ends_every_rank_with_the_same_line(tmp_path):
     assert "exitcode  : 2" in proc.stderr  # torchrun's report (it may stop the second rank before it exits)
     assert 'train.py", line' not in proc.stderr and "Connection closed" not in proc.stderr  # no rank's traceback
     assert time.time() - start < 120
+
+
+def loader_worker(pid: int):
+    """The loader worker of the train.py process `pid`: its child that multiprocessing spawned (not its resource
+    tracker), else None."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in map(int, f.read().split()):
+                try:
+                    with open(f"/proc/{child}/cmdline", "rb") as g:
+                        if b"spawn_main" in g.read():
+                            return child
+                except OSError:  # it ended meanwhile
+                    pass
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("queued", [False, True])
+def test_a_killed_loader_worker_is_its_nodes_fault_and_never_hangs_the_rank(tmp_path, queued):
+    """SIGKILL to the one loader worker, as the out-of-memory killer sends it. At once (its queues empty): exit 4 and
+    one line within seconds, so Slurm restarts the job (it was exit 2, a user error, which it never restarts). After
+    step 1 (its queues hold documents, C4's pipe half of one: each is larger than a pipe): the rank trains on what
+    came whole and ends, cleanly or with that line. It hung for good in the loader's close(), SIGTERM ignored."""
+    rng = random.Random(0)
+    (tmp_path / "big").mkdir()
+    with open(tmp_path / "big" / "docs.jsonl", "w") as f:
+        for _ in range(4):  # about 40,000 tokens each, 103 KB as a message
+            f.write(json.dumps({"text": " ".join(f"w{rng.randrange(10**6)}" for _ in range(8000))}) + "\n")
+    toml = open(os.path.join(ROOT, "configs", "debug_model.toml")).read()
+    c4 = 'path = "assets/data/c4"\ndata_files = "en/c4-train.*.json.gz"'
+    (tmp_path / "c.toml").write_text(toml.replace(c4, f'path = "{tmp_path / "big"}"\ndata_files = "*.jsonl"'))
+    launch = cmd(tmp_path / "d", "--training.steps", 60, "--data.num_workers", 1)
+    launch[launch.index("configs/debug_model.toml")] = str(tmp_path / "c.toml")
+    proc = subprocess.Popen(launch, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while (worker := loader_worker(proc.pid)) is None and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        assert worker, "train.py started no loader worker"
+        if queued:  # after step 1, when the worker has read ahead
+            metrics = tmp_path / "d" / "metrics.jsonl"
+            while not (metrics.exists() and b'"loss"' in metrics.read_bytes()) and proc.poll() is None:
+                time.sleep(0.05)
+            time.sleep(0.2)
+        os.kill(worker, signal.SIGKILL)
+        killed = time.time()
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the rank was still running 60 s after its loader worker was killed")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    lines = [ln for ln in (out + err).splitlines() if ln.startswith("error:")]
+    died = f"error: data loader worker {worker} died (killed by SIGKILL: out of memory?)"
+    if queued and proc.returncode == 0:  # it trained to the end on what came whole
+        assert lines == [] and "done: step 60" in out + err
+    else:
+        assert (proc.returncode, lines) == (4, [died]), out[-2000:] + err[-2000:]
+    assert "Traceback" not in err
+    assert queued or time.time() - killed < 10  # not after a read's 5 s wait
 
 
 @pytest.mark.slow
