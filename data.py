@@ -192,8 +192,8 @@ class SourceReader:
                 except Exception as e:
                     # a next try the Hub does not answer fails within one request's `timeout`
                     what = f"reading {files[self.file][0]} at row {self.at}"
-                    retry_or_raise(self.src.name, self.src.path, what, e, failures, started,
-                                   self.budget, self.timeout)
+                    retry_or_raise(self.src.name, self.src.path, what, e, failures, started=started,
+                                   budget=self.budget, next_try=self.timeout)
                     failures += 1
                     continue
                 self.file, self.row = self.file + 1, 0

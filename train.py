@@ -15,7 +15,6 @@ loop. What the files beside it do: the README's table.
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import math
 import os
@@ -43,15 +42,17 @@ from pretrain import float8
 from pretrain import optimizers
 from pretrain import spikes
 from pretrain import startup
-from pretrain.checkpoint import Checkpointer
+from pretrain.agreement import StepAgreement
+from pretrain.checkpoint import Checkpointer, run_keys
 from pretrain.checkpoint_folder import SaveError
-from pretrain.config import ConfigError, to_toml, unknown
+from pretrain.config import AT_LEAST_1, MINUS_1_OR_AT_LEAST_1, NON_NEGATIVE, POSITIVE
+from pretrain.config import ConfigError, one_of, unknown
 from pretrain.data_manifest import manifest_sha256
-from pretrain.distributed import agree, init_distributed, stop_on_signals
+from pretrain.distributed import init_distributed, stop_on_signals
 from pretrain.faults import FAULT, RUN, USER, CheckpointError, Fault, is_fault, lost_rank
 from pretrain.float8 import Float8
 from pretrain.loss import chunked_loss, cross_entropy_and_z, ignore_boundaries
-from pretrain.metrics import MetricsLogger, memory_stats, peak_tflops
+from pretrain.metrics import LogSums, MetricsLogger, Throughput, flops_per_token
 from pretrain.progress import RunClock
 from pretrain.sources import DataError, DataSource
 from pretrain.spikes import RunError, SpikeGuard, Spikes
@@ -80,6 +81,9 @@ class Model:
     vocab_size: int = 0  # 0: the tokenizer's; N above it: the output padded to N rows, never a target (bench.py's Llama 3 step without Meta's tokenizer)
     attn_mask_type: str = "causal"  # causal, or block_causal: attention stays inside each document (Llama 3's recipe)
     converters: list = field(default_factory=list)  # ["float8"]: the blocks' Linear layers train in float8 (torchao; H100+; [float8])
+    RULES: ClassVar[dict] = {"n_layers": NON_NEGATIVE, "vocab_size": NON_NEGATIVE,
+                             "attn_mask_type": one_of("causal", "block_causal"),
+                             "converters": (lambda x: set(x) <= {"float8"}, '[] or ["float8"]')}
 
 
 @dataclass
@@ -91,6 +95,11 @@ class Optimizer:
     eps: float = 1e-8  # Adam epsilon
     weight_decay: float = 0.1  # decoupled weight decay (applied to every weight)
     state_dtype: str = "float32"  # AdamW's two moments: float32, or bfloat16 (4 bytes a parameter less; the update stays fp32; beta2 <= 0.99)
+    RULES: ClassVar[dict] = {"name": one_of("AdamW"), "lr": POSITIVE,
+                             "beta1": (lambda x: 0 <= x < 1, "in [0, 1)"),
+                             "beta2": (lambda x: 0 <= x < 1, "in [0, 1)"),
+                             "eps": POSITIVE, "weight_decay": NON_NEGATIVE,
+                             "state_dtype": one_of("float32", "bfloat16")}
 
 
 @dataclass
@@ -99,6 +108,10 @@ class LRScheduler:
     decay_ratio: float = -1.0  # WSD: fraction of steps spent decaying at the end; -1 decays after warmup
     decay_type: str = "linear"  # linear, cosine or sqrt
     min_lr_factor: float = 0.0  # the lr of the last step is lr * min_lr_factor
+    RULES: ClassVar[dict] = {"warmup_steps": NON_NEGATIVE,
+                             "decay_ratio": (lambda x: x == -1 or 0 < x <= 1, "-1 or in (0, 1]"),
+                             "decay_type": one_of("linear", "cosine", "sqrt"),
+                             "min_lr_factor": (lambda x: 0 <= x <= 1, "in [0, 1]")}
 
 
 @dataclass
@@ -113,6 +126,10 @@ class Training:
     deterministic: bool = False  # torch.use_deterministic_algorithms (slower on GPU)
     mixed_precision_param: str = "bfloat16"  # parameter/compute dtype under FSDP (float32 or bfloat16)
     mixed_precision_reduce: str = "float32"  # gradient reduce-scatter dtype
+    RULES: ClassVar[dict] = {"local_batch_size": AT_LEAST_1, "global_batch_size": MINUS_1_OR_AT_LEAST_1,
+                             "seq_len": AT_LEAST_1, "max_norm": NON_NEGATIVE, "z_loss": NON_NEGATIVE,
+                             "steps": AT_LEAST_1, "mixed_precision_param": one_of("bfloat16", "float32"),
+                             "mixed_precision_reduce": one_of("bfloat16", "float32")}
 
 
 @dataclass
@@ -120,6 +137,9 @@ class Parallelism:
     data_parallel_replicate_degree: int = 1  # HSDP replicas (each holds a full sharded copy)
     data_parallel_shard_degree: int = -1  # FSDP shards; -1: whatever is left of the world size
     tensor_parallel_degree: int = 1  # DTensor tensor parallel (shards heads and FFN); within a node
+    RULES: ClassVar[dict] = {"data_parallel_replicate_degree": AT_LEAST_1,
+                             "data_parallel_shard_degree": MINUS_1_OR_AT_LEAST_1,
+                             "tensor_parallel_degree": AT_LEAST_1}
 
 
 @dataclass
@@ -135,12 +155,20 @@ class Checkpoint:
     initial_load_path: str = ""  # with nothing to resume: start from this DCP folder (checkpoint_convert.py output or a step-N)
     initial_load_model_only: bool = True  # from initial_load_path take only the weights (fresh optimizer, step 0)
     save_timeout_seconds: int = 1800  # a save may take this long (every rank's write and DCP's collectives); then it fails
+    RULES: ClassVar[dict] = {"interval": AT_LEAST_1, "keep_latest_k": NON_NEGATIVE,
+                             "async_mode": one_of("disabled", "async"),
+                             "export_dtype": one_of("float32", "bfloat16"),
+                             "load_step": (lambda x: x >= -1, "-1 or >= 0"),
+                             "save_timeout_seconds": AT_LEAST_1}
 
 
 @dataclass
 class ActivationCheckpoint:
     mode: str = "selective"  # none, full or selective
     selective_ac_option: str = "op"  # op: keep matmul/attention outputs, recompute the rest; N: full AC every Nth block
+    RULES: ClassVar[dict] = {"mode": one_of("none", "full", "selective"),
+                             "selective_ac_option": (lambda x: x == "op" or (x.isdigit() and int(x) > 0),
+                                                     "'op' or a positive integer")}
 
 
 @dataclass
@@ -156,11 +184,13 @@ class Metrics:
     wandb_project: str = ""  # W&B project; empty: $WANDB_PROJECT, else "llama3-pretrain"
     wandb_run_name: str = ""  # W&B run name; empty: $WANDB_RUN_NAME, else the dump folder's name
     peak_tflops: float = 0.0  # peak TFLOP/s per device for MFU; 0: look up the GPU (CPU prints n/a)
+    RULES: ClassVar[dict] = {"log_freq": AT_LEAST_1, "peak_tflops": NON_NEGATIVE}
 
 
 @dataclass
 class Comm:
     init_timeout_seconds: int = 300  # a collective (or the set-up) waiting longer than this fails the run
+    RULES: ClassVar[dict] = {"init_timeout_seconds": AT_LEAST_1}
 
 
 @dataclass
@@ -174,6 +204,8 @@ class Data:
     resolve_timeout_seconds: int = 1800  # the other ranks wait this long for rank 0 to resolve the sources (first start)
     # [[data.sources]] tables: name, path, config, data_files, split, revision, text_column, weight
     sources: list[DataSource] = field(default_factory=list)
+    RULES: ClassVar[dict] = {"num_streams": NON_NEGATIVE, "num_workers": NON_NEGATIVE,
+                             "hub_timeout_seconds": POSITIVE, "resolve_timeout_seconds": AT_LEAST_1}
 
 
 @dataclass
@@ -187,6 +219,8 @@ class Validation:
     RENAMED: ClassVar[dict] = {
         "steps": "sequences = N, the first N windows of each source on every layout "
                  "(steps x local_batch_size x data-parallel ranks gives the old set)"}
+    RULES: ClassVar[dict] = {"freq": AT_LEAST_1, "sequences": MINUS_1_OR_AT_LEAST_1,
+                             "local_batch_size": AT_LEAST_1}
 
 
 @dataclass
@@ -249,50 +283,7 @@ def validate(cfg: Config, world_size: int, gpu: bool | None = None) -> dict:
     v = cfg.validation
     if cfg.model.flavor not in flavors:
         raise unknown("model.flavor", cfg.model.flavor, flavors)
-    # a rule: (check, what the value must be)
-    pos = (lambda x: x >= 1, ">= 1")
-    nonneg = (lambda x: x >= 0, ">= 0")
-    prob = (lambda x: 0 <= x < 1, "in [0, 1)")
-    minus1_or = (lambda x: x == -1 or x >= 1, "-1 or >= 1")
-    positive = (lambda x: 0 < x < math.inf, "a positive number")
-
-    def one_of(*names):
-        return lambda x: x in names, f"one of {', '.join(names)}"
-
-    ac_option = (lambda x: x == "op" or (x.isdigit() and int(x) > 0), "'op' or a positive integer")
-    rules = {  # key: its rule, checked in order; NaN fails every comparison, so it is caught too
-        "training.steps": pos, "training.local_batch_size": pos, "training.seq_len": pos,
-        "metrics.log_freq": pos, "checkpoint.interval": pos, "checkpoint.save_timeout_seconds": pos,
-        "parallelism.tensor_parallel_degree": pos, "comm.init_timeout_seconds": pos,
-        "parallelism.data_parallel_replicate_degree": pos,
-        "parallelism.data_parallel_shard_degree": minus1_or,
-        "training.global_batch_size": minus1_or, "optimizer.lr": positive,
-        "optimizer.eps": positive, "optimizer.beta1": prob, "optimizer.beta2": prob,
-        "optimizer.weight_decay": nonneg,
-        "training.max_norm": nonneg, "training.z_loss": nonneg, "lr_scheduler.warmup_steps": nonneg,
-        "lr_scheduler.min_lr_factor": (lambda x: 0 <= x <= 1, "in [0, 1]"),
-        "lr_scheduler.decay_ratio": (lambda x: x == -1 or 0 < x <= 1, "-1 or in (0, 1]"),
-        "checkpoint.keep_latest_k": nonneg,
-        "checkpoint.load_step": (lambda x: x >= -1, "-1 or >= 0"),
-        "metrics.peak_tflops": nonneg, "data.num_streams": nonneg, "data.num_workers": nonneg,
-        "model.n_layers": nonneg, "model.vocab_size": nonneg, "data.hub_timeout_seconds": positive,
-        "data.resolve_timeout_seconds": pos, "validation.freq": pos,
-        "validation.sequences": minus1_or, "validation.local_batch_size": pos,
-        "activation_checkpoint.mode": one_of("none", "full", "selective"),
-        "model.attn_mask_type": one_of("causal", "block_causal"),
-        "lr_scheduler.decay_type": one_of("linear", "cosine", "sqrt"),
-        "training.mixed_precision_param": one_of("bfloat16", "float32"),
-        "training.mixed_precision_reduce": one_of("bfloat16", "float32"),
-        "optimizer.name": one_of("AdamW"), "optimizer.state_dtype": one_of("float32", "bfloat16"),
-        "model.converters": (lambda x: set(x) <= {"float8"}, '[] or ["float8"]'),
-        "checkpoint.async_mode": one_of("disabled", "async"),
-        "checkpoint.export_dtype": one_of("float32", "bfloat16"),
-        "activation_checkpoint.selective_ac_option": ac_option,
-    }
-    for key, (ok, allowed) in rules.items():
-        value = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
-        if not ok(value):
-            raise ConfigError(f"{key} = {value!r}: must be {allowed}")
+    config.check_rules(cfg)  # each section's RULES, beside its fields
     optimizers.check(cfg.optimizer)
     float8.check(cfg, gpu)
     evals.check(cfg)
@@ -344,40 +335,17 @@ def validate(cfg: Config, world_size: int, gpu: bool | None = None) -> dict:
                           f"degree {dp} and divide training.global_batch_size {gbs} (a step takes "
                           "as many sequences from every stream)")
     grad_accum = gbs // (t.local_batch_size * dp)  # micro-batches per optimizer step
-    return {"dp_shard": shard, "dp": dp, "global_batch_size": gbs, "grad_accum": grad_accum}
+    return {"dp_shard": shard, "dp": dp, "global_batch_size": gbs, "grad_accum": grad_accum,
+            "num_streams": streams}
 
 
-# A resume must keep every key of these sections (a new hyperparameter is checked, no edit here)...
-RESUME_CHECKED = ("model", "training", "optimizer", "lr_scheduler", "data")
-# ...except these, which a resume may change: how long and how fast to train, clipping, precision
-# (float8 included: the weights are the same), the layout's batch split, workers, and where the
-# tokenizer, the data manifest and its mirror live (their sha256 is checked).
-RESUME_MAY_CHANGE = {
-    "training.steps", "training.local_batch_size", "training.max_norm", "training.z_loss",
-    "training.seed",
-    "training.deterministic", "training.mixed_precision_param", "training.mixed_precision_reduce",
-    "optimizer.lr", "lr_scheduler.warmup_steps", "lr_scheduler.decay_ratio",
-    "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor", "model.tokenizer_path",
-    "model.converters", "data.num_workers", "data.manifest", "data.mirror",
-    "data.hub_timeout_seconds", "data.resolve_timeout_seconds",
-}
-
-
-def run_keys(cfg: Config, model_args, sizes: dict, manifest: dict) -> dict:
-    """What a resume must not change (RESUME_CHECKED less RESUME_MAY_CHANGE), with derived values
-    where the config leaves a choice to the layout: a run may resume on more or fewer GPUs if the
-    global batch and num_streams stay. A checkpoint is checked on the keys it holds (old: fewer)."""
-    sections = {f"{sec}.{k}": v for sec in RESUME_CHECKED
-                for k, v in dataclasses.asdict(getattr(cfg, sec)).items()}
-    keys = {key: v for key, v in sections.items() if key not in RESUME_MAY_CHANGE}
-    with open(cfg.model.tokenizer_path, "rb") as f:
-        keys["model.tokenizer_sha256"] = hashlib.sha256(f.read()).hexdigest()
-    # the values the layout would otherwise choose
-    keys["model.n_layers"] = model_args.n_layers
-    keys["training.global_batch_size"] = sizes["global_batch_size"]
-    keys["data.num_streams"] = cfg.data.num_streams or sizes["dp"]
-    keys["data.sources_sha256"] = manifest_sha256(manifest)
-    return keys
+def resume_keys(cfg: Config, args, sizes: dict, manifest: dict) -> dict:
+    """What a resume must keep (pretrain/checkpoint.py's run_keys): the config's resume keys, and
+    the values its layout chose, so that a run may resume on more or fewer GPUs with the same
+    global batch and streams."""
+    chosen = {"model.n_layers": args.n_layers, "training.global_batch_size": sizes["global_batch_size"],
+              "data.num_streams": sizes["num_streams"], "data.sources_sha256": manifest_sha256(manifest)}
+    return run_keys(dataclasses.asdict(cfg), cfg.model.tokenizer_path, chosen)
 
 
 def run_summary(cfg: Config, model: Transformer, world_size: int, sizes: dict) -> str:
@@ -576,14 +544,14 @@ def build_loader(cfg: Config, tokenizer, dp_rank: int, dp: int, manifest: dict) 
                       cfg.comm.init_timeout_seconds)
 
 
-def read_step(loader: DataLoader, cfg: Config, grad_accum: int, args, device) -> tuple:
+def read_step(loader: DataLoader, cfg: Config, sizes: dict, args, device) -> tuple:
     """(batches, data_error, seconds): the step's micro-batches on the device, with the positions
     that carry no signal ignored; this rank's first failed read (its DataError), after which its
     batches are zeros so that it keeps in step with the other ranks' collectives (all stop after
     the step); and the seconds spent waiting for the loader."""
     batches, data_error, seconds = [], "", 0.0
     with reads_within(cfg.comm.init_timeout_seconds):  # the step's reads, all micro-batches, in all
-        for _ in range(grad_accum):
+        for _ in range(sizes["grad_accum"]):  # micro-batches
             started = time.perf_counter()
             try:
                 inputs, labels = next(loader)  # (local_batch_size, seq_len) each
@@ -595,6 +563,33 @@ def read_step(loader: DataLoader, cfg: Config, grad_accum: int, args, device) ->
             batches.append((inputs.to(device, non_blocking=True),
                             ignore_boundaries(labels, args).to(device, non_blocking=True)))
     return batches, data_error, seconds
+
+
+def count_valid_tokens(batches: list, dp_group) -> torch.Tensor:
+    """The positions the loss counts (label != -100) in the global batch: every micro-batch of every
+    dp rank (TP ranks hold the same). One all-reduce of a scalar, before the first forward."""
+    counted = sum((labels != -100).sum() for _, labels in batches).float()
+    dist.all_reduce(counted, group=dp_group)
+    return counted.clamp(min=1)
+
+
+def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
+    """Clip the gradients by their total norm over every shard (max_norm 0: no clipping) and return
+    that norm, whole on every rank."""
+    params = [q for q in model.parameters() if q.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm or math.inf, foreach=True)
+    return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+
+
+def rewind(guard: SpikeGuard, checkpointer: Checkpointer, metrics: MetricsLogger, clock: RunClock,
+           step: int, tokens_seen: int) -> tuple:
+    """Repeated spikes: back to the newest checkpoint before them, their data left out
+    (SpikeGuard.rewind). Returns the run's (step, tokens_seen) from there; its time is its own."""
+    with clock.timed("rewind"):
+        record = guard.rewind(checkpointer, step, tokens_seen)
+    metrics.log(record)
+    clock.lap(0)  # the next log line's time starts here
+    return record["rewound_to"], record["tokens_seen"]
 
 
 def forward_backward(model, inputs, labels, global_tokens: torch.Tensor, dp: int, tp: int,
@@ -639,32 +634,6 @@ def lr_factor(step: int, cfg: Config) -> float:
 # sources' first reads: pretrain/startup.py; the process group, agree, signals: distributed.py)
 # -------------------------------------------------------------------------------------------------
 
-def agree_on_step(stop: list, data_error: str, checkpointer: Checkpointer, verdict: torch.Tensor,
-                  device) -> list:
-    """[stopping, data_failed, save_running, not_finite, spike], alike on every rank: all must
-    agree, at the same step, to stop (a signal or a data error), that an async save is complete and
-    whether to skip the step (SpikeGuard.check's verdict), or the saves would deadlock. One tiny
-    all-reduce per step (the loop's one host sync), before optimizer.step(), so a skipped step or a
-    bad batch never reaches the weights."""
-    saving = checkpointer.saver.pending is not None and not checkpointer.saver.pending[0].done()
-    flags = torch.tensor([bool(stop), bool(data_error), saving], device=device)
-    flags = torch.cat([flags.int(), verdict])
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return flags.tolist()
-
-
-class LogSums:
-    """What the next training log line reports: sums over the steps since the last line (a rewind
-    starts afresh), the losses kept on the device until the line reads them."""
-
-    def __init__(self, device):
-        self.steps = 0  # steps since the last line, skipped ones too
-        self.kept = 0  # those applied: the loss is their mean
-        self.data_seconds = 0.0  # the steps' wait for batches
-        self.loss = torch.zeros(2, device=device)  # cross-entropy, z term: the kept steps' shares
-        self.loss_tokens = torch.zeros((), device=device)  # positions whose loss counted, every step
-
-
 # -------------------------------------------------------------------------------------------------
 # main
 # -------------------------------------------------------------------------------------------------
@@ -683,9 +652,7 @@ def main(cfg: Config):
     # --- 2. device, process group, mesh, dump folder ---------------------------------------------
     device, mesh = init_distributed(cfg, sizes)
     lock = startup.open_dump_folder(cfg, rank, device)  # noqa: F841 (held open until the process ends)
-    if cfg.job.print_config:
-        logger.info(to_toml(cfg))
-    # made in init_distributed: all ranks that see other data
+    # The data-parallel ranks, each of which sees its own data (init_distributed made the mesh).
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     dp_rank = dp_mesh.get_local_rank()
     dp = dp_mesh.size()
@@ -696,10 +663,6 @@ def main(cfg: Config):
     with torch.device("meta"):
         model = Transformer(model_args(cfg, tokenizer))  # the vocabulary follows the tokenizer
     args = model.args
-    # FLOPs per token, forward + backward: 6 per non-embedding weight, and attention counted in full
-    # (PaLM's and torchtitan's MFU convention: docs/performance.md#how-to-read-a-figure)
-    flops_per_token = (6 * model.num_params(exclude_embedding=True)
-                       + 12 * args.n_layers * args.dim * cfg.training.seq_len)
     logger.info(run_summary(cfg, model, world_size, sizes))
 
     # --- 4. parallelize, then materialise this rank's shards -------------------------------------
@@ -707,7 +670,6 @@ def main(cfg: Config):
     parallelize(model, mesh, cfg)
     model.to_empty(device=device)
     model.init_weights(normal_=layout_independent_normal(cfg.training.seed), buffer_device=device)
-    model.train()
 
     # --- 5. optimizer, lr schedule, data (each dp rank reads its own streams; TP ranks the same) -
     optimizer, scheduler = build_optimizer(model, cfg, device)
@@ -716,126 +678,84 @@ def main(cfg: Config):
     loader = build_loader(cfg, tokenizer, dp_rank, dp, manifest)
 
     # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path --
-    folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
-    notes = {"model.converters": cfg.model.converters}  # float8 on/off: logged
     guard = SpikeGuard(cfg.spikes, device)  # the window of recent steps that spikes stand out of
-    checkpointer = Checkpointer(cfg.checkpoint, folder, run_keys(cfg, args, sizes, manifest),
-                                cfg.training.steps, model, optimizer, scheduler, loader, notes, guard)
+    checkpointer = Checkpointer(cfg.checkpoint, cfg.job.dump_folder, steps=cfg.training.steps,
+                                run_keys=resume_keys(cfg, args, sizes, manifest), model=model,
+                                optimizer=optimizer, scheduler=scheduler, loader=loader, guard=guard,
+                                notes={"model.converters": cfg.model.converters})
     step, tokens_seen = checkpointer.resume()
     startup.check_sources(loader, rank, cfg.data.resolve_timeout_seconds)  # before step 1, all alike
     windows, tasks = evals.read_once(cfg, tokenizer, args.max_seq_len, manifest, device)
     heldout = evals.heldout_share(windows, cfg.validation.local_batch_size, dp_rank, dp,
                                   partial(ignore_boundaries, args=args))
-    if step >= cfg.training.steps:
-        logger.info(f"the run is at step {step} of training.steps = {cfg.training.steps}: "
-                    "nothing left to do (raise --training.steps to train further)")
 
     # --- 7. training loop ------------------------------------------------------------------------
     metrics = MetricsLogger(cfg, rank, clock)
     LEFT_OPEN[:] = [checkpointer.saver, metrics]  # an error exit finishes their save and logs first
-    peak = peak_tflops(device, cfg.metrics.peak_tflops)  # per device, for MFU; 0: unknown
-    grad_accum = sizes["grad_accum"]
+    dp_group = dp_mesh.get_group()
     tp = cfg.parallelism.tensor_parallel_degree
     tokens_per_step = sizes["global_batch_size"] * cfg.training.seq_len
-    params = [q for q in model.parameters() if q.requires_grad]
-    memory_stats(device)  # reset the GPU peak so the first log covers training only
-    clock.lap(0)  # and the first log's tps
-    sums = LogSums(device)  # what the next log line averages
+    flops = flops_per_token(model, cfg.training.seq_len)  # forward and backward, a token, for MFU
+    speed = Throughput(device, tokens_per_step, world_size, flops, cfg.metrics.peak_tflops)
+    agreement = StepAgreement(stop, guard, checkpointer.saver, device, dp_group)
+    sums = LogSums(device, tokens_per_step, z_loss=bool(cfg.training.z_loss))  # the next log line's
+    clock.lap(0)  # the first log line's time starts here
 
     while step < cfg.training.steps:
-        # Repeated spikes: back to the checkpoint before them, their data left out. Here, before the
-        # next step, so that a stop that came as it fell due saves first and the resume rewinds at once.
-        if guard.rewind_due():
-            with clock.timed("rewind"):
-                record = guard.rewind(checkpointer, step, tokens_seen)
-            metrics.log(record)
-            step, tokens_seen = record["rewound_to"], record["tokens_seen"]
-            if float8_scales:  # the scales cached for the next all-gathers are the old weights'
-                float8_scales(model)
-            sums = LogSums(device)  # the next log line covers the steps trained from here on
-            clock.lap(0)
+        if guard.rewind_due():  # repeated spikes: back to a checkpoint from before them
+            step, tokens_seen = rewind(guard, checkpointer, metrics, clock, step, tokens_seen)
+            float8_scales(model)  # the scales cached for the next all-gathers are the old weights'
+            sums.reset()  # the next log line covers the steps trained from here on
         step += 1
         optimizer.zero_grad(set_to_none=True)
-        # every micro-batch first: the loss divides by the global batch's count
-        batches, data_error, seconds = read_step(loader, cfg, grad_accum, args, device)
-        sums.data_seconds += seconds
-        counted = sum((y != -100).sum() for _, y in batches).float()
-        # over the global batch (TP ranks hold the same)
-        dist.all_reduce(counted, group=dp_mesh.get_group())
-        sums.loss_tokens += counted
-        shares = [forward_backward(model, inputs, labels, counted.clamp(min=1), dp, tp,
-                                   cfg.training.z_loss) for inputs, labels in batches]
-        max_norm = cfg.training.max_norm or math.inf  # 0: no clipping
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-
-        # is the step a spike (pretrain/spikes.py)? Then one all-reduce: every rank stops, saves or
-        # skips at the same step
-        verdict = guard.check([ce for ce, _ in shares], grad_norm, dp_mesh.get_group())
-        flags = agree_on_step(stop, data_error, checkpointer, verdict, device)
-        stopping, data_failed, save_running, not_finite, spike = flags
-        skipped = bool(not_finite or spike)
-        if data_failed:
-            agree(data_error, device)
+        # Every micro-batch first: the loss divides by the positions it counts in the global batch.
+        batches, data_error, data_seconds = read_step(loader, cfg, sizes, args, device)
+        global_valid_tokens = count_valid_tokens(batches, dp_group)
+        loss_shares = [forward_backward(model, inputs, labels, global_valid_tokens, dp, tp,
+                                        cfg.training.z_loss) for inputs, labels in batches]
+        grad_norm = clip_grad_norm(model, cfg.training.max_norm)
+        decision = agreement.on_step(loss_shares, grad_norm, data_error)  # the step's one host sync
         lr = optimizer.param_groups[0]["lr"]  # the lr this step used
-        if skipped:  # neither the weights nor AdamW's state move; the data goes on
-            metrics.log(guard.skip(step, not_finite))
+        if decision.skip:  # neither the weights nor AdamW's state move; the data goes on
+            metrics.log(guard.skip(step, decision.not_finite))
             guard.stop_if_too_many(step, checkpointer)
         else:
             optimizer.step()
-            # every float8 weight's scale in one all-reduce, for the next step's float8 all-gathers
-            if float8_scales:
-                float8_scales(model)
+            float8_scales(model)  # every float8 weight's scale, for the next step's all-gathers
             guard.keep()
-            for share in shares:
-                sums.loss += share
         scheduler.step()
-        guard.cut_lr(optimizer, step + 1)  # after a rewind
+        guard.cut_lr(optimizer, step + 1)  # within a rewind's lr cut
         tokens_seen += tokens_per_step
-        sums.steps += 1
-        sums.kept += not skipped
+        sums.add(loss_shares, global_valid_tokens, data_seconds, kept=not decision.skip)
         last = step == cfg.training.steps
 
-        if (step % cfg.metrics.log_freq == 0 or step == 1 or last) and not skipped:
-            source_tokens = loader.source_tokens().values()
-            reduced = torch.tensor([*source_tokens, 0.0, 0.0], dtype=torch.float64, device=device)
-            reduced[-2:] = sums.loss
-            # tokens per source, the loss and the z term, over dp ranks
-            dist.all_reduce(reduced, group=dp_mesh.get_group())
-            dt = clock.lap(sums.steps)  # their seconds, the validation, eval and save rounds left out
-            tps = sums.steps * tokens_per_step / dt / world_size
-            mfu = 100 * flops_per_token * tps / 1e12 / peak if peak else None
-            mem_gib, mem_pct, allocated = memory_stats(device)
-            per_source = dict(zip(loader.names, [int(x) for x in reduced[:-2].tolist()]))
-            loss_tokens_pct = 100 * sums.loss_tokens.item() / (sums.steps * tokens_per_step)
-            z_loss = {"z_loss": reduced[-1].item() / sums.kept} if cfg.training.z_loss else {}
-            metrics.log({"step": step, "loss": reduced[-2].item() / sums.kept, **z_loss,
-                         "grad_norm": grad_norm.item(), "lr": lr, "memory_gib": mem_gib,
-                         "memory_pct": mem_pct, "memory_allocated_gib": allocated, "tps": tps,
-                         "tflops": flops_per_token * tps / 1e12, "mfu": mfu,
-                         "data_wait_pct": 100 * sums.data_seconds / dt, "tokens_seen": tokens_seen,
-                         "source_tokens": per_source, "loss_tokens": int(sums.loss_tokens.item()),
-                         "loss_tokens_pct": loss_tokens_pct, "skipped_steps": guard.skipped})
-            sums = LogSums(device)
+        if (step % cfg.metrics.log_freq == 0 or step == 1 or last) and not decision.skip:
+            # The loss over the steps since the last line, and their speed: clock.lap() leaves the
+            # validation, eval and save rounds out of their time.
+            metrics.log({"step": step, **sums.reduce(loader.source_tokens(), dp_group),
+                         "grad_norm": grad_norm.item(), "lr": lr,
+                         **speed.over(sums, clock.lap(sums.steps)),
+                         "tokens_seen": tokens_seen, "skipped_steps": guard.skipped})
+            sums.reset()
 
         if cfg.validation.enable and (step % cfg.validation.freq == 0 or last):
             with clock.timed("validation") as took:
                 result = evals.validate(model, heldout, cfg.validation.local_batch_size, device,
-                                        dp_mesh.get_group(), tp)
+                                        dp_group, tp)
             metrics.log({"step": step, **result, "validation_seconds": took.seconds})
         if cfg.eval.enable and (step % cfg.eval.freq == 0 or last):
             with clock.timed("eval") as took:
                 result = evals.evaluate(model, tasks, cfg.eval.local_batch_size, device,
-                                        dp_mesh.get_group(), tp)
+                                        dp_group, tp)
             metrics.log({"step": step, **result, "eval_seconds": took.seconds})
 
-        if checkpointer.saver.pending is not None and not save_running:
+        if decision.save_done:  # an async save, written on every rank: put it in place
             checkpointer.saver.finish()
-        interval = step % cfg.checkpoint.interval == 0 and not (not_finite or spike)
-        if cfg.checkpoint.enable and (interval or last or stopping):
+        at_interval = step % cfg.checkpoint.interval == 0
+        if cfg.checkpoint.enable and (at_interval and not decision.skip or last or decision.stop):
             with clock.timed("checkpoint"):
-                checkpointer.save(step, tokens_seen, final=last or stopping)
-        if stopping:
+                checkpointer.save(step, tokens_seen, final=last or decision.stop)
+        if decision.stop:
             logger.info(f"stopping at step {step} on signal")
             break
 

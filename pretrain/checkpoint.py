@@ -4,6 +4,7 @@ checkpoint_convert.py); checkpoint_folder.py writes it atomically (sync or async
 folders are complete. Everything is a tensor (plain state travels as JSON bytes), so loading never
 unpickles anything."""
 
+import hashlib
 import json
 import logging
 import math
@@ -38,17 +39,46 @@ def json_from(t: torch.Tensor):
     return json.loads(t.numpy().tobytes())
 
 
-class Checkpointer:
-    """Saves and resumes one run. `cfg` is train.py's [checkpoint] section; `run_keys` are the
-    values a resume must not change (a resume with others is refused); `steps` is training.steps;
-    `notes` are values a resume may change, saved so that the log can say when one did
-    (model.converters: float8 on or off); `guard` is the run's SpikeGuard (pretrain/spikes.py).
-    `saver` writes the step-N folders."""
+# A resume must keep every key of these sections of train.py's config (a new hyperparameter is a
+# resume key with no edit here)...
+RESUME_CHECKED = ("model", "training", "optimizer", "lr_scheduler", "data")
+# ...except these, which a resume may change: how long and how fast to train, clipping, precision
+# (float8 included: the weights are the same), the layout's batch split, workers, and where the
+# tokenizer, the data manifest and its mirror live (their sha256 is checked).
+RESUME_MAY_CHANGE = {
+    "training.steps", "training.local_batch_size", "training.max_norm", "training.z_loss",
+    "training.seed",
+    "training.deterministic", "training.mixed_precision_param", "training.mixed_precision_reduce",
+    "optimizer.lr", "lr_scheduler.warmup_steps", "lr_scheduler.decay_ratio",
+    "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor", "model.tokenizer_path",
+    "model.converters", "data.num_workers", "data.manifest", "data.mirror",
+    "data.hub_timeout_seconds", "data.resolve_timeout_seconds",
+}
 
-    def __init__(self, cfg, folder: str, run_keys: dict, steps: int, model, optimizer, scheduler,
-                 loader, notes: dict, guard):
+
+def run_keys(config: dict, tokenizer_path: str, chosen: dict) -> dict:
+    """What a resume must not change: the keys of `config` (train.py's, as dataclasses.asdict gives
+    it) in RESUME_CHECKED less RESUME_MAY_CHANGE, the tokenizer file's sha256, and `chosen`, the
+    values the layout would otherwise choose (a run may resume on more or fewer GPUs if the global
+    batch and num_streams stay). A checkpoint is checked on the keys it holds (old: fewer)."""
+    keys = {f"{sec}.{k}": v for sec in RESUME_CHECKED for k, v in config[sec].items()}
+    keys = {key: v for key, v in keys.items() if key not in RESUME_MAY_CHANGE}
+    with open(tokenizer_path, "rb") as f:
+        keys["model.tokenizer_sha256"] = hashlib.sha256(f.read()).hexdigest()
+    return {**keys, **chosen}
+
+
+class Checkpointer:
+    """Saves and resumes one run, in <dump_folder>/<cfg.folder>. `cfg` is train.py's [checkpoint]
+    section; `run_keys` are the values a resume must not change (a resume with others is refused);
+    `steps` is training.steps; `notes` are values a resume may change, saved so that the log can
+    say when one did (model.converters: float8 on or off); `guard` is the run's SpikeGuard
+    (pretrain/spikes.py). `saver` writes the step-N folders."""
+
+    def __init__(self, cfg, dump_folder: str, *, run_keys: dict, steps: int, model, optimizer,
+                 scheduler, loader, notes: dict, guard):
         self.cfg = cfg
-        self.folder = folder
+        self.folder = os.path.join(dump_folder, cfg.folder)
         self.run_keys = run_keys
         self.steps = steps
         self.rank = dist.get_rank()
@@ -59,7 +89,7 @@ class Checkpointer:
         self.notes = notes
         self.guard = guard
         self.sd_options = StateDictOptions(flatten_optimizer_state_dict=True)
-        self.saver = checkpoint_folder.Saver(cfg, folder, model.args.params)
+        self.saver = checkpoint_folder.Saver(cfg, self.folder, model.args.params)
         self.chosen = 0  # choices of a step-N so far
 
     def state(self, step: int, tokens_seen: int, model_only: bool = False) -> dict:
@@ -112,7 +142,16 @@ class Checkpointer:
         return json.loads(store.get(f"{key}/found"))
 
     def resume(self):
-        """(step, tokens_seen) from the newest complete step-N (or load_step), else initial_load_path."""
+        """(step, tokens_seen) from the newest complete step-N (or load_step), else initial_load_path;
+        logged when nothing is left to train."""
+        step, tokens_seen = self.start()
+        if step >= self.steps:
+            logger.info(f"the run is at step {step} of training.steps = {self.steps}: nothing left "
+                        "to do (raise --training.steps to train further)")
+        return step, tokens_seen
+
+    def start(self):
+        """resume()'s (step, tokens_seen)."""
         cfg = self.cfg
         step, why = self.choose()
         if why:

@@ -111,6 +111,10 @@ class Saver:
         self.group = self.save_group() if use_group else None
         self.pending = None  # (future, step, start time) of an async save not yet in place
 
+    def writing(self) -> bool:
+        """Whether this rank is still writing an async save."""
+        return self.pending is not None and not self.pending[0].done()
+
     def save_group(self):
         timeout = timedelta(seconds=self.cfg.save_timeout_seconds)
         return dist.new_group(backend="gloo", timeout=timeout)

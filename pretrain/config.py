@@ -1,8 +1,9 @@
 """train.py's config plumbing: TOML files and `--section.key value` options for its dataclasses.
 
-train.py holds the dataclasses (what a run can set, each field with its one-line doc) and the checks
-of their values; this file only reads them. Precedence: command line > TOML file > defaults.
-Unknown sections and keys, and values of the wrong type: a ConfigError naming the close matches."""
+train.py holds the dataclasses (what a run can set, each field with its one-line doc, each section's
+RULES for its values); this file reads them and applies the rules. Precedence: command line > TOML
+file > defaults. Unknown sections and keys, and values of the wrong type: a ConfigError naming the
+close matches."""
 
 import argparse
 import ast
@@ -11,6 +12,7 @@ import difflib
 import inspect
 import io
 import json
+import math
 import textwrap
 import tokenize
 import tomllib
@@ -19,6 +21,29 @@ import typing
 
 class ConfigError(ValueError):
     """A user mistake in the config, the command line or an input file: one line, exit code 2."""
+
+
+# A field's rule, in its section's RULES beside the fields: (check, what the value must be). NaN fails
+# every comparison, so it is caught too. check_rules() applies them; a rule across sections (the layout,
+# a source's files) is the program's own.
+AT_LEAST_1 = (lambda x: x >= 1, ">= 1")
+NON_NEGATIVE = (lambda x: x >= 0, ">= 0")
+POSITIVE = (lambda x: 0 < x < math.inf, "a positive number")
+MINUS_1_OR_AT_LEAST_1 = (lambda x: x == -1 or x >= 1, "-1 or >= 1")
+
+
+def one_of(*names) -> tuple:
+    return (lambda x: x in names, f"one of {', '.join(names)}")
+
+
+def check_rules(cfg) -> None:
+    """Every section's RULES, in the config's order: a ConfigError naming the first bad value."""
+    for section in dataclasses.fields(cfg):
+        obj = getattr(cfg, section.name)
+        for key, (ok, allowed) in getattr(obj, "RULES", {}).items():
+            value = getattr(obj, key)
+            if not ok(value):
+                raise ConfigError(f"{section.name}.{key} = {value!r}: must be {allowed}")
 
 
 def _docs(cls) -> dict:

@@ -64,7 +64,7 @@ def resolve_source(src: DataSource, timeout: float = HUB_TIMEOUT,
             except Exception as e:
                 waited = max(timeout, time.monotonic() - tried)
                 retry_or_raise(src.name, src.path, "reading the sizes of its files", e, failures,
-                               started, budget, waited)
+                               started=started, budget=budget, next_try=waited)
     root = os.path.abspath(src.path)
     sizes = map(os.path.getsize, urls)
     files = [[os.path.relpath(u, root), n, ends_sha256(u, n)] for u, n in zip(urls, sizes)]

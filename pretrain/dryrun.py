@@ -103,17 +103,15 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
                 grad_norm.full_tensor()
             counter.phase = f"optimizer step {step}"
             optimizer.step()
-            if float8_scales:
-                float8_scales(model)
+            float8_scales(model)
             scheduler.step()
             done(f"step {step}")
         after = counter.live
         counter.phase = "checkpoint state dict"
-        folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
         sync = dataclasses.replace(cfg.checkpoint, async_mode="disabled")
-        notes = {"model.converters": cfg.model.converters}
-        ckpt = Checkpointer(sync, folder, {}, t.steps, model, optimizer, scheduler, Nothing(), notes,
-                            Nothing())
+        ckpt = Checkpointer(sync, cfg.job.dump_folder, run_keys={}, steps=t.steps, model=model,
+                            optimizer=optimizer, scheduler=scheduler, loader=Nothing(),
+                            notes={"model.converters": cfg.model.converters}, guard=Nothing())
         state = ckpt.state(2, 0)
     planner = dcp.DefaultSavePlanner()  # outside the fake mode: offsets from the mesh's real tensor
     planner.set_up_planner(state, is_coordinator=rank == 0)

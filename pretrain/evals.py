@@ -138,7 +138,8 @@ def read_examples(src: DataSource, manifest: dict, limit: int, timeout: float,
                         part = [json.loads(line) for line in f if line.strip()]
                 break
             except Exception as e:  # a next try the Hub ignores fails within one request's `timeout`
-                retry_or_raise(src.name, src.path, f"reading {path}", e, failures, started, budget, timeout)
+                retry_or_raise(src.name, src.path, f"reading {path}", e, failures, started=started,
+                               budget=budget, next_try=timeout)
         rows += part
         if 0 <= limit <= len(rows):
             return rows[:limit]

@@ -78,9 +78,9 @@ def convert(model: torch.nn.Module, cfg, device: torch.device, sharded: bool = T
     """With model.converters = ["float8"] (`cfg`: train.py's config), swap the Linear layers for
     torchao's Float8Linear: the same weights under the same names, so checkpoints do not change.
     Returns the per-step weight-scale precompute if asked for (one all-reduce after optimizer.step
-    for every weight's scale), else None. Unless `sharded` (FSDP), the FSDP settings are off."""
+    for every weight's scale), else a no-op. Unless `sharded` (FSDP), the FSDP settings are off."""
     if "float8" not in cfg.model.converters:
-        return None
+        return lambda model: None
     f8 = cfg.float8
     if f8.recipe_name == "rowwise":  # as torchtitan does (pytorch/pytorch#150859)
         import torch._inductor.config as inductor
@@ -112,7 +112,7 @@ def convert(model: torch.nn.Module, cfg, device: torch.device, sharded: bool = T
     logger.info(f"float8 {f8.recipe_name} (torchao); Linear layers kept in high precision: "
                 f"{', '.join(high) or 'none'}{cpu}")
     precompute = f8.precompute_float8_dynamic_scale_for_fsdp and sharded  # asked for in [float8]
-    return precompute_float8_dynamic_scale_for_fsdp if precompute else None
+    return precompute_float8_dynamic_scale_for_fsdp if precompute else lambda model: None
 
 
 def tp_styles(model: torch.nn.Module, device_type: str, recipe_name: str):

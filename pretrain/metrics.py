@@ -9,8 +9,10 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from pretrain import spikes
 from pretrain.memory import peak_resident_bytes
@@ -43,6 +45,77 @@ def memory_stats(device: torch.device):
     peak = peak_resident_bytes()
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return peak / 2**30, 100 * peak / total, None
+
+
+class LogSums:
+    """What the next training log line reports, summed over the steps since the last one (reset()
+    after each line, and at a rewind): the kept steps' loss stays on the device until a line reads
+    it, and the line reduces the sums over the data-parallel ranks by name."""
+
+    def __init__(self, device, tokens_per_step: int, z_loss: bool):
+        self.device = device
+        self.tokens_per_step = tokens_per_step  # the global batch's positions
+        self.z_loss = z_loss  # whether the record reports the z term
+        self.reset()
+
+    def reset(self):
+        self.steps = 0  # steps since the last line, skipped ones too
+        self.kept = 0  # those applied: the logged loss is their mean
+        self.data_seconds = 0.0  # the steps' wait for batches
+        self.loss = torch.zeros(2, device=self.device)  # cross-entropy, z term: the kept steps' shares
+        self.valid_tokens = torch.zeros((), device=self.device)  # positions the loss counted, every step
+
+    def add(self, loss_shares: list, valid_tokens: torch.Tensor, data_seconds: float, kept: bool):
+        """One step: its (2,) loss share per micro-batch, counted only if the step was applied."""
+        self.steps += 1
+        self.kept += kept
+        self.data_seconds += data_seconds
+        self.valid_tokens += valid_tokens
+        for share in loss_shares if kept else ():
+            self.loss += share
+
+    def reduce(self, source_tokens: dict, group) -> dict:
+        """The record's sums over the dp ranks (`group`), in one all-reduce: the mean loss of the kept
+        steps (and z term), the tokens each source gave, and the positions the loss counted."""
+        sums = torch.tensor([*source_tokens.values(), 0.0, 0.0], dtype=torch.float64, device=self.device)
+        sums[-2:] = self.loss
+        dist.all_reduce(sums, group=group)
+        ce, z = sums[-2:].tolist()
+        valid = self.valid_tokens.item()
+        return {"loss": ce / self.kept, **({"z_loss": z / self.kept} if self.z_loss else {}),
+                "source_tokens": dict(zip(source_tokens, [int(x) for x in sums[:-2].tolist()])),
+                "loss_tokens": int(valid), "loss_tokens_pct": 100 * valid / (self.steps * self.tokens_per_step)}
+
+
+def flops_per_token(model, seq_len: int) -> float:
+    """Forward and backward: 6 per non-embedding weight, and attention counted in full (PaLM's and
+    torchtitan's MFU convention: docs/performance.md#how-to-read-a-figure). model: model.py's."""
+    attention = 12 * model.args.n_layers * model.args.dim * seq_len
+    return 6 * model.num_params(exclude_embedding=True) + attention
+
+
+@dataclass
+class Throughput:
+    """A log line's speed and memory: tokens/s per device, TFLOP/s and MFU (attention counted in
+    full, as PaLM and torchtitan count it: docs/performance.md#how-to-read-a-figure)."""
+    device: torch.device
+    tokens_per_step: int  # the global batch's tokens
+    world_size: int
+    flops_per_token: float  # forward and backward
+    peak_tflops: float  # per device, for MFU: metrics.peak_tflops; 0: the GPU's, if known
+
+    def __post_init__(self):
+        self.peak_tflops = peak_tflops(self.device, self.peak_tflops)  # 0 still: MFU n/a
+        memory_stats(self.device)  # the GPU's peak from here on: the first line covers training only
+
+    def over(self, sums: LogSums, seconds: float) -> dict:
+        """The figures of sums' steps, which trained for `seconds`."""
+        tps = sums.steps * self.tokens_per_step / seconds / self.world_size
+        tflops = self.flops_per_token * tps / 1e12
+        gib, pct, allocated = memory_stats(self.device)
+        return {"memory_gib": gib, "memory_pct": pct, "memory_allocated_gib": allocated, "tps": tps,
+                "tflops": tflops, "mfu": 100 * tflops / self.peak_tflops if self.peak_tflops else None,
+                "data_wait_pct": 100 * sums.data_seconds / seconds}
 
 
 class MetricsLogger:

@@ -113,7 +113,8 @@ def fetch_file(mirror: str, url: str, size: int, timeout: float, budget: float =
                     progress(len(chunk))
             break
         except Exception as e:
-            retry_or_raise(url, url, f"downloading {local}", e, failures, started, budget, timeout)
+            retry_or_raise(url, url, f"downloading {local}", e, failures, started=started, budget=budget,
+                           next_try=timeout)
     with open(part, "rb") as f:
         h = hashlib.file_digest(f, "sha256")
     if os.path.getsize(part) != size or sha256 not in (None, h.hexdigest()):

@@ -101,7 +101,7 @@ def asked_pause(e: BaseException) -> float:
     return 0.0
 
 
-def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int,
+def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int, *,
                    started: float = 0.0, budget: float = math.inf, next_try: float = 0.0):
     """Pause before retrying a transient error; anything else, or one failure too many, is one
     DataError line. So is a retry (its pause, then `next_try`: the longest the next try may take)
@@ -221,7 +221,7 @@ def resolve_files(path: str, config: Optional[str], data_files: Optional[str], s
                 raise DataError(line.replace("\n", " "))
             # A listing's requests retry in huggingface_hub: the next try may take as long as this one.
             next_try = max(timeout, time.monotonic() - tried)
-            retry_or_raise(name, path, what, e, failures, started, budget, next_try)
+            retry_or_raise(name, path, what, e, failures, started=started, budget=budget, next_try=next_try)
 
 
 MIB = 1 << 20
@@ -272,8 +272,8 @@ class HubFile(io.RawIOBase):
             except Exception as e:
                 if not transient(e):  # a refusal or wrong bytes: the caller's line names the row
                     raise
-                retry_or_raise(self.name, self.repo, f"reading {self.hf_url}", e, failures, started,
-                               self.budget, self.timeout)
+                retry_or_raise(self.name, self.repo, f"reading {self.hf_url}", e, failures, started=started,
+                               budget=self.budget, next_try=self.timeout)
         buf[:len(body)] = body
         self.pos += len(body)
         return len(body)

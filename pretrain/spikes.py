@@ -5,7 +5,7 @@ above mean + sigma x std of the last `window` kept steps, once half the window i
 
     guard = SpikeGuard(cfg.spikes, device)
     verdict = guard.check(shares, grad_norm, dp_group)  # on the device: no host sync of its own
-    ... the step's one all-reduce (train.agree_on_step) carries it; then either
+    ... the step's one all-reduce (pretrain/agreement.py) carries it; then either
     guard.keep()  # after optimizer.step(): the step joins the window
     record = guard.skip(step, not_finite)  # no optimizer.step(): its line, its record
     record = guard.rewind(checkpointer, step, tokens_seen)  # before the next step, once rewind_due()

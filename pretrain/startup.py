@@ -22,7 +22,8 @@ logger = logging.getLogger("train")
 def open_dump_folder(cfg, rank: int, device):
     """Every rank checks that the dump folder is usable. Rank 0 returns an flock on it, held for the
     whole run (the OS releases it however the process ends): a second job pointed here stops before
-    it touches config or checkpoints."""
+    it touches config or checkpoints. Rank 0 writes the resolved config there (and logs it, with
+    job.print_config)."""
     error = ""  # this rank's one line, if the folder cannot be used
     lock = None  # rank 0's
     try:
@@ -41,6 +42,8 @@ def open_dump_folder(cfg, rank: int, device):
     if rank == 0:
         with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as f:
             f.write(to_toml(cfg))
+    if cfg.job.print_config:
+        logger.info(to_toml(cfg))
     return lock
 
 

@@ -462,7 +462,8 @@ def test_initial_load_takes_torchtitan_layout_and_continues_its_run(tmp_path, ca
             ours, opt, sched = trainer(1)
             ckpt_cfg = dataclasses.replace(cfg.checkpoint, initial_load_path=str(path),
                                            initial_load_model_only=model_only)
-            ckpt = Checkpointer(ckpt_cfg, str(tmp_path / "ours"), {}, 20, ours, opt, sched, None, {}, None)
+            ckpt = Checkpointer(ckpt_cfg, str(tmp_path), run_keys={}, steps=20, model=ours, optimizer=opt,
+                                scheduler=sched, loader=None, notes={}, guard=None)
             return ckpt.resume(), ours, opt, sched
 
         (step, tokens), ours, opt, sched = load(tmp_path / "full", model_only=True)
@@ -502,7 +503,7 @@ class NoData:
 
 
 def test_a_resume_trains_at_the_new_peak_lr_and_schedule(tmp_path):
-    """optimizer.lr, the [lr_scheduler] keys and training.steps may change on a resume (train.RESUME_MAY_CHANGE):
+    """optimizer.lr, the [lr_scheduler] keys and training.steps may change on a resume (checkpoint.RESUME_MAY_CHANGE):
     the lr in force after it is the new config's at the checkpoint's step, not the one the checkpoint last set
     (LambdaLR's own load brings back its base_lrs). Without a change, the saved lr to the bit."""
     import torch.distributed as dist
@@ -520,8 +521,9 @@ def test_a_resume_trains_at_the_new_peak_lr_and_schedule(tmp_path):
         model.init_weights()
         optimizer, scheduler = train.build_optimizer(model, cfg, torch.device("cpu"))
         ckpt_cfg = dataclasses.replace(cfg.checkpoint, enable=True)
-        return Checkpointer(ckpt_cfg, str(tmp_path / "checkpoint"), {}, cfg.training.steps, model, optimizer,
-                            scheduler, NoData(), {}, SpikeGuard(cfg.spikes, "cpu"))
+        return Checkpointer(ckpt_cfg, str(tmp_path), run_keys={}, steps=cfg.training.steps, model=model,
+                            optimizer=optimizer, scheduler=scheduler, loader=NoData(), notes={},
+                            guard=SpikeGuard(cfg.spikes, "cpu"))
 
     old = train.Config()
     old.optimizer.lr, old.lr_scheduler.warmup_steps, old.training.steps = 1e-3, 2, 10

@@ -12,6 +12,7 @@ sys.path.insert(0, ROOT)
 
 import model  # noqa: E402
 import train  # noqa: E402
+from pretrain import config  # noqa: E402
 
 DEBUG = os.path.join(ROOT, "configs", "debug_model.toml")
 
@@ -112,7 +113,7 @@ def test_precedence_cli_over_toml_over_defaults():
 def test_saved_config_round_trips(tmp_path):
     cfg = train.load_config(["--config", DEBUG, "--optimizer.lr", "1e-3"])
     path = tmp_path / "config.toml"
-    path.write_text(train.to_toml(cfg))
+    path.write_text(config.to_toml(cfg))
     assert train.load_config(["--config", str(path)]) == cfg
 
 

@@ -95,9 +95,9 @@ def test_a_steps_reads_are_bounded_as_a_whole_over_its_micro_batches():
     cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml"), "--training.seq_len", "8",
                              "--training.local_batch_size", "1", "--comm.init_timeout_seconds", "1"])
     args = train.model_args(cfg)
-    batches, error, _ = train.read_step(SlowHub(), cfg, 1, args, torch.device("cpu"))
+    batches, error, _ = train.read_step(SlowHub(), cfg, {"grad_accum": 1}, args, torch.device("cpu"))
     assert len(batches) == 1 and error == ""
-    batches, error, _ = train.read_step(SlowHub(), cfg, 2, args, torch.device("cpu"))
+    batches, error, _ = train.read_step(SlowHub(), cfg, {"grad_accum": 2}, args, torch.device("cpu"))
     assert len(batches) == 2 and faults.is_fault(error) and "took longer" in str(error)  # the second ran past
     assert sources.STEP[0] == float("inf")  # outside a step, no deadline
 

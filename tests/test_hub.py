@@ -25,6 +25,7 @@ import data  # noqa: E402
 from pretrain import evals  # noqa: E402
 import train  # noqa: E402
 from data import DataLoader, Tokenizer  # noqa: E402
+from pretrain import config  # noqa: E402
 from pretrain import data_manifest  # noqa: E402
 from pretrain import sources  # noqa: E402
 from pretrain.sources import DataError, DataSource  # noqa: E402
@@ -432,7 +433,7 @@ def test_train_py_on_the_shipped_hub_sources_trains_resumes_and_eats_the_mirrors
     cfg.data.sources = shipped_sources()
     cfg.validation.sources = train.load_config(["--config", os.path.join(ROOT, "configs", "llama3_8b.toml")]
                                                ).validation.sources
-    (tmp_path / "hub.toml").write_text(train.to_toml(cfg))
+    (tmp_path / "hub.toml").write_text(config.to_toml(cfg))
     env = {"HF_HUB_OFFLINE": None, "HF_DATASETS_OFFLINE": None, "HF_ENDPOINT": hub.endpoint,
            "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}  # None: unset
     dump = tmp_path / "dump"

@@ -183,8 +183,9 @@ def test_an_error_exit_puts_the_async_save_in_flight_in_place(tmp_path):
     try:
         model = types.SimpleNamespace(args=types.SimpleNamespace(params=lambda: {"dim": 8}))
         for step, timeout in ((3, 60), (4, 0.2)):
-            cfg = types.SimpleNamespace(enable=True, save_timeout_seconds=timeout)
-            ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), {}, 9, model, None, None, None, {}, None)
+            cfg = types.SimpleNamespace(enable=True, save_timeout_seconds=timeout, folder=".")
+            ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), run_keys={}, steps=9, model=model, optimizer=None,
+                                           scheduler=None, loader=None, notes={}, guard=None)
             (tmp_path / f".step-{step}.tmp").mkdir()
             writing = concurrent.futures.ThreadPoolExecutor(1).submit(time.sleep, 0.5)
             ckpt.saver.pending = (writing, step, time.monotonic())
