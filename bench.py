@@ -188,12 +188,11 @@ def loader(args, extra):
     d = cfg.data
     timeout = d.hub_timeout_seconds
     budget = cfg.comm.init_timeout_seconds  # as train.py's reads retry
-    manifest = None
-    if d.manifest:
-        manifest = pinned_manifest(d.manifest, "", d.sources, [], timeout, budget)
+    manifest = pinned_manifest(d.manifest, "", d.sources, [], timeout, budget) if d.manifest else None
     tok = Tokenizer(cfg.model.tokenizer_path)
-    data = DataLoader(d.sources, tok, cfg.training.seq_len, cfg.training.local_batch_size, 0, 1, 1,
-                      d.seed, d.num_workers, manifest, timeout, budget)  # rank 0 of 1, one stream
+    data = DataLoader(d.sources, tok, cfg.training.seq_len, cfg.training.local_batch_size, 0, 1,
+                      num_streams=1, seed=d.seed, num_workers=d.num_workers, manifest=manifest,
+                      timeout=timeout, budget=budget)  # rank 0 of 1, one stream
     try:
         for i in range(args.show):
             x, _ = next(data)

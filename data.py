@@ -21,6 +21,7 @@ import io
 import json
 import logging
 import math
+import multiprocessing
 import os
 import queue
 import random
@@ -31,10 +32,9 @@ from typing import Optional
 import fsspec
 import pyarrow.parquet as pq
 
-import pretrain.sources
 from pretrain.data_manifest import make_manifest, source_files
 from pretrain.mirror import open_file
-from pretrain.sources import HUB_TIMEOUT, MIB, DataError, DataSource, HubFile, retry_or_raise
+from pretrain.sources import HUB_TIMEOUT, MIB, NO_STEP, DataError, DataSource, HubFile, retry_or_raise
 
 
 # --------------------------------------------------------------------------------------------------
@@ -109,21 +109,28 @@ class SourceReader:
     otherwise every num_streams-th row of every file.
     """
 
-    def __init__(self, src: DataSource, files: list, stream: int, num_streams: int, seed: int,
-                 ordered: bool = False, timeout: float = HUB_TIMEOUT, budget: float = math.inf):
+    def __init__(self, src: DataSource, files: list, stream: int, num_streams: int, seed: int, *,
+                 ordered: bool = False, timeout: float = HUB_TIMEOUT, budget: float = math.inf,
+                 step=NO_STEP):
         self.src = src
         self.stream = stream  # this reader's stream, of num_streams
         self.num_streams = num_streams
         self.seed = seed  # with the source and the epoch: the order of the files
         self.ordered = ordered  # sorted, never shuffled: validation
         self.timeout = timeout  # seconds a hub read may go without a byte before it is retried
-        # seconds a failing read is retried for, from its start: [comm] init_timeout_seconds
-        self.budget = budget
+        self.budget = budget  # seconds a failing read is retried, from its start: [comm]'s timeout
+        self.step = step  # [end, seconds] of the training step's reads: its loader's (NO_STEP: none)
         self.files = [tuple(f) for f in files]
         self.epoch, self.file, self.row = 0, 0, 0  # the next document to read
         self.at = 0  # the row being read, for error messages
         self._it = None  # the document iterator
         self.error = None  # the DataError this reader stopped with: every later read raises it
+
+    def spec(self) -> dict:
+        """What a copy of this reader (a loader worker's, a probe's) is made from, with a step."""
+        return {"src": self.src, "files": self.files, "stream": self.stream, "seed": self.seed,
+                "num_streams": self.num_streams, "ordered": self.ordered, "timeout": self.timeout,
+                "budget": self.budget}
 
     def _files(self) -> list:
         files = list(self.files)
@@ -137,7 +144,7 @@ class SourceReader:
         self.at = start
         # parquet: exact range reads, no read-ahead: the footer, then the row groups needed
         if path.endswith(".parquet"):
-            with open_file(path, size, self.timeout, self.budget, self.src.name) as f:
+            with open_file(path, size, self.timeout, self.budget, self.src.name, self.step) as f:
                 pf = pq.ParquetFile(f)
                 first = 0  # the first row of row group g
                 if col not in pf.schema_arrow.names:
@@ -154,7 +161,7 @@ class SourceReader:
             return
         # json lines, plain or compressed (the extension says which); a hub file in 8 MiB ranges
         compression = fsspec.utils.infer_compression(path)
-        with open_file(path, size, self.timeout, self.budget, self.src.name) as raw:
+        with open_file(path, size, self.timeout, self.budget, self.src.name, self.step) as raw:
             f = io.BufferedReader(raw, 8 * MIB) if isinstance(raw, HubFile) else raw
             f = fsspec.compression.compr[compression](f, mode="rb") if compression else f
             for row, line in enumerate(f):
@@ -193,7 +200,7 @@ class SourceReader:
                     # a next try the Hub does not answer fails within one request's `timeout`
                     what = f"reading {files[self.file][0]} at row {self.at}"
                     retry_or_raise(self.src.name, self.src.path, what, e, failures, started=started,
-                                   budget=self.budget, next_try=self.timeout)
+                                   budget=self.budget, next_try=self.timeout, step=self.step)
                     failures += 1
                     continue
                 self.file, self.row = self.file + 1, 0
@@ -234,7 +241,9 @@ def heldout_windows(src: DataSource, tokenizer: Tokenizer, seq_len: int,
     out = []  # the windows
     buf = []  # tokens not yet in a window
     files = source_files(manifest or make_manifest([], [src], timeout, budget), src, "validation")
-    for text in SourceReader(src, files, 0, 1, 0, True, timeout, budget).texts(one_pass=True):
+    reader = SourceReader(src, files, stream=0, num_streams=1, seed=0, ordered=True, timeout=timeout,
+                          budget=budget)
+    for text in reader.texts(one_pass=True):
         buf += tokenizer.encode(text)
         while len(buf) > seq_len and (limit is None or len(out) < limit):
             out.append(buf[:seq_len + 1])
@@ -259,13 +268,13 @@ class PackedStream:
     remembered by (source, reader state before it, offset): a restart re-reads one document at most.
     """
 
-    def __init__(self, sources, files: list, tokenizer: Tokenizer, seq_len: int, stream: int,
+    def __init__(self, sources, files: list, tokenizer: Tokenizer, seq_len: int, *, stream: int,
                  num_streams: int, seed: int, timeout: float = HUB_TIMEOUT,
-                 budget: float = math.inf):
+                 budget: float = math.inf, step=NO_STEP):
         total = sum(s.weight for s in sources)
         self.shares = [s.weight / total for s in sources]
-        self.readers = [SourceReader(s, f, stream, num_streams, seed, False, timeout, budget)
-                        for s, f in zip(sources, files)]
+        self.readers = [SourceReader(s, f, stream, num_streams, seed, timeout=timeout, budget=budget,
+                                     step=step) for s, f in zip(sources, files)]
         self.tok = tokenizer
         self.seq_len = seq_len
         self.counts = [0] * len(sources)  # tokens emitted per source
@@ -324,23 +333,6 @@ class PackedStream:
             assert reader.state_dict() == self.positions[self.cur], moved
 
 
-@contextlib.contextmanager
-def reads_within(seconds: float):
-    """Every Hub read and retry inside the block, here and in the loader workers, ends within
-    `seconds` (comm.init_timeout_seconds) of its start, in all, or stops with one DataError line:
-    while one rank reads a step's batches, the other ranks wait for it in a collective, and slow
-    retries, each within its own budget, add up. An enclosing block's end holds (one around a
-    step's micro-batches)."""
-    if pretrain.sources.STEP[0] != math.inf:  # inside an enclosing block
-        yield
-        return
-    pretrain.sources.STEP[:] = [time.monotonic() + seconds, seconds]
-    try:
-        yield
-    finally:  # (STEP itself may be new by now: the workers' shared copy)
-        pretrain.sources.STEP[0] = math.inf
-
-
 def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int, step):
     """Loader process: reads and tokenizes the documents of its (stream, source) pairs, in order,
     into one bounded queue per pair. Each document travels with its reader positions, so the trainer
@@ -351,12 +343,10 @@ def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int, st
         signal.signal(sig, signal.SIG_IGN)
     # blocked from the fork to here: none got through
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    pretrain.sources.STEP = step  # the trainer's: its step's reads end then
     tok = Tokenizer(tokenizer_path)
     readers = {}
-    # files: from the trainer
-    for key, src, files, stream, num_streams, seed, timeout, budget, position in jobs:
-        readers[key] = SourceReader(src, files, stream, num_streams, seed, False, timeout, budget)
+    for key, spec, position in jobs:  # step: the trainer's loader's, in shared memory
+        readers[key] = SourceReader(**spec, step=step)
         readers[key].load_state_dict(position)
     try:
         while not stop.is_set() and os.getppid() == parent:  # another parent pid: the trainer died
@@ -383,9 +373,8 @@ def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int, st
 class Workers:
     """num_workers loader processes per rank; (stream, source) pairs are dealt out round-robin."""
 
-    def __init__(self, streams: list, num_workers: int, prefetch: int = 64):
-        import multiprocessing as mp
-        ctx = mp.get_context("spawn")  # not fork: the trainer has threads (gloo, OMP, arrow)
+    def __init__(self, streams: list, num_workers: int, step, prefetch: int = 64):
+        ctx = multiprocessing.get_context("spawn")  # not fork: the trainer has threads (gloo, OMP)
         pairs = [(s, i) for s in range(len(streams)) for i in range(len(streams[s].readers))]
         self.queues = {key: ctx.Queue(maxsize=prefetch) for key in pairs}
         self.stop = ctx.Event()
@@ -393,22 +382,18 @@ class Workers:
         self.pairs = pairs  # pair k goes to worker k % num_workers
         self.failed = {}  # (stream, source) -> its error
         self.names = [r.src.name for r in streams[0].readers]  # each source's, for the lines
-        # the end of the step's reads, in memory the workers share: set by reads_within here
-        pretrain.sources.STEP = ctx.RawArray("d", pretrain.sources.STEP)
+        self.step = step  # the loader's step deadline, in memory the workers share
         # A child inherits the signal mask: these stay blocked until the worker ignores them, so a
         # signal sent to every process of the job while a worker starts up cannot kill it. The
         # trainer's own come after.
         old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             for w in range(min(num_workers, len(pairs))):
-                jobs = []  # this worker's (stream, source) pairs: what its readers need
+                jobs = []  # this worker's (stream, source) pairs: what its readers are made from
                 for s, i in pairs[w::num_workers]:
-                    r = streams[s].readers[i]
-                    jobs.append(((s, i), r.src, r.files, r.stream, r.num_streams, r.seed, r.timeout,
-                                 r.budget, streams[s].positions[i]))
+                    jobs.append(((s, i), streams[s].readers[i].spec(), streams[s].positions[i]))
                 queues = {k: self.queues[k] for k, *_ in jobs}
-                args = (streams[0].tok.path, jobs, queues, self.stop, os.getpid(),
-                        pretrain.sources.STEP)
+                args = (streams[0].tok.path, jobs, queues, self.stop, os.getpid(), step)
                 self.procs.append(ctx.Process(target=_worker, daemon=True, args=args))
                 self.procs[-1].start()
         finally:
@@ -425,7 +410,7 @@ class Workers:
         asked = time.monotonic()
         while True:
             # past the step's end, the worker's own line (it names the file) has a second to come
-            left = pretrain.sources.STEP[0] + 1 - time.monotonic()
+            left = self.step[0] + 1 - time.monotonic()
             try:
                 item = self.queues[(s, i)].get(timeout=min(5, max(left, 0.01)))
                 break
@@ -448,7 +433,7 @@ class Workers:
         return DataError(*self.failed[(s, i)])
 
     def too_long(self, s: int, i: int, waited: float) -> str:
-        seconds = pretrain.sources.STEP[1]
+        seconds = self.step[1]
         return (f"data source {self.names[i]!r}: the reads of one step took longer than "
                 f"comm.init_timeout_seconds = {seconds:g} s, how long the other ranks wait for this "
                 f"one in a collective: stream {s}'s next document was {waited:.0f} s in coming from "
@@ -473,7 +458,7 @@ class DataLoader:
     """Batches for one data-parallel rank: (inputs, labels), each (local_batch_size, seq_len)."""
 
     def __init__(self, sources, tokenizer, seq_len: int, local_batch_size: int, dp_rank: int,
-                 dp_degree: int, num_streams: int = 0, seed: int = 0, num_workers: int = 0,
+                 dp_degree: int, *, num_streams: int = 0, seed: int = 0, num_workers: int = 0,
                  manifest: Optional[dict] = None, timeout: float = HUB_TIMEOUT,
                  budget: float = math.inf):
         num_streams = num_streams or dp_degree
@@ -483,12 +468,13 @@ class DataLoader:
         per_rank = num_streams // dp_degree
         self.names = [s.name for s in sources]
         self.stream_ids = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
-        # None: resolved here (the tests, the CLI)
-        manifest = manifest or make_manifest(sources, (), timeout, budget)
+        manifest = manifest or make_manifest(sources, (), timeout, budget)  # None: resolved here
         files = [source_files(manifest, s) for s in sources]
-        self.streams = [PackedStream(sources, files, tokenizer, seq_len, s, num_streams, seed,
-                                     timeout, budget)
-                        for s in self.stream_ids]
+        # [end, seconds] of a step's reads (reads_within), in memory the loader workers share
+        self.step = multiprocessing.get_context("spawn").RawArray("d", [math.inf, math.inf])
+        self.streams = [PackedStream(sources, files, tokenizer, seq_len, stream=s, seed=seed,
+                                     num_streams=num_streams, timeout=timeout, budget=budget,
+                                     step=self.step) for s in self.stream_ids]
         # A stream gives `turn` windows in a row, then the next one: where local_batch_size is a
         # multiple of the streams, each micro-batch takes the same from each (the layout before
         # resizing); else the micro-batches take the streams one window each, in turn.
@@ -505,8 +491,7 @@ class DataLoader:
         missing or unreadable source is a DataError there, not inside a step."""
         for st in self.streams:
             for r, position in zip(st.readers, st.positions):
-                probe = SourceReader(r.src, r.files, r.stream, r.num_streams, r.seed, False,
-                                     r.timeout, r.budget)
+                probe = SourceReader(**r.spec(), step=self.step)
                 probe.load_state_dict(position)
                 probe.next_text()
 
@@ -516,12 +501,12 @@ class DataLoader:
     def __next__(self):
         # started late: after a resume set the positions
         if self.num_workers and self.workers is None:
-            self.workers = Workers(self.streams, self.num_workers)
+            self.workers = Workers(self.streams, self.num_workers, self.step)
         reads = [None] * len(self.streams)  # None: each stream reads in this process
         if self.workers:
             reads = [functools.partial(self.workers.get, s) for s in range(len(self.streams))]
         rows = []
-        with reads_within(self.budget):
+        with self.reads_within():
             while len(rows) < self.local_batch_size:
                 s = self.at // self.turn  # whose turn it is
                 rows.append(self.streams[s].next_window(reads[s]))
@@ -529,6 +514,21 @@ class DataLoader:
         import torch  # here, not at the top: loader workers never need it and start a second sooner
         batch = torch.tensor(rows, dtype=torch.long)  # (local_batch_size, seq_len + 1)
         return batch[:, :-1], batch[:, 1:]
+
+    @contextlib.contextmanager
+    def reads_within(self):
+        """Every Hub read and retry inside the block, here and in the loader workers, ends within
+        the loader's budget (comm.init_timeout_seconds) of its start, in all, or stops with one
+        DataError line: the other ranks wait for this one in a collective, and slow retries, each
+        within its own budget, add up. An enclosing block's end holds (train.read_step's)."""
+        if self.step[0] != math.inf:  # inside an enclosing block
+            yield
+            return
+        self.step[:] = [time.monotonic() + self.budget, self.budget]
+        try:
+            yield
+        finally:
+            self.step[0] = math.inf
 
     def close(self):
         """Stop the workers; a later batch starts new ones at the positions consumed so far."""

@@ -63,7 +63,7 @@ def fetch(todo: list, to: str, workers: int, timeout: float, budget: float) -> i
             bar.update(n)
 
         pool = ThreadPoolExecutor(workers)
-        jobs = {pool.submit(fetch_file, to, url, size, timeout, budget, progress): size
+        jobs = {pool.submit(fetch_file, to, url, size, timeout, budget=budget, progress=progress): size
                 for url, size in todo}  # each fetch -> its file's size
         try:
             for done, job in enumerate(as_completed(jobs), 1):
@@ -82,7 +82,7 @@ def tokens_per_byte(path: str, size: int, src, tokenizer: Tokenizer) -> float:
     if path.endswith(".parquet"):
         rows = pq.ParquetFile(path).metadata.num_rows
         read = 0  # rows read so far
-        reader = SourceReader(src, [(path, size)], 0, 1, 0, True)  # this one file, one stream
+        reader = SourceReader(src, [(path, size)], stream=0, num_streams=1, seed=0, ordered=True)  # one file
         for read, text in enumerate(reader.texts(one_pass=True), 1):
             tokens += len(tokenizer.encode(text))
             if tokens >= SAMPLE_TOKENS:
@@ -140,7 +140,7 @@ def download(cfg, held_out: list, tokens: int, streams: int, to: str, workers: i
     budget = cfg.comm.init_timeout_seconds
     manifest = pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, held_out,
                                timeout, budget)
-    plan = plan_files(cfg, manifest, held_out, tokens, streams, to, workers)
+    plan = plan_files(cfg, manifest, held_out, tokens=tokens, streams=streams, to=to, workers=workers)
     fetched = fetch(sorted(plan, key=plan.get), to, workers, timeout, budget)  # earliest read first
     total = sum(size for _, size in plan)
     print(f"{to}: {len(plan):,} files, {total:,} bytes ({fetched:,} fetched now) for {tokens:,} tokens; "

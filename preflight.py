@@ -192,7 +192,8 @@ def check(args, extra):
     part = mine.index(rank)
     streams = cfg.data.num_streams or sizes["dp"]
     max_seq_len = train.flavor_args(cfg).max_seq_len  # the window evals.load cuts examples to
-    unreadable = data_check.read_share(cfg, manifest, fresh, part, len(mine), streams, max_seq_len)
+    unreadable = data_check.read_share(cfg, manifest, fresh, part=part, parts=len(mine), streams=streams,
+                                       max_seq_len=max_seq_len)
     for x, data in zip(ranks, gather({**(resolved if rank == 0 else {}), **unreadable})):
         x["data"] = data
     if rank == 0:
@@ -437,7 +438,7 @@ def main(argv: list):
     configs = [arg for path in a.config or [] for arg in ("--config", path)]  # train.py refuses two
     rest = configs + rest
     if a.what == "dryrun":  # one CPU process, no GPU: pretrain/dryrun.py
-        sys.exit(dryrun.run(a.world_size, rest))
+        sys.exit(dryrun.run(a.world_size, rest, train))  # the trainer whose steps it runs
     try:
         check(a, rest)
     except train.ConfigError as e:  # a bad key or value: one line

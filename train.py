@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from torch.distributed.tensor.parallel import RowwiseParallel
 from torch.distributed.tensor.parallel import SequenceParallel, loss_parallel, parallelize_module
 
-from data import DataLoader, Tokenizer, reads_within
+from data import DataLoader, Tokenizer
 from model import Transformer, flavors, keyed_normal_
 from pretrain import config
 from pretrain import evals
@@ -286,8 +286,8 @@ def validate(cfg: Config, world_size: int, gpu: bool | None = None) -> dict:
     config.check_rules(cfg)  # each section's RULES, beside its fields
     optimizers.check(cfg.optimizer)
     float8.check(cfg, gpu)
-    evals.check(cfg)
-    spikes.check(cfg)
+    evals.check(cfg.eval)
+    spikes.check(cfg.spikes, checkpoints=cfg.checkpoint.enable)
     args = model_args(cfg) if cfg.model.vocab_size else flavor_args(cfg)  # the first checks it
     if t.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {t.seq_len} exceeds the {cfg.model.flavor} model's "
@@ -538,10 +538,11 @@ def build_optimizer(model, cfg: Config, device: torch.device):
 
 def build_loader(cfg: Config, tokenizer, dp_rank: int, dp: int, manifest: dict) -> DataLoader:
     """This dp rank's batches: its own streams of [data]'s mixture (TP ranks read the same)."""
-    return DataLoader(cfg.data.sources, tokenizer, cfg.training.seq_len,
-                      cfg.training.local_batch_size, dp_rank, dp, cfg.data.num_streams,
-                      cfg.data.seed, cfg.data.num_workers, manifest, cfg.data.hub_timeout_seconds,
-                      cfg.comm.init_timeout_seconds)
+    d = cfg.data
+    return DataLoader(d.sources, tokenizer, cfg.training.seq_len, cfg.training.local_batch_size,
+                      dp_rank, dp, num_streams=d.num_streams, seed=d.seed, num_workers=d.num_workers,
+                      manifest=manifest, timeout=d.hub_timeout_seconds,
+                      budget=cfg.comm.init_timeout_seconds)  # a step's reads, in all
 
 
 def read_step(loader: DataLoader, cfg: Config, sizes: dict, args, device) -> tuple:
@@ -550,7 +551,7 @@ def read_step(loader: DataLoader, cfg: Config, sizes: dict, args, device) -> tup
     batches are zeros so that it keeps in step with the other ranks' collectives (all stop after
     the step); and the seconds spent waiting for the loader."""
     batches, data_error, seconds = [], "", 0.0
-    with reads_within(cfg.comm.init_timeout_seconds):  # the step's reads, all micro-batches, in all
+    with loader.reads_within():  # the step's reads, all micro-batches, within comm's timeout
         for _ in range(sizes["grad_accum"]):  # micro-batches
             started = time.perf_counter()
             try:
@@ -690,7 +691,7 @@ def main(cfg: Config):
                                   partial(ignore_boundaries, args=args))
 
     # --- 7. training loop ------------------------------------------------------------------------
-    metrics = MetricsLogger(cfg, rank, clock)
+    metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, rank, clock, dataclasses.asdict(cfg))
     LEFT_OPEN[:] = [checkpointer.saver, metrics]  # an error exit finishes their save and logs first
     dp_group = dp_mesh.get_group()
     tp = cfg.parallelism.tensor_parallel_degree
@@ -712,7 +713,7 @@ def main(cfg: Config):
         batches, data_error, data_seconds = read_step(loader, cfg, sizes, args, device)
         global_valid_tokens = count_valid_tokens(batches, dp_group)
         loss_shares = [forward_backward(model, inputs, labels, global_valid_tokens, dp, tp,
-                                        cfg.training.z_loss) for inputs, labels in batches]
+                                        z_loss=cfg.training.z_loss) for inputs, labels in batches]
         grad_norm = clip_grad_norm(model, cfg.training.max_norm)
         decision = agreement.on_step(loss_shares, grad_norm, data_error)  # the step's one host sync
         lr = optimizer.param_groups[0]["lr"]  # the lr this step used

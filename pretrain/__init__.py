@@ -17,12 +17,14 @@
     progress           the run's clock (elapsed, ETA); progress bars and lines on long work
     loss               the loss a chunk of positions at a time, without the whole logits; z-loss
     spikes             loss spikes: a step skipped, repeated spikes rewound
+    agreement          what every rank agrees on at a step: one all-reduce, one decision
     optimizers         optimizers beside torch's (AdamW with bf16 moments) and their config rules
     memory             memory per device: estimated from the layout, or counted live
     measure            how bench.py measures: timed commands, side by side, steady rates, profiles
     float8             torchao float8: the config rules, conversion, TP styles
     evals              held-out loss; downstream tasks scored as lm-evaluation-harness does
-    dryrun             preflight.py dryrun: set-up and two steps at the real world size, fake tensors
+    dryrun             preflight.py dryrun: the trainer it is handed, set up and two steps at the
+                       real world size on fake tensors
     titan_run          torchtitan on our shapes; bench.py titan launches it as
                        `torchrun ... -m pretrain.titan_run` from the repository root
 """

@@ -49,8 +49,8 @@ def resolve_source(src: DataSource, timeout: float = HUB_TIMEOUT,
     """One manifest entry: the source's key, the commit a hub revision points at (None for a local
     folder) and its sorted files as [name in the repo or folder, size] (+ the ends' sha256 for a
     local file)."""
-    urls = resolve_files(src.path, src.config, src.data_files, src.split, src.revision, src.name,
-                         timeout, budget)
+    urls = resolve_files(src.path, src.config, src.data_files, src.split, src.revision, name=src.name,
+                         timeout=timeout, budget=budget)
     entry = {k: getattr(src, k) for k in KEY}
     hub = [re.fullmatch(HF_URL, u) for u in urls]
     if all(hub):  # `datasets`' listing filled HfFileSystem's cache: the sizes cost no request

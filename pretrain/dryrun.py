@@ -25,7 +25,6 @@ import torch.distributed.checkpoint as dcp
 import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers the "fake" backend)
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import train
 from model import Transformer
 from pretrain import distributed
 from pretrain import float8
@@ -55,14 +54,14 @@ def phase_lines(rank: int):
     return done
 
 
-def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
-    """train.main's set-up and two steps as `rank`, under fake tensors (`counter` counts their
+def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages, trainer) -> dict:
+    """trainer.main's set-up and two steps as `rank`, under fake tensors (`counter` counts their
     memory). Two: AdamW makes its moments (2 x fp32 a parameter shard) in the first optimizer.step,
     so only the second step's forward and backward hold them: its peak is the steady state's."""
     done = phase_lines(rank)
     device, mesh = distributed.init_distributed(cfg, sizes, fake_rank=rank)
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    args = train.model_args(cfg)
+    args = trainer.model_args(cfg)
     t = cfg.training
     dp = dp_mesh.size()
     tp = cfg.parallelism.tensor_parallel_degree
@@ -72,7 +71,7 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
         model = Transformer(args)
     float8_scales = float8.convert(model, cfg, device, sharded=sizes["dp"] > 1)
     done("build")
-    train.parallelize(model, mesh, dataclasses.replace(cfg, compile=train.Compile(enable=False)))
+    trainer.parallelize(model, mesh, dataclasses.replace(cfg, compile=trainer.Compile(enable=False)))
     counter.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with counter.fake_mode, counter:
         counter.phase = "set-up"
@@ -80,27 +79,22 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
         no_values = lambda name, w, std: None  # noqa: E731 (fake weights hold no values)
         model.init_weights(normal_=no_values, buffer_device=device)
         model.train()
-        optimizer, scheduler = train.build_optimizer(model, cfg, device)
+        optimizer, scheduler = trainer.build_optimizer(model, cfg, device)
         setup = counter.live
         done("parallelize")
-        params = [q for q in model.parameters() if q.requires_grad]
         for step in (1, 2):
             counter.phase = f"forward and backward of step {step}"
             optimizer.zero_grad(set_to_none=True)
             batches = []
             for _ in range(sizes["grad_accum"]):
                 tokens = torch.randint(0, args.vocab_size, batch_shape, device=device)
-                batches.append((tokens[:, :-1], train.ignore_boundaries(tokens[:, 1:], args)))
-            counted = sum((y != -100).sum() for _, y in batches).float()
-            dist.all_reduce(counted, group=dp_mesh.get_group())
+                batches.append((tokens[:, :-1], trainer.ignore_boundaries(tokens[:, 1:], args)))
+            valid_tokens = trainer.count_valid_tokens(batches, dp_mesh.get_group())
             for inputs, labels in batches:
-                train.forward_backward(model, inputs, labels, counted.clamp(min=1), dp, tp, t.z_loss)
+                trainer.forward_backward(model, inputs, labels, valid_tokens, dp, tp, z_loss=t.z_loss)
             del batches, inputs, labels
             counter.phase = f"gradient clipping of step {step}"
-            max_norm = t.max_norm or float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-            if isinstance(grad_norm, train.DTensor):  # train.py's all-reduce of the norm it logs
-                grad_norm.full_tensor()
+            trainer.clip_grad_norm(model, t.max_norm)  # and the all-reduce of the norm it logs
             counter.phase = f"optimizer step {step}"
             optimizer.step()
             float8_scales(model)
@@ -124,10 +118,10 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages) -> dict:
             "after": after, "items": len(items), "written": written}
 
 
-def child(cfg, sizes, rank, conn):
+def child(cfg, sizes, rank, conn, trainer):
     """One rank in a forked process: its result, or the trainer's one-line error, down the pipe."""
     try:
-        conn.send(run_rank(cfg, sizes, rank, LiveStorages()))
+        conn.send(run_rank(cfg, sizes, rank, LiveStorages(), trainer))
     except ConfigError as e:
         conn.send({"rank": rank, "error": str(e), "code": 2})
     except Exception as e:  # what the trainer would crash on at start-up: the exception, and where
@@ -138,22 +132,23 @@ def child(cfg, sizes, rank, conn):
     conn.close()
 
 
-def validate(cfg, world_size: int) -> dict:
+def validate(cfg, world_size: int, trainer) -> dict:
     """train.validate's sizes, with the rules train.py applies only on a GPU (float8.check's): the
     dry run models the GPU job, so a config its GPUs refuse at start-up ends here with that line.
     Not this machine's GPU: a laptop's A100 would refuse float8 for an H100 cluster."""
-    return train.validate(cfg, world_size, gpu=True)
+    return trainer.validate(cfg, world_size, gpu=True)
 
 
-def dry_run(cfg, world_size: int, ranks=None) -> list:
-    """Results for `ranks` (default 0 and world_size - 1), each in a forked process, in parallel."""
-    sizes = validate(cfg, world_size)
+def dry_run(cfg, world_size: int, trainer, ranks=None) -> list:
+    """Results for `ranks` (default 0 and world_size - 1), each in a forked process, in parallel.
+    trainer: the module whose set-up and steps run (train.py, or a fork of it)."""
+    sizes = validate(cfg, world_size, trainer)
     ctx = multiprocessing.get_context("fork")
     results = []
     procs = []
     for rank in ranks if ranks is not None else sorted({0, world_size - 1}):
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=child, args=(cfg, sizes, rank, send), daemon=True)
+        proc = ctx.Process(target=child, args=(cfg, sizes, rank, send, trainer), daemon=True)
         proc.start()
         send.close()
         procs.append((rank, proc, recv))
@@ -181,14 +176,15 @@ def arguments(p: argparse.ArgumentParser):
     p.add_argument("--world_size", type=int, required=True, help=world_help)
 
 
-def run(world_size: int, rest: list) -> int:
-    """The dry run of train.py's config `rest` (--config and --section.key value arguments): its
-    report, or train.py's one `error:` line; the exit code."""
+def run(world_size: int, rest: list, trainer) -> int:
+    """The dry run of the trainer's config `rest` (--config and --section.key value arguments): its
+    report, or the trainer's one `error:` line; the exit code. trainer: train.py, as the program
+    that runs the dry run (preflight.py) hands it over: nothing in pretrain/ imports a program."""
     t0 = time.perf_counter()
     try:
-        cfg = train.load_config(rest)
-        sizes = validate(cfg, world_size)
-        results = dry_run(cfg, world_size)
+        cfg = trainer.load_config(rest)
+        sizes = validate(cfg, world_size, trainer)
+        results = dry_run(cfg, world_size, trainer)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -198,7 +194,7 @@ def run(world_size: int, rest: list) -> int:
         return failed["code"]
     par = cfg.parallelism
     with torch.device("meta"):
-        model = Transformer(train.model_args(cfg))
+        model = Transformer(trainer.model_args(cfg))
     with_float8 = ", float8" if "float8" in cfg.model.converters else ""
     compile_is = " is skipped" if cfg.compile.enable else " is off"
     print(f"dryrun: model {cfg.model.flavor} ({model.num_params():,} parameters), "
@@ -224,10 +220,3 @@ def run(world_size: int, rest: list) -> int:
               f"memory at the dry run's peak; {memory.verdict(total, capacity)} by the estimate)")
     print(f"dryrun took {time.perf_counter() - t0:.1f} s")
     return 0
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="dryrun.py", description=HELP, epilog=EPILOG)
-    arguments(parser)
-    args, extra = parser.parse_known_args(sys.argv[1:])
-    sys.exit(run(args.world_size, [x for p in args.config or [] for x in ("--config", p)] + extra))

@@ -92,9 +92,8 @@ class Eval:  # train.py's [eval] section
     tasks: list[EvalTask] = field(default_factory=list)  # [[eval.tasks]] tables: name, optional path and revision
 
 
-def check(cfg) -> None:
+def check(e: Eval) -> None:
     """The [eval] rules, before any process group exists."""
-    e = cfg.eval
     for key, value in (("freq", e.freq), ("local_batch_size", e.local_batch_size)):
         if value < 1:
             raise ConfigError(f"eval.{key} = {value}: must be >= 1")

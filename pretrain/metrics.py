@@ -3,7 +3,6 @@ dict) that rank 0 sends to the console (torchtitan's log line, so existing parse
 metrics.jsonl, TensorBoard and W&B: a new scalar is one more key in the record. Plus the device
 figures a record carries: peak memory and the peak FLOP/s that MFU is measured against."""
 
-import dataclasses
 import json
 import logging
 import math
@@ -125,29 +124,29 @@ class MetricsLogger:
               "validation_tokens", "loss_tokens", "loss_tokens_pct", "eval_examples", "time",
               "elapsed_seconds", "eta_seconds", "skipped_steps"}
 
-    def __init__(self, cfg, rank: int, clock: RunClock):  # cfg: train.py's Config
+    def __init__(self, cfg, dump: str, rank: int, clock: RunClock, config: dict):
+        """cfg: train.py's [metrics] section; config: the whole config's values, for W&B."""
         self.clock = clock
         self.last = {}  # the latest value of each key logged: the summary line
         self.peak = {"memory_gib": 0.0, "memory_allocated_gib": 0.0}  # the largest logged
         self.jsonl = self.tb = self.wandb = None
-        dump = cfg.job.dump_folder
         if rank != 0:
             return
         self.jsonl = open(os.path.join(dump, "metrics.jsonl"), "a")
-        if cfg.metrics.enable_tensorboard:
+        if cfg.enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(os.path.join(dump, "tb"))
-        if cfg.metrics.enable_wandb:
+        if cfg.enable_wandb:
             import wandb  # optional: imported only when enabled
             id_file = os.path.join(dump, "wandb_run_id")  # a resumed run continues the same W&B run
             run_id = open(id_file).read().strip() if os.path.exists(id_file) else os.urandom(4).hex()
             with open(id_file, "w") as f:
                 f.write(run_id)
-            name = (cfg.metrics.wandb_run_name or os.environ.get("WANDB_RUN_NAME")
+            name = (cfg.wandb_run_name or os.environ.get("WANDB_RUN_NAME")
                     or os.path.basename(os.path.abspath(dump)))
-            project = cfg.metrics.wandb_project or os.environ.get("WANDB_PROJECT") or "llama3-pretrain"
+            project = cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "llama3-pretrain"
             self.wandb = wandb.init(project=project, name=name, id=run_id, resume="allow", dir=dump,
-                                    config=dataclasses.asdict(cfg))
+                                    config=config)
             # The training step is a field, the x-axis: W&B's own step must grow, and would drop the
             # steps a rewind, or a resume from an older checkpoint, trains again.
             self.wandb.define_metric("train_step")

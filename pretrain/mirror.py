@@ -19,15 +19,16 @@ import time
 import fsspec
 
 from pretrain.data_manifest import ends_sha256, write_manifest
-from pretrain.sources import HF_URL, HUB_TIMEOUT, MIB, RETRY_DELAYS, DataError, HubFile
+from pretrain.sources import HF_URL, HUB_TIMEOUT, MIB, NO_STEP, RETRY_DELAYS, DataError, HubFile
 from pretrain.sources import bound_hub_requests, retry_or_raise
 
 
 def open_file(path: str, size: int, timeout: float = HUB_TIMEOUT, budget: float = math.inf,
-              name: str = ""):
+              name: str = "", step=NO_STEP):
     """A file of the manifest, for reading: a hub one at its commit (`timeout`: seconds without a
-    byte before a read is retried; `budget`: for how long; `name`: the source, for its line), from
-    the mirror when it holds it ("MIRROR::hf://..."), anything else through fsspec."""
+    byte before a read is retried; `budget`: for how long; `name`: the source, for its line; `step`:
+    the training step's deadline), from the mirror when it holds it ("MIRROR::hf://..."), anything
+    else through fsspec."""
     mirror, _, url = path.rpartition("::")
     if mirror and url.startswith("hf://"):
         local = mirrored(mirror, url, size)
@@ -41,7 +42,7 @@ def open_file(path: str, size: int, timeout: float = HUB_TIMEOUT, budget: float 
                             f"with python download_data.py --config C --world_size N --to {mirror}")
         path = url  # not mirrored: read from the Hub
     if path.startswith("hf://"):
-        return HubFile(path, size, timeout, budget, name)
+        return HubFile(path, size, timeout, budget, name, step)
     fs, fs_path = fsspec.core.url_to_fs(path)
     return fs.open(fs_path, "rb", cache_type="none")
 

@@ -5,7 +5,7 @@ into batches.
     DataSource        one [[data.sources]] / [[validation.sources]] table
     resolve_files     the source's files (a Hub id as `datasets` resolves it, or a local folder)
     retry_or_raise    the retry rule of every Hub read: transient errors, within a budget
-    STEP              the end of a training step's reads, as a whole: seen by every read and retry
+    NO_STEP           the deadline of reads outside a training step: none (a loader owns its step's)
     HubFile           one pinned Hub file, read by ranged GETs that retry where they broke
 Pinning what was resolved: data_manifest.py. Reading a pinned file (the Hub, a mirror, a path): mirror.py.
 """
@@ -36,10 +36,10 @@ METADATA_FILES = ("README.md", ".huggingface.yaml", "config.json", "dataset_info
 HUB_TIMEOUT = 60.0  # seconds a Hub read may go without a byte: [data] hub_timeout_seconds
 HF_URL = r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)"  # a pinned Hub file: repo id, commit, path
 logger = logging.getLogger("data")
-# [end, seconds] of the reads of the training step under way (data.py's reads_within): the end a
-# time.monotonic() (one clock for every process of a machine), inf while none reads. Loader workers
-# and their trainer share theirs (data.py's Workers): the workers' reads see the step it waits in.
-STEP = [math.inf, math.inf]
+# A read's `step`: [end, seconds] of its training step's reads, the end a time.monotonic() (one clock
+# for every process of a machine), inf while none reads. A DataLoader owns its step's, in memory its
+# loader workers share (DataLoader.reads_within); a read outside a training step has none.
+NO_STEP = (math.inf, math.inf)
 
 
 class DataError(ValueError):
@@ -102,12 +102,13 @@ def asked_pause(e: BaseException) -> float:
 
 
 def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int, *,
-                   started: float = 0.0, budget: float = math.inf, next_try: float = 0.0):
+                   started: float = 0.0, budget: float = math.inf, next_try: float = 0.0,
+                   step=NO_STEP):
     """Pause before retrying a transient error; anything else, or one failure too many, is one
     DataError line. So is a retry (its pause, then `next_try`: the longest the next try may take)
     that could end more than `budget` s (comm.init_timeout_seconds: the other ranks' wait in a
     collective) after `started`, when the first try failed, or past the end of the step's reads
-    (STEP). The pause is at least what a 429 or 503 asks for (plus 1 s, as huggingface_hub
+    (`step`). The pause is at least what a 429 or 503 asks for (plus 1 s, as huggingface_hub
     waits), within that budget."""
     if isinstance(e, DataError):
         raise e
@@ -118,7 +119,7 @@ def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int,
     if retries_left:
         pause = max(RETRY_DELAYS[failures], asked + 1 if asked else 0)
     in_budget = spent + pause + next_try <= budget
-    in_step = time.monotonic() + pause + next_try <= STEP[0]
+    in_step = time.monotonic() + pause + next_try <= step[0]
     if retries_left and in_budget and in_step:
         logger.warning(f"data source {name!r}: {type(e).__name__} {what}; retrying in {pause:g} s")
         return time.sleep(pause)
@@ -133,7 +134,7 @@ def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int,
                "for a gated or private set log in (`hf auth login` or `huggingface-cli login`, "
                "or set HF_TOKEN) and accept its terms on the dataset's Hub page")
     elif retries_left:  # but the next would not fit: its step's end (the sooner, if both), or this read's
-        limit = budget if in_step else STEP[1]
+        limit = budget if in_step else step[1]
         of_what = "" if in_step else " for the reads of one step in all"
         why = (f"{what} failed {times} in {spent:.0f} s and stopped retrying: another "
                f"try{asked_for} could end past comm.init_timeout_seconds = {limit:g} s{of_what}, how "
@@ -235,7 +236,7 @@ class HubFile(io.RawIOBase):
     long as a 429 says, past the budget the other ranks wait for.)"""
 
     def __init__(self, url: str, size: int, timeout: float, budget: float = math.inf,
-                 name: str = ""):
+                 name: str = "", step=NO_STEP):
         from huggingface_hub import hf_hub_url
         self.repo, commit, path = re.fullmatch(HF_URL, url).groups()
         self.url = hf_hub_url(self.repo, path, repo_type="dataset", revision=commit)
@@ -245,6 +246,7 @@ class HubFile(io.RawIOBase):
         self.timeout = timeout  # seconds a request may go without a byte
         self.budget = budget  # seconds a failing range is retried for: comm.init_timeout_seconds
         self.name = name or url  # the data source, for the one line that ends the retries
+        self.step = step  # [end, seconds] of the training step's reads (NO_STEP: none)
 
     def readable(self):  # (and seekable: io's defaults say no)
         return True
@@ -261,9 +263,9 @@ class HubFile(io.RawIOBase):
             return 0
         started = time.monotonic()  # the retry budget runs from this range's first try
         for failures in range(len(RETRY_DELAYS) + 1):
-            if time.monotonic() > STEP[0]:  # slow answers, each within its timeout, add up
+            if time.monotonic() > self.step[0]:  # slow answers, each within its timeout, add up
                 raise DataError(f"data source {self.name!r}: the reads of one step took longer than "
-                                f"comm.init_timeout_seconds = {STEP[1]:g} s, how long the other ranks wait "
+                                f"comm.init_timeout_seconds = {self.step[1]:g} s, how long the other ranks wait "
                                 f"for this one in a collective, before reading {self.hf_url} at byte "
                                 f"{self.pos:,}; raise it to give the Hub longer", fault=True)
             try:
@@ -273,7 +275,7 @@ class HubFile(io.RawIOBase):
                 if not transient(e):  # a refusal or wrong bytes: the caller's line names the row
                     raise
                 retry_or_raise(self.name, self.repo, f"reading {self.hf_url}", e, failures, started=started,
-                               budget=self.budget, next_try=self.timeout)
+                               budget=self.budget, next_try=self.timeout, step=self.step)
         buf[:len(body)] = body
         self.pos += len(body)
         return len(body)

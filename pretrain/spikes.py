@@ -42,9 +42,8 @@ class RunError(RuntimeError):
     """The run had to stop (too many skipped steps in a row): one line, exit 3."""
 
 
-def check(cfg) -> None:
-    """The [spikes] rules, on train.py's config, before any process group exists."""
-    s = cfg.spikes
+def check(s: Spikes, checkpoints: bool) -> None:
+    """The [spikes] rules, before any process group exists; checkpoints: checkpoint.enable."""
     rules = {"sigma": (s.sigma >= 0, ">= 0 (0 skips only non-finite steps)"),
              "window": (s.window >= 4, ">= 4 (spikes are looked for once half of it is in)"),
              "max_skipped": (s.max_skipped >= 1, ">= 1"),
@@ -55,7 +54,7 @@ def check(cfg) -> None:
     for key, (ok, allowed) in rules.items():
         if not ok:  # NaN fails every comparison, so it is caught too
             raise ConfigError(f"spikes.{key} = {getattr(s, key)!r}: must be {allowed}")
-    if s.rewind_after and not cfg.checkpoint.enable:
+    if s.rewind_after and not checkpoints:
         raise ConfigError(f"spikes.rewind_after = {s.rewind_after} rewinds to a checkpoint: "
                           "set checkpoint.enable = true, or rewind_after = 0")
 

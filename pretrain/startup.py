@@ -59,7 +59,7 @@ def share_manifest(cfg, rank: int, device) -> dict:
     hub_wait = cfg.data.hub_timeout_seconds  # a request's wait
     budget = cfg.comm.init_timeout_seconds  # the retries' budget
     make = partial(pinned_manifest, cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources,
-                   held_out, hub_wait, budget)
+                   held_out, timeout=hub_wait, budget=budget)
     store = dist.distributed_c10d._get_default_store()
     manifest = shared_manifest(store, rank, cfg.data.resolve_timeout_seconds, make)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

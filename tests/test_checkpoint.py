@@ -258,7 +258,7 @@ def test_initial_load_from_converted_meta_weights(tmp_path):
     cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml")])
     cfg.data.sources = [dataclasses.replace(s, path=os.path.join(ROOT, s.path)) for s in cfg.data.sources]
     tokenizer = Tokenizer(os.path.join(ROOT, cfg.model.tokenizer_path))
-    loader = DataLoader(cfg.data.sources, tokenizer, 64, 8, 0, 1, 2, cfg.data.seed)  # SMALL's seq 64
+    loader = DataLoader(cfg.data.sources, tokenizer, 64, 8, 0, 1, num_streams=2, seed=cfg.data.seed)  # SMALL's seq 64
     inputs, labels = next(loader)
     loader.close()
     model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()})
@@ -551,3 +551,31 @@ def test_a_resume_trains_at_the_new_peak_lr_and_schedule(tmp_path):
             ours.scheduler.step()
     finally:
         dist.destroy_process_group()
+
+
+BEFORE_ISSUE_61 = "ba62262"  # the last commit before train.py's loop and its machinery were reshaped
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_before_the_loop_was_reshaped_resumes_exactly(tmp_path):
+    """Issue 61 moved the loop's machinery out of train.py (the step's agreement, the log's sums, the config's rules,
+    the resume policy) as a refactor, bit for bit: a step-2 that the code before wrote resumes here to the same
+    losses, to the last bit, as that code trains on from it."""
+    git = ["git", "-C", ROOT]
+    if subprocess.run([*git, "cat-file", "-e", f"{BEFORE_ISSUE_61}^{{commit}}"], capture_output=True).returncode:
+        pytest.skip(f"commit {BEFORE_ISSUE_61} is not in this clone's history")
+    before = tmp_path / "before"
+    subprocess.run([*git, "worktree", "add", "--detach", str(before), BEFORE_ISSUE_61], check=True,
+                   capture_output=True)
+    try:
+        argv = [sys.executable, "train.py", *train_args(tmp_path / "old", *SMALL, "--training.steps", 4,
+                                                        "--checkpoint.interval", 2)]
+        proc = subprocess.run(argv, cwd=before, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    finally:
+        subprocess.run([*git, "worktree", "remove", "--force", str(before)], capture_output=True)
+    old = logged(tmp_path / "old")
+    shutil.copytree(tmp_path / "old", tmp_path / "new", ignore=shutil.ignore_patterns("step-4", "metrics.jsonl"))
+    out = run(tmp_path / "new", *SMALL, "--training.steps", 4, "--checkpoint.interval", 2, nproc=1)
+    assert f"resumed from {tmp_path / 'new'}/checkpoint/step-2 at step 2" in out
+    assert logged(tmp_path / "new") == {3: old[3], 4: old[4]}

@@ -34,6 +34,7 @@ if REPO_ROOT not in sys.path:
 
 import checkpoint_convert as C  # noqa: E402
 import data as D  # noqa: E402
+from pretrain.config import to_toml  # noqa: E402
 from pretrain import hf_layout as H  # noqa: E402
 import model as M  # noqa: E402
 import train as T  # noqa: E402
@@ -304,7 +305,7 @@ def test_trainer_step_folder_exports_model_only(meta, ascii_tokenizer, tmp_path)
         convert("dcp2hf", step, tmp_path / "hf")
     cfg = T.Config()
     cfg.model.tokenizer_path = str(ascii_tokenizer)
-    (tmp_path / "config.toml").write_text(T.to_toml(cfg))
+    (tmp_path / "config.toml").write_text(to_toml(cfg))
     hf = convert("dcp2hf", step, tmp_path / "hf")
     assert len(json.load(open(hf / "tokenizer.json"))["model"]["vocab"]) == 128
     assert_bitwise_equal(read_dcp_model(convert("hf2dcp", hf, tmp_path / "dcp")), fp32)
@@ -451,7 +452,7 @@ def test_readme_sampling_snippet_on_debug_export(tmp_path, monkeypatch, capsys):
     step = tmp_path / "outputs" / "debug_model" / "checkpoint" / "step-50"
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(step), no_dist=True)
     json.dump(args.params(), open(step / "params.json", "w"))
-    (step.parent.parent / "config.toml").write_text(T.to_toml(T.Config()))  # tokenizer_path assets/...
+    (step.parent.parent / "config.toml").write_text(to_toml(T.Config()))  # tokenizer_path assets/...
     monkeypatch.chdir(tmp_path)  # the README's paths; assets/ is found in the repo
     convert("dcp2hf", step.relative_to(tmp_path), "hf_out")
     assert "tokenizer from " + os.path.join(REPO_ROOT, C.DEFAULT_TOKENIZER) in capsys.readouterr().out

@@ -65,7 +65,7 @@ def test_bad_tokenizer_file(tmp_path, content, message):
 
 
 def test_packing_bos_eos_and_windows(tok, sources):
-    loader = DataLoader(sources, tok, 64, 4, 0, 1, 1)
+    loader = DataLoader(sources, tok, 64, 4, 0, 1, num_streams=1)
     inputs, labels = next(loader)
     assert inputs.shape == labels.shape == (4, 64)
     assert torch.equal(inputs[:, 1:], labels[:, :-1])  # labels are inputs shifted by one
@@ -76,7 +76,7 @@ def test_packing_bos_eos_and_windows(tok, sources):
 
 
 def test_mixture_token_shares_within_one_point(tok, sources):
-    loader = DataLoader(sources, tok, 256, 4, 0, 1, 1)
+    loader = DataLoader(sources, tok, 256, 4, 0, 1, num_streams=1)
     while sum(loader.source_tokens().values()) < 1_000_000:
         next(loader)
     counts = loader.source_tokens()
@@ -91,7 +91,7 @@ def test_resume_is_exact_at_any_point(tok, sources, streams):
     """Restarts at several points (inside documents, after sources wrapped to epoch 1, twice in a
     row) give the uninterrupted stream. 4 streams over 2 files per source exercises the row split."""
     def make():
-        return DataLoader(sources, tok, 256, 4, 0, 1, streams, seed=5)
+        return DataLoader(sources, tok, 256, 4, 0, 1, num_streams=streams, seed=5)
 
     reference = make()
     expected = [next(reference)[0] for _ in range(1200)]
@@ -111,8 +111,8 @@ def test_resume_is_exact_at_any_point(tok, sources, streams):
 
 def test_streams_are_disjoint_and_layout_independent(tok, sources):
     """Two ranks with one stream each see exactly what one rank with both streams sees."""
-    both = DataLoader(sources, tok, 64, 8, 0, 1, 2)
-    rank0, rank1 = (DataLoader(sources, tok, 64, 4, r, 2, 2) for r in (0, 1))
+    both = DataLoader(sources, tok, 64, 8, 0, 1, num_streams=2)
+    rank0, rank1 = (DataLoader(sources, tok, 64, 4, r, 2, num_streams=2) for r in (0, 1))
     for _ in range(20):
         x, _ = next(both)
         assert torch.equal(x, torch.cat([next(rank0)[0], next(rank1)[0]]))
@@ -130,7 +130,7 @@ def test_micro_batches_smaller_than_the_streams_take_them_in_turn_and_resume_on_
     the same global batch, and the state after a step on 4 ranks resumes on 2 and on 1 exactly (a job that lost
     nodes). The old rule (local_batch_size a multiple of num_streams / DP) refused 2 ranks and 1."""
     def layout(dp, state=None):
-        loaders = [DataLoader(sources, tok, 32, 1, r, dp, 4, seed=3) for r in range(dp)]
+        loaders = [DataLoader(sources, tok, 32, 1, r, dp, num_streams=4, seed=3) for r in range(dp)]
         for loader in loaders if state else []:
             loader.load_state_dict(state)
         return loaders
@@ -169,12 +169,12 @@ def test_local_json_and_parquet_folders_and_errors(tok, tmp_path):
                    row_group_size=2)
     srcs = [DataSource(name="j", path=str(tmp_path / "j"), text_column="body", weight=1.0),
             DataSource(name="p", path=str(tmp_path / "p"), text_column="content", weight=1.0)]
-    loader = DataLoader(srcs, tok, 32, 1, 0, 1, 1)
+    loader = DataLoader(srcs, tok, 32, 1, 0, 1, num_streams=1)
     text = tok.decode(torch.cat([next(loader)[0][0] for _ in range(10)]).tolist())
     assert "json document 0" in text and "parquet document 0" in text
 
     def first_batch(src):
-        next(DataLoader([src], tok, 32, 1, 0, 1, 1))
+        next(DataLoader([src], tok, 32, 1, 0, 1, num_streams=1))
 
     with pytest.raises(DataError, match="no column 'text'"):
         first_batch(DataSource(name="p", path=str(tmp_path / "p")))
@@ -248,7 +248,7 @@ def test_transient_read_errors_are_retried_from_the_last_good_row(tok, sources, 
 
     def loader(flaky):  # the files resolved as usual, then read through the flaky filesystem
         monkeypatch.setattr(data, "source_files", lambda *a: [(("flaky://" if flaky else "") + f, n) for f, n in pinned(*a)])
-        return DataLoader(sources, tok, 256, 4, 0, 1, 1)
+        return DataLoader(sources, tok, 256, 4, 0, 1, num_streams=1)
 
     reference = loader(False)
     expected = [next(reference)[0] for _ in range(200)]
@@ -270,7 +270,7 @@ def test_the_loader_reads_with_metas_tokenizer(sources):
     llama_models = pytest.importorskip("llama_models")
     meta = Tokenizer(os.path.join(os.path.dirname(llama_models.__file__), "llama3", "tokenizer.model"))
     assert (meta.n_words, meta.bos_id, meta.eos_id) == (128256, 128000, 128001)
-    inputs, labels = next(DataLoader(sources, meta, 256, 4, 0, 1, 1, seed=3))
+    inputs, labels = next(DataLoader(sources, meta, 256, 4, 0, 1, num_streams=1, seed=3))
     assert inputs.dtype == torch.long and inputs.shape == (4, 256)
     assert torch.equal(inputs[:, 1:], labels[:, :-1])
     assert (inputs == meta.bos_id).any() and inputs.max() > 65535 and inputs.max() < meta.n_words
@@ -279,7 +279,7 @@ def test_the_loader_reads_with_metas_tokenizer(sources):
 @pytest.mark.parametrize("workers, resume_workers", [(1, 2), pytest.param(2, 0, marks=pytest.mark.slow)])
 def test_loader_workers_give_the_same_stream_and_resume_exactly(tok, sources, workers, resume_workers):
     def make(w):
-        return DataLoader(sources, tok, 256, 4, 0, 1, 2, seed=3, num_workers=w)
+        return DataLoader(sources, tok, 256, 4, 0, 1, num_streams=2, seed=3, num_workers=w)
 
     reference = make(0)
     expected = [next(reference)[0] for _ in range(300)]
@@ -366,7 +366,7 @@ def test_corrupt_content_is_one_line_at_once_not_retried(tok, damaged, monkeypat
     def no_retry(seconds):
         raise AssertionError(f"corrupt content was retried (a {seconds} s pause)")
     monkeypatch.setattr(time, "sleep", no_retry)
-    loader = DataLoader([DataSource(name="bad", path=str(damaged / folder))], tok, 32, 1, 0, 1, 1, num_workers=workers)
+    loader = DataLoader([DataSource(name="bad", path=str(damaged / folder))], tok, 32, 1, 0, 1, num_streams=1, num_workers=workers)
     loader.check()  # the first rows are fine
     try:
         with pytest.raises(DataError, match=f"data source 'bad': reading .*{where}failed at once: the file is damaged") as e:
@@ -383,16 +383,16 @@ def test_corrupt_content_is_one_line_at_once_not_retried(tok, damaged, monkeypat
 
 
 def test_check_resolves_and_opens_every_source_before_the_first_batch(tok, sources, tmp_path, damaged):
-    checked, plain = DataLoader(sources, tok, 64, 2, 0, 1, 2), DataLoader(sources, tok, 64, 2, 0, 1, 2)
+    checked, plain = DataLoader(sources, tok, 64, 2, 0, 1, num_streams=2), DataLoader(sources, tok, 64, 2, 0, 1, num_streams=2)
     checked.check()  # reads ahead in a copy: the stream is unchanged
     assert all(torch.equal(next(checked)[0], next(plain)[0]) for _ in range(5))
     missing = DataSource(name="gone", path=str(tmp_path / "missing"))
     with pytest.raises(DataError, match=r"^data source 'gone': no 'train' files for path="):
-        DataLoader(sources + [missing], tok, 64, 2, 0, 1, 2).check()
+        DataLoader(sources + [missing], tok, 64, 2, 0, 1, num_streams=2).check()
     pq.write_table(pa.table({"text": ["a b c"] * 4}), damaged / "q.parquet")
     corrupt(damaged / "q.parquet", 4, 200)  # the first row group: unreadable from the start
     with pytest.raises(DataError, match=r"^data source 'q': reading .*q.parquet at row 0 failed"):
-        DataLoader([DataSource(name="q", path=str(damaged), data_files="q.parquet")], tok, 64, 2, 0, 1, 2).check()
+        DataLoader([DataSource(name="q", path=str(damaged), data_files="q.parquet")], tok, 64, 2, 0, 1, num_streams=2).check()
 
 
 def test_heldout_windows_read_one_source_once_in_file_order(tok, tmp_path):
@@ -425,9 +425,9 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_loader_workers_ignore_stop_signals_and_die_with_their_parent(tok, sources):
-    reference = DataLoader(sources, tok, 1024, 2, 0, 1, 1)
-    loader = DataLoader(sources, tok, 1024, 2, 0, 1, 1, num_workers=2)
-    loader.workers = data.Workers(loader.streams, 2)  # started here: the first signals reach them mid start-up
+    reference = DataLoader(sources, tok, 1024, 2, 0, 1, num_streams=1)
+    loader = DataLoader(sources, tok, 1024, 2, 0, 1, num_streams=1, num_workers=2)
+    loader.workers = data.Workers(loader.streams, 2, loader.step)  # started here: the first signals reach them mid start-up
     for step in range(120):  # well past the 64 documents each queue reads ahead
         if step < 40:
             for p in loader.workers.procs:
@@ -476,8 +476,8 @@ def test_a_loader_worker_killed_mid_document_is_one_fault_line_not_a_hang(tok, t
     """SIGKILL to a worker (the out-of-memory killer's) that was writing a document into its queue leaves half of it
     in the pipe. The trainer reads what came whole, then gets one line that is a fault (exit 4: a restart without
     the node), and close() returns. Reading the half document waited forever for the rest."""
-    loader = DataLoader([big_documents(tmp_path)], tok, 64, 2, 0, 1, 1)
-    loader.workers = data.Workers(loader.streams, 1, prefetch=2)
+    loader = DataLoader([big_documents(tmp_path)], tok, 64, 2, 0, 1, num_streams=1)
+    loader.workers = data.Workers(loader.streams, 1, loader.step, prefetch=2)
     next(loader)  # the first document came whole
     its_queue = loader.workers.queues[(0, 0)]
     deadline = time.time() + 30
@@ -516,7 +516,7 @@ def test_a_worker_stopped_by_a_data_error_hands_its_line_over_behind_a_full_pipe
             f.write(json.dumps({"text": " ".join(f"w{rng.randrange(10**6)}" for _ in range(200))}) + "\n")
         f.write("{not json\n")
     source = DataSource(name="bad", path=str(tmp_path), data_files="*.jsonl")
-    loader = DataLoader([source], tok, 64, 1, 0, 1, 1, num_workers=1)
+    loader = DataLoader([source], tok, 64, 1, 0, 1, num_streams=1, num_workers=1)
     try:
         with pytest.raises(DataError, match=r"^data source 'bad': reading .*a.jsonl at row 150 failed at once"):
             for _ in range(100000):

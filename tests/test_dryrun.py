@@ -21,6 +21,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from conftest import SMALL, run_training  # noqa: E402
+import train  # noqa: E402  (the trainer the dry run is handed, as preflight.py hands it)
 
 # The SMALL shape (2 blocks, seq 64), not the debug model's 6 blocks at seq 256: the three real steps and the
 # dry run's two cost a fraction of one step of 6 blocks; both sides count the same storages at any shape
@@ -77,7 +78,7 @@ def dry(tmp_path_factory):
     for name, world, runs in (("one", 1, ONE), ("two", 2, TWO)):
         for i, extra in enumerate(runs):
             cfg = train.load_config([*DEBUG, *extra, "--job.dump_folder", str(tmp_path_factory.mktemp("dry"))])
-            out[name, world, i] = dryrun.dry_run(cfg, world)
+            out[name, world, i] = dryrun.dry_run(cfg, world, train)
             assert not [r for r in out[name, world, i] if "error" in r], out[name, world, i]
     return out
 
@@ -126,8 +127,8 @@ def test_the_rules_are_the_targets_not_this_machines_gpu(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
     fake = [{"rank": r, "peak": 20 * dryrun.GIB, "peak_phase": "forward and backward of step 2", "setup": 0,
              "after": 0, "items": 1, "written": 0} for r in (0, 63)]
-    monkeypatch.setattr(dryrun, "dry_run", lambda cfg, world: fake)
-    code = dryrun.run(64, ["--config", os.path.join(ROOT, "configs/llama3_8b.toml"), *FLOAT8])
+    monkeypatch.setattr(dryrun, "dry_run", lambda cfg, world, trainer: fake)
+    code = dryrun.run(64, ["--config", os.path.join(ROOT, "configs/llama3_8b.toml"), *FLOAT8], train)
     out, err = capsys.readouterr()
     assert code == 0 and err == "" and ", float8;" in out, out + err
     assert asked == []
@@ -138,7 +139,7 @@ def test_each_phase_is_a_line_on_stderr_as_it_ends(capfd, tmp_path):
     from pretrain import dryrun
     import train
     cfg = train.load_config([*DEBUG, "--job.dump_folder", str(tmp_path), "--training.seq_len", "64"])
-    assert "error" not in dryrun.dry_run(cfg, 1)[0]
+    assert "error" not in dryrun.dry_run(cfg, 1, train)[0]
     err = capfd.readouterr().err
     phases = re.findall(r"^dryrun: rank 0: (.+) \d+\.\ds$", err, re.M)
     assert phases == ["build", "parallelize", "step 1", "step 2", "plan"], err
@@ -148,8 +149,8 @@ def test_each_phase_is_a_line_on_stderr_as_it_ends(capfd, tmp_path):
 def test_the_report(dry, monkeypatch, capsys, tmp_path):
     """The report of the TP 2 layout's dry run (its results from the fixture: dry_run is not run twice)."""
     from pretrain import dryrun
-    monkeypatch.setattr(dryrun, "dry_run", lambda cfg, world: dry["two", 2, 1])
-    code = dryrun.run(2, [*DEBUG, *TWO[1], "--job.dump_folder", str(tmp_path)])
+    monkeypatch.setattr(dryrun, "dry_run", lambda cfg, world, trainer: dry["two", 2, 1])
+    code = dryrun.run(2, [*DEBUG, *TWO[1], "--job.dump_folder", str(tmp_path)], train)
     out = capsys.readouterr().out
     assert code == 0, out
     for text in ("world 2 = dp_replicate 1 x dp_shard 1 x tp 2", "rank 0: peak", "rank 1: peak", "checkpoint: ",

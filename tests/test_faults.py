@@ -82,12 +82,17 @@ def test_a_steps_reads_are_bounded_as_a_whole_over_its_micro_batches():
 
     import torch
 
+    import data
     import train
 
-    class SlowHub:  # each batch's reads take 0.6 s, each within the budget of 1 s
+    class SlowHub:  # each batch's reads take 0.6 s, each within the loader's budget of 1 s
+        step = [float("inf"), float("inf")]
+        budget = 1.0  # comm.init_timeout_seconds
+        reads_within = data.DataLoader.reads_within  # the loader's deadline, as DataLoader keeps it
+
         def __next__(self):
             time.sleep(0.6)
-            if time.monotonic() > sources.STEP[0]:
+            if time.monotonic() > self.step[0]:
                 raise sources.DataError("the reads of one step took longer than comm.init_timeout_seconds",
                                         fault=True)
             return torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)
@@ -97,9 +102,10 @@ def test_a_steps_reads_are_bounded_as_a_whole_over_its_micro_batches():
     args = train.model_args(cfg)
     batches, error, _ = train.read_step(SlowHub(), cfg, {"grad_accum": 1}, args, torch.device("cpu"))
     assert len(batches) == 1 and error == ""
-    batches, error, _ = train.read_step(SlowHub(), cfg, {"grad_accum": 2}, args, torch.device("cpu"))
+    hub = SlowHub()
+    batches, error, _ = train.read_step(hub, cfg, {"grad_accum": 2}, args, torch.device("cpu"))
     assert len(batches) == 2 and faults.is_fault(error) and "took longer" in str(error)  # the second ran past
-    assert sources.STEP[0] == float("inf")  # outside a step, no deadline
+    assert hub.step[0] == float("inf")  # outside a step, no deadline
 
 
 def stale_view(argv):

@@ -102,7 +102,7 @@ def test_shipped_hub_sources_stream_like_their_local_mirror_and_resume_exactly(h
     local_sources = [DataSource(**{**s.__dict__, "path": mirrors[s.path]}) for s in hub_sources]
 
     def make(sources):
-        return DataLoader(sources, tok, 128, 4, 0, 1, 2, seed=7)
+        return DataLoader(sources, tok, 128, 4, 0, 1, num_streams=2, seed=7)
 
     local = make(local_sources)
     expected = batches(local, 60)
@@ -125,12 +125,12 @@ def test_a_pinned_revision_is_read(hub, repos, tok):
     old = repos["allenai/c4"]["refs"]["v0.1"]
     for revision in ("v0.1", old):  # a tag or a commit sha
         src = DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz", revision=revision)
-        text = tok.decode(next(DataLoader([src], tok, 64, 1, 0, 1, 1))[0][0].tolist())
+        text = tok.decode(next(DataLoader([src], tok, 64, 1, 0, 1, num_streams=1))[0][0].tolist())
         assert "old revision document 0" in text
     reads = [r["path"] for r in hub.log if r["path"].endswith(".json.gz")]
     assert reads and all(f"/resolve/{old}/" in p for p in reads)
     main = DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz")
-    assert "old revision" not in tok.decode(next(DataLoader([main], tok, 64, 1, 0, 1, 1))[0][0].tolist())
+    assert "old revision" not in tok.decode(next(DataLoader([main], tok, 64, 1, 0, 1, num_streams=1))[0][0].tolist())
 
 
 def test_heldout_windows_from_c4s_validation_split(hub, tok):
@@ -147,7 +147,7 @@ def test_resume_seeks_by_range_into_a_parquet_file(hub, tok):
     src = DataSource(name="dclm", path="Zyphra/Zyda-2", config="dclm_crossdeduped")
 
     def make():
-        return DataLoader([src], tok, 512, 1, 0, 1, 1, seed=3)
+        return DataLoader([src], tok, 512, 1, 0, 1, num_streams=1, seed=3)
 
     loader = make()
     while loader.streams[0].positions[0]["row"] < 400:
@@ -175,9 +175,9 @@ def test_transient_answers_are_retried_with_backoff(hub, tok, monkeypatch):
     # more consecutive failures than huggingface_hub's own 5 retries of a listing; a file read is retried by data.py
     hub.faults = {"/api/datasets/allenai/c4/revision": [503, 502], "/tree/": [429],
                   "c4-train.": [503] * 7, "finemath-3plus/train-": [500, 429, 504, 503, 503, 503, 500]}
-    got = batches(DataLoader(sources, tok, 128, 1, 0, 1, 1), 30)
+    got = batches(DataLoader(sources, tok, 128, 1, 0, 1, num_streams=1), 30)
     assert not any(hub.faults.values()), f"faults not reached: {hub.faults}"
-    expected = batches(DataLoader(sources, tok, 128, 1, 0, 1, 1), 30)  # the faults are used up
+    expected = batches(DataLoader(sources, tok, 128, 1, 0, 1, num_streams=1), 30)  # the faults are used up
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert len(sleeps) >= 10 and max(sleeps) > min(sleeps)  # growing pauses
 
@@ -191,11 +191,11 @@ def test_a_stalled_redirected_or_whole_file_answer_gives_the_same_batches(hub, t
     srcs = [DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz"),
             DataSource(name="dclm", path="Zyphra/Zyda-2", config="dclm_crossdeduped")]
     manifest = data_manifest.make_manifest(srcs)
-    expected = batches(DataLoader(srcs, tok, 128, 1, 0, 1, 1, manifest=manifest), 20)
+    expected = batches(DataLoader(srcs, tok, 128, 1, 0, 1, num_streams=1, manifest=manifest), 20)
     hub.stall_seconds, hub.redirect, start = 5, True, len(hub.log)
     hub.faults = {"/cdn/": ["stall", "cut", "whole", "stall"]}
     t0 = time.perf_counter()
-    got = batches(DataLoader(srcs, tok, 128, 1, 0, 1, 1, manifest=manifest, timeout=0.5), 20)
+    got = batches(DataLoader(srcs, tok, 128, 1, 0, 1, num_streams=1, manifest=manifest, timeout=0.5), 20)
     assert not any(hub.faults.values()) and time.perf_counter() - t0 < 20
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     cdn = [r for r in hub.log[start:] if r["path"].startswith("/cdn/")]
@@ -223,7 +223,7 @@ def test_a_transient_error_mid_file_refetches_its_range_only_after_the_pause_the
 
     def read(**kw):
         start = len(hub.log)
-        texts = list(data.SourceReader(src, [(url, size)], 0, 1, 0, True, **kw).texts(one_pass=True))
+        texts = list(data.SourceReader(src, [(url, size)], 0, 1, 0, ordered=True, **kw).texts(one_pass=True))
         return texts, [r for r in hub.log[start:] if name in r["path"]]
 
     clean, _ = read()
@@ -249,7 +249,7 @@ def test_hub_refusals_end_with_one_line_naming_the_repo_and_what_to_do(hub, tok,
 
     def error(src) -> str:
         with pytest.raises(DataError) as e:
-            DataLoader([src], tok, 64, 1, 0, 1, 1).check()
+            DataLoader([src], tok, 64, 1, 0, 1, num_streams=1).check()
         assert "\n" not in str(e.value)
         return str(e.value)
 
@@ -306,7 +306,7 @@ def test_a_read_that_keeps_failing_gives_up_within_the_budget_with_one_line(hub,
     hub.faults, budget = {"finemath-3plus/train-": ["stall"] * 1000}, 0.8
 
     def loader(workers):
-        return DataLoader([src], tok, 64, 1, 0, 1, 1, num_workers=workers, manifest=manifest, timeout=0.1,
+        return DataLoader([src], tok, 64, 1, 0, 1, num_streams=1, num_workers=workers, manifest=manifest, timeout=0.1,
                           budget=budget)
 
     in_worker = loader(1)  # (a new process: its pauses are RETRY_DELAYS' own, and its first, 1 s, does not fit)
@@ -342,7 +342,7 @@ def test_the_reads_of_one_batch_end_within_the_budget_in_all(hub, tok, monkeypat
     monkeypatch.setattr(data, "MIB", 64)  # the reader's 8 "MiB" ranges are 512 bytes: a batch reads about ten
     src = DataSource(name="c4", path="allenai/c4", data_files="en/c4-train.*.json.gz")
     manifest = data_manifest.make_manifest([src])
-    loader = DataLoader([src], tok, 512, 8, 0, 1, 1, manifest=manifest, timeout=0.3, budget=1.5)
+    loader = DataLoader([src], tok, 512, 8, 0, 1, num_streams=1, manifest=manifest, timeout=0.3, budget=1.5)
     hub.faults = {"c4-train.": [None, 503] * 10}  # each range's first try after the first range's: 0.4 s lost
     t0 = time.monotonic()
     with pytest.raises(DataError) as e:
@@ -354,7 +354,7 @@ def test_the_reads_of_one_batch_end_within_the_budget_in_all(hub, tok, monkeypat
                     r".json.gz failed once in 0 s and stopped retrying: another try could end past "
                     r"comm.init_timeout_seconds = 1.5 s for the reads of one step in all, how long the other ranks "
                     r"wait for this one in a collective; raise it .*\(HfHubHTTPError", msg), msg
-    assert sources.STEP[0] == float("inf")  # no step reads now: a read outside a batch is not bounded by it
+    assert loader.step[0] == float("inf")  # no step reads now: a read outside a batch is not bounded by it
 
 
 @pytest.mark.slow
@@ -365,7 +365,7 @@ def test_a_loader_workers_reads_end_with_the_step_it_waits_in(hub, tok):
     the file, not after the 14 s of both."""
     src = DataSource(name="dclm", path="Zyphra/Zyda-2", config="dclm_crossdeduped")
     manifest = data_manifest.make_manifest([src])
-    loader = DataLoader([src], tok, 64, 1, 0, 1, 1, num_workers=1, manifest=manifest, timeout=0.5, budget=8)
+    loader = DataLoader([src], tok, 64, 1, 0, 1, num_streams=1, num_workers=1, manifest=manifest, timeout=0.5, budget=8)
     hub.faults = {"dclm_crossdeduped/": [503, 503, 503, None] * 2}
     t0 = time.monotonic()
     try:
@@ -398,12 +398,12 @@ def test_hf_token_is_sent_as_a_header_and_never_printed(hub, tok, monkeypatch, c
     hub.tokens["org/gated-set"] = TOKEN
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     src = DataSource(name="gated", path="org/gated-set")
-    assert "gated" in tok.decode(next(DataLoader([src], tok, 32, 1, 0, 1, 1))[0][0].tolist())
+    assert "gated" in tok.decode(next(DataLoader([src], tok, 32, 1, 0, 1, num_streams=1))[0][0].tolist())
     gated = [r for r in hub.log if "org/gated-set" in r["path"]]
     assert gated and all(r["auth"] == f"Bearer {TOKEN}" for r in gated)
     monkeypatch.setenv("HF_TOKEN", TOKEN[:-1])  # a wrong token: refused, and the line does not echo it
     with pytest.raises(DataError) as e:
-        DataLoader([src], tok, 32, 1, 0, 1, 1).check()
+        DataLoader([src], tok, 32, 1, 0, 1, num_streams=1).check()
     out = capsys.readouterr()
     assert TOKEN[:-1] not in str(e.value) + out.out + out.err + caplog.text
 
@@ -464,7 +464,7 @@ def test_train_py_on_the_shipped_hub_sources_trains_resumes_and_eats_the_mirrors
 
     mirrors = {r: write_mirror(repos, str(tmp_path / r.replace("/", "__")), r) for r in {s.path for s in cfg.data.sources}}
     mirrored = [DataSource(**{**s.__dict__, "path": mirrors[s.path]}) for s in cfg.data.sources]
-    local = DataLoader(mirrored, tok, 64, 8, 0, 1, cfg.data.num_streams, cfg.data.seed)
+    local = DataLoader(mirrored, tok, 64, 8, 0, 1, num_streams=cfg.data.num_streams, seed=cfg.data.seed)
     batches(local, 4)
     # (2,080 tokens: the two big Zyda-2 sources' first documents; the loader test above covers all six)
     assert steps[-1]["source_tokens"] == local.source_tokens() and sum(n > 0 for n in local.source_tokens().values()) >= 2

@@ -349,7 +349,7 @@ def test_manifest_of_local_folders_is_deterministic_and_readers_use_only_its_fil
     # with a manifest, nothing is resolved again: not by the loader, nor its workers, nor the held-out reader
     monkeypatch.setattr(data_manifest, "resolve_files", lambda *args: pytest.fail("resolved again"))
     tok = data.Tokenizer(os.path.join(ROOT, "assets", "tokenizer", "tokenizer.model"))
-    loader = data.DataLoader([src], tok, 64, 2, 0, 1, 1, num_workers=1, manifest=a)
+    loader = data.DataLoader([src], tok, 64, 2, 0, 1, num_streams=1, num_workers=1, manifest=a)
     next(loader)
     loader.close()
     assert data.heldout_windows(src, tok, 64, 2, {"validation": a["data"]})

@@ -13,7 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lines at most, from DESIGN.md's file tables.
 BUDGETS = {
-    "train.py": 900, "model.py": 350, "data.py": 550, "checkpoint_convert.py": 430, "download_tokenizer.py": 80,
+    "train.py": 800, "model.py": 350, "data.py": 550, "checkpoint_convert.py": 430, "download_tokenizer.py": 80,
     "download_data.py": 200, "preflight.py": 450, "bench.py": 600, "plot.py": 200,
     "pretrain/config.py": 230, "pretrain/distributed.py": 200, "pretrain/sources.py": 300,
     "pretrain/data_manifest.py": 250, "pretrain/mirror.py": 150, "pretrain/data_check.py": 200,
@@ -95,8 +95,48 @@ def test_lines_are_mostly_under_100_characters():
 
 
 def test_train_main_reads_in_one_sitting():
+    """main() in one sitting (130 lines), and its loop as nanoGPT's reads (79 lines, 45 names): at most 70 lines and
+    45 distinct names a reader holds (ast Names, builtins aside). Measured the same way on the code before issue 61:
+    94 lines and 78 names; main() 179 lines."""
+    import builtins
     main = next(n for n in ast.parse(read("train.py")).body if isinstance(n, ast.FunctionDef) and n.name == "main")
-    assert main.end_lineno - main.lineno + 1 <= 180
+    loop = next(n for n in ast.walk(main) if isinstance(n, ast.While))
+    names = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name)} - set(dir(builtins))
+    assert main.end_lineno - main.lineno + 1 <= 130
+    assert loop.end_lineno - loop.lineno + 1 <= 70 and len(names) <= 45, (loop.end_lineno - loop.lineno + 1, sorted(names))
+    # the step a nanoGPT reader looks for, in main() itself: forward and backward, clip, step
+    calls = {ast.unparse(n.func) for n in ast.walk(loop) if isinstance(n, ast.Call)}
+    assert {"forward_backward", "clip_grad_norm", "optimizer.step", "scheduler.step"} <= calls, calls
+
+
+def test_calls_pass_at_most_six_arguments_by_position():
+    """Past six, a reader counts commas: name them, or hand a module its own config section."""
+    many = []
+    for path in [p for p in READ if os.path.basename(p) not in ("test_smoke.py", "conftest.py")]:
+        for node in ast.walk(ast.parse(read(path))):
+            if isinstance(node, ast.Call) and len(node.args) > 6:
+                many.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {ast.unparse(node.func)}")
+    assert not many, many
+
+
+def test_no_module_sets_another_modules_globals():
+    """A value two modules share is handed over (a loader hands its step's deadline to its readers and workers),
+    never assigned into the other's namespace: `sources.STEP = ...` from data.py was such a case."""
+    ours = {"train", "model", "data"} | {module(p) for p in PACKAGE}
+    found = []
+    for path in READ:
+        tree = ast.parse(read(path))
+        modules = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+                   if a.name in ours}
+        modules |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names
+                    if n.module == "pretrain"}
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and ast.unparse(t.value) in modules:
+                    found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {ast.unparse(t)}")
+    # The tests swap trainer pieces this way on purpose (a forker's objective); the code never does.
+    assert not found, found
 
 
 def test_readme_reads_in_ten_minutes():
@@ -104,9 +144,9 @@ def test_readme_reads_in_ten_minutes():
 
 
 # Programs (files you run) on top, libraries below: a library never imports a program or train.py (DESIGN.md).
-# pretrain/'s programs are the ones other programs run: preflight.py runs dryrun, bench.py titan_run.
+# pretrain/'s program is the one bench.py runs: titan_run. preflight.py hands dryrun the trainer.
 PROGRAMS = {"train", "bench", "preflight", "plot", "checkpoint_convert", "download_data", "download_tokenizer",
-            "pretrain.dryrun", "pretrain.titan_run"}
+            "pretrain.titan_run"}
 
 
 def module(path: str) -> str:
