@@ -155,7 +155,7 @@ def check(args, extra):
     per_shard = parts["weights"] + parts["optimizer"]
     ckpt = per_shard * sizes["dp_shard"] * cfg.parallelism.tensor_parallel_degree
     # the trainer's device, process group and mesh
-    device, _ = distributed.init_distributed(cfg, sizes)
+    device, _ = distributed.init_distributed(cfg.parallelism, sizes, cfg.comm.init_timeout_seconds)
     gpu = device.type == "cuda"
 
     def gather(obj):

@@ -215,7 +215,7 @@ class Validation:
     sequences: int = 64  # held-out windows per source: its first N, the same set on every layout and resume; -1: all
     local_batch_size: int = 8  # sequences per data-parallel rank per batch
     sources: list[DataSource] = field(default_factory=list)  # [[validation.sources]]: keys as in [[data.sources]] (weight unused)
-    # a key that was renamed: its error names the successor
+    # A key that was renamed: its error names the successor.
     RENAMED: ClassVar[dict] = {
         "steps": "sequences = N, the first N windows of each source on every layout "
                  "(steps x local_batch_size x data-parallel ranks gives the old set)"}
@@ -285,10 +285,11 @@ def validate(cfg: Config, world_size: int, gpu: bool | None = None) -> dict:
         raise unknown("model.flavor", cfg.model.flavor, flavors)
     config.check_rules(cfg)  # each section's RULES, beside its fields
     optimizers.check(cfg.optimizer)
-    float8.check(cfg, gpu)
+    float8.check(cfg.float8, cfg.model.converters, cfg.training, gpu)
     evals.check(cfg.eval)
     spikes.check(cfg.spikes, checkpoints=cfg.checkpoint.enable)
-    args = model_args(cfg) if cfg.model.vocab_size else flavor_args(cfg)  # the first checks it
+    # model_args checks model.vocab_size against the tokenizer's
+    args = model_args(cfg) if cfg.model.vocab_size else flavor_args(cfg)
     if t.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {t.seq_len} exceeds the {cfg.model.flavor} model's "
                           f"max_seq_len {args.max_seq_len}")
@@ -329,14 +330,15 @@ def validate(cfg: Config, world_size: int, gpu: bool | None = None) -> dict:
                           "one read that waits that long outlasts the other ranks' wait "
                           "in a collective")
     streams = cfg.data.num_streams or dp
-    # a step takes gbs / streams sequences from every stream, whichever rank holds it: any micro-batch
+    # A step takes gbs / streams sequences from every stream, whichever rank holds it, so the
+    # micro-batches may split the batch any way.
     if streams % dp or gbs % streams:
         raise ConfigError(f"data.num_streams = {streams} must be a multiple of the data-parallel "
                           f"degree {dp} and divide training.global_batch_size {gbs} (a step takes "
                           "as many sequences from every stream)")
     grad_accum = gbs // (t.local_batch_size * dp)  # micro-batches per optimizer step
     return {"dp_shard": shard, "dp": dp, "global_batch_size": gbs, "grad_accum": grad_accum,
-            "num_streams": streams}
+            "num_streams": streams, "tokens_per_step": gbs * t.seq_len}
 
 
 def resume_keys(cfg: Config, args, sizes: dict, manifest: dict) -> dict:
@@ -603,8 +605,8 @@ def forward_backward(model, inputs, labels, global_tokens: torch.Tensor, dp: int
     change the objective: the loop only accumulates and steps."""
     with loss_parallel() if tp > 1 else contextlib.nullcontext():
         h = model(inputs, last_hidden=True)  # (local_batch_size, seq_len, dim)
-        # the logits (vocab-sharded under TP) a chunk of positions at a time (FSDP2 keeps the root's
-        # weights gathered after forward): pretrain/loss.py
+        # The output layer and the loss take a chunk of positions at a time (pretrain/loss.py): under
+        # TP the logits are sharded on the vocabulary, and FSDP2 keeps the root's weights gathered.
         loss_fn = partial(cross_entropy_and_z, z_loss=z_loss)
         shares = chunked_loss(model.output, h, labels, loss_fn) / global_tokens  # (2,): ce, z
         # FSDP averages the gradients over the dp ranks: undo its division by dp
@@ -631,11 +633,6 @@ def lr_factor(step: int, cfg: Config) -> float:
 
 
 # -------------------------------------------------------------------------------------------------
-# Every rank alike: each step's agreement (the start-up's, the dump folder, the data manifest, the
-# sources' first reads: pretrain/startup.py; the process group, agree, signals: distributed.py)
-# -------------------------------------------------------------------------------------------------
-
-# -------------------------------------------------------------------------------------------------
 # main
 # -------------------------------------------------------------------------------------------------
 
@@ -651,8 +648,8 @@ def main(cfg: Config):
     tokenizer = Tokenizer(cfg.model.tokenizer_path)
 
     # --- 2. device, process group, mesh, dump folder ---------------------------------------------
-    device, mesh = init_distributed(cfg, sizes)
-    lock = startup.open_dump_folder(cfg, rank, device)  # noqa: F841 (held open until the process ends)
+    device, mesh = init_distributed(cfg.parallelism, sizes, cfg.comm.init_timeout_seconds)
+    lock = startup.open_dump_folder(cfg.job, config.to_toml(cfg), rank, device)  # noqa: F841 (kept)
     # The data-parallel ranks, each of which sees its own data (init_distributed made the mesh).
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     dp_rank = dp_mesh.get_local_rank()
@@ -667,15 +664,16 @@ def main(cfg: Config):
     logger.info(run_summary(cfg, model, world_size, sizes))
 
     # --- 4. parallelize, then materialise this rank's shards -------------------------------------
-    float8_scales = float8.convert(model, cfg, device, sharded=sizes["dp"] > 1)
+    float8_scales = float8.convert(model, cfg.float8, cfg.model.converters, cfg.compile.enable, device,
+                                   sharded=sizes["dp"] > 1)
     parallelize(model, mesh, cfg)
     model.to_empty(device=device)
     model.init_weights(normal_=layout_independent_normal(cfg.training.seed), buffer_device=device)
 
     # --- 5. optimizer, lr schedule, data (each dp rank reads its own streams; TP ranks the same) -
     optimizer, scheduler = build_optimizer(model, cfg, device)
-    # the same files, maybe read there
-    manifest = {**startup.share_manifest(cfg, rank, device), "mirror": cfg.data.mirror}
+    manifest = startup.share_manifest(cfg.data, startup.held_out(cfg.validation, cfg.eval),
+                                      cfg.job.dump_folder, cfg.comm.init_timeout_seconds, rank, device)
     loader = build_loader(cfg, tokenizer, dp_rank, dp, manifest)
 
     # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path --
@@ -695,11 +693,10 @@ def main(cfg: Config):
     LEFT_OPEN[:] = [checkpointer.saver, metrics]  # an error exit finishes their save and logs first
     dp_group = dp_mesh.get_group()
     tp = cfg.parallelism.tensor_parallel_degree
-    tokens_per_step = sizes["global_batch_size"] * cfg.training.seq_len
     flops = flops_per_token(model, cfg.training.seq_len)  # forward and backward, a token, for MFU
-    speed = Throughput(device, tokens_per_step, world_size, flops, cfg.metrics.peak_tflops)
+    speed = Throughput(device, sizes["tokens_per_step"], world_size, flops, cfg.metrics.peak_tflops)
     agreement = StepAgreement(stop, guard, checkpointer.saver, device, dp_group)
-    sums = LogSums(device, tokens_per_step, z_loss=bool(cfg.training.z_loss))  # the next log line's
+    sums = LogSums(device, sizes["tokens_per_step"], z_loss=bool(cfg.training.z_loss))  # the next line's
     clock.lap(0)  # the first log line's time starts here
 
     while step < cfg.training.steps:
@@ -726,7 +723,7 @@ def main(cfg: Config):
             guard.keep()
         scheduler.step()
         guard.cut_lr(optimizer, step + 1)  # within a rewind's lr cut
-        tokens_seen += tokens_per_step
+        tokens_seen += sizes["tokens_per_step"]
         sums.add(loss_shares, global_valid_tokens, data_seconds, kept=not decision.skip)
         last = step == cfg.training.steps
 
@@ -781,7 +778,8 @@ if __name__ == "__main__":
             print(f"error: {line}", file=sys.stderr, flush=True)
         else:  # a bug, or Ctrl-C: its traceback
             traceback.print_exc()
-        # an async save of an earlier step (it waits, bounded), TensorBoard's buffered events
+        # Close what main() left open: an async save of an earlier step (its wait is bounded) and
+        # TensorBoard's buffered events.
         for held in LEFT_OPEN:
             with contextlib.suppress(Exception):
                 held.close()

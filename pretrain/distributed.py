@@ -126,10 +126,11 @@ def attempt_store(timeout: timedelta) -> dict:
             "world_size": int(os.environ["WORLD_SIZE"])}
 
 
-def init_distributed(cfg, sizes: dict, fake_rank: int = -1):  # cfg: train.py's Config
+def init_distributed(p, sizes: dict, timeout_seconds: float, fake_rank: int = -1):
     """This rank's device (its GPU, else the CPU), the process group and the (dp_replicate,
-    dp_shard, tp) mesh; preflight.py check starts alike. dryrun.py's fake_rank: that rank of a
-    "fake" group of the job's size, on CPU."""
+    dp_shard, tp) mesh of train.py's [parallelism] `p` and validate's `sizes`; every collective
+    bounded by `timeout_seconds` (comm.init_timeout_seconds). preflight.py check starts alike.
+    dryrun.py's fake_rank: that rank of a "fake" group of the job's size, on CPU."""
     if torch.cuda.is_available() and fake_rank < 0:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl"
@@ -137,8 +138,7 @@ def init_distributed(cfg, sizes: dict, fake_rank: int = -1):  # cfg: train.py's 
     else:
         device = torch.device("cpu")
         backend = "gloo" if fake_rank < 0 else "fake"
-    timeout = timedelta(seconds=cfg.comm.init_timeout_seconds)
-    p = cfg.parallelism
+    timeout = timedelta(seconds=timeout_seconds)
     device_id = device if backend == "nccl" else None  # NCCL binds its communicator to this GPU
     if "RANK" in os.environ and fake_rank < 0:  # torchrun / srun
         restarted = attempt_store(timeout)  # a restarted attempt's own store, else {}

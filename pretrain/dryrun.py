@@ -59,7 +59,8 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages, trainer) -> dic
     memory). Two: AdamW makes its moments (2 x fp32 a parameter shard) in the first optimizer.step,
     so only the second step's forward and backward hold them: its peak is the steady state's."""
     done = phase_lines(rank)
-    device, mesh = distributed.init_distributed(cfg, sizes, fake_rank=rank)
+    device, mesh = distributed.init_distributed(cfg.parallelism, sizes, cfg.comm.init_timeout_seconds,
+                                                fake_rank=rank)
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     args = trainer.model_args(cfg)
     t = cfg.training
@@ -69,7 +70,8 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages, trainer) -> dic
     torch.manual_seed(t.seed)
     with torch.device("meta"):
         model = Transformer(args)
-    float8_scales = float8.convert(model, cfg, device, sharded=sizes["dp"] > 1)
+    float8_scales = float8.convert(model, cfg.float8, cfg.model.converters, False, device,
+                                   sharded=sizes["dp"] > 1)  # not compiled here
     done("build")
     trainer.parallelize(model, mesh, dataclasses.replace(cfg, compile=trainer.Compile(enable=False)))
     counter.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -28,12 +28,11 @@ class Float8:  # train.py's [float8] section, used when model.converters has "fl
     filter_fqns: list = field(default_factory=lambda: ["output"])  # Linear layers named with one of these stay in high precision; "auto_filter_small_kn": small ones too
 
 
-def check(cfg, gpu: bool | None = None) -> None:
-    """The [float8] rules, on train.py's config, before any process group exists. float8 needs
-    torchao, and on a GPU float8 matmuls: CUDA SM 8.9+ or ROCm MI300+ (gfx942 reports 9.4). `gpu`:
-    whether the job runs on GPUs; None (train.py) asks this machine; True (dryrun.py): the job's
-    GPUs are taken to be H100-class, whatever this machine has."""
-    f8 = cfg.float8
+def check(f8: Float8, converters: list, training, gpu: bool | None = None) -> None:
+    """The [float8] rules (`f8`), with model.converters and [training], before any process group
+    exists. float8 needs torchao, and on a GPU float8 matmuls: CUDA SM 8.9+ or ROCm MI300+ (gfx942
+    reports 9.4). `gpu`: whether the job runs on GPUs; None (train.py) asks this machine; True
+    (dryrun.py): the job's GPUs are taken to be H100-class, whatever this machine has."""
     if f8.recipe_name not in RECIPES:
         recipes = ", ".join(RECIPES)
         raise ConfigError(f"float8.recipe_name = {f8.recipe_name!r}: must be one of {recipes}")
@@ -47,7 +46,7 @@ def check(cfg, gpu: bool | None = None) -> None:
     if AUTO_FILTER in f8.filter_fqns and f8.recipe_name == "rowwise_with_gw_hp":
         raise ConfigError(f"float8.filter_fqns: torchao has no {AUTO_FILTER!r} table for "
                           "rowwise_with_gw_hp; remove it, or name the layers to keep")
-    if "float8" not in cfg.model.converters:
+    if "float8" not in converters:
         return
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("model.converters = [\"float8\"] needs torchao: "
@@ -63,29 +62,30 @@ def check(cfg, gpu: bool | None = None) -> None:
     # What torch._scaled_mm enforces on a GPU (the CPU's emulation multiplies in fp32 and enforces
     # neither): rowwise scaling writes bf16 only, and the tokens are the inner dimension of the
     # weight-gradient matmul.
-    param_dtype = cfg.training.mixed_precision_param
+    param_dtype = training.mixed_precision_param
     if gpu and f8.recipe_name != "tensorwise" and param_dtype != "bfloat16":
         raise ConfigError(f"float8.recipe_name = {f8.recipe_name!r} needs "
                           "training.mixed_precision_param = bfloat16 on a GPU "
                           f"(rowwise float8 matmuls write bf16; it is {param_dtype})")
-    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    tokens = training.local_batch_size * training.seq_len
     if gpu and tokens % 16:
         raise ConfigError(f"training.local_batch_size x seq_len = {tokens} tokens per micro-batch: "
                           "float8 matmuls on a GPU need a multiple of 16")
 
 
-def convert(model: torch.nn.Module, cfg, device: torch.device, sharded: bool = True):
-    """With model.converters = ["float8"] (`cfg`: train.py's config), swap the Linear layers for
-    torchao's Float8Linear: the same weights under the same names, so checkpoints do not change.
+def convert(model: torch.nn.Module, f8: Float8, converters: list, compiled: bool, device: torch.device,
+            sharded: bool = True):
+    """With model.converters = ["float8"] (`converters`), swap the Linear layers for torchao's
+    Float8Linear, as [float8] (`f8`) says: the same weights under the same names, so checkpoints
+    do not change. compiled: compile.enable.
     Returns the per-step weight-scale precompute if asked for (one all-reduce after optimizer.step
     for every weight's scale), else a no-op. Unless `sharded` (FSDP), the FSDP settings are off."""
-    if "float8" not in cfg.model.converters:
+    if "float8" not in converters:
         return lambda model: None
-    f8 = cfg.float8
     if f8.recipe_name == "rowwise":  # as torchtitan does (pytorch/pytorch#150859)
         import torch._inductor.config as inductor
         inductor.emulate_precision_casts = True
-    if device.type == "cuda" and not cfg.compile.enable:  # torchao's casts: separate kernels then
+    if device.type == "cuda" and not compiled:  # torchao's casts: separate kernels then
         logger.warning("float8 without compile.enable is slower than bf16: "
                        "turn on --compile.enable")
     logging.disable(logging.WARNING)  # torchao's CUDA kernels fail to load on CPU: not for the log

@@ -446,7 +446,7 @@ sys.path.insert(0, {ROOT!r})
 import data
 import train
 srcs = train.load_config(["--config", "configs/debug_model.toml"]).data.sources
-loader = data.DataLoader(srcs, data.Tokenizer({TOKENIZER!r}), 64, 2, 0, 1, 1, num_workers=1)
+loader = data.DataLoader(srcs, data.Tokenizer({TOKENIZER!r}), 64, 2, 0, 1, num_streams=1, num_workers=1)
 next(loader)
 print(*[p.pid for p in loader.workers.procs], flush=True)
 time.sleep(120)

@@ -271,7 +271,7 @@ def test_config_lists_and_the_conversion_keep_meta_names():
     with torch.device("meta"):
         model = T.Transformer(T.flavor_args(cfg, vocab_size=2048))
     names = list(model.state_dict())
-    float8.convert(model, cfg, torch.device("cpu"))
+    float8.convert(model, cfg.float8, cfg.model.converters, False, torch.device("cpu"))
     assert list(model.state_dict()) == names  # checkpoints, converters and the HF export see the same keys
     kinds = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert kinds["output"] == kinds["layers.0.feed_forward.w2"] == "Linear"
@@ -290,7 +290,7 @@ def test_auto_filter_keeps_the_layers_float8_does_not_speed_up(caplog):
         with torch.device("meta"):
             model = T.Transformer(T.flavor_args(cfg, vocab_size=2048))
         with caplog.at_level(logging.INFO, logger="train"):
-            float8.convert(model, cfg, torch.device("cpu"))
+            float8.convert(model, cfg.float8, cfg.model.converters, False, torch.device("cpu"))
         kept[recipe] = {n.split(".")[-1] for n, m in model.named_modules() if type(m) is torch.nn.Linear}
         assert f"float8 {recipe} (torchao); Linear layers kept in high precision: layers.*.attention.wk" in caplog.text
     assert kept == {"rowwise": {"wq", "wk", "wv", "wo", "w2", "output"}, "tensorwise": {"wk", "wv", "output"}}
@@ -320,8 +320,8 @@ def test_gpu_rules_that_follow_torchtitan(monkeypatch, caplog):
         with torch.device("meta"):
             model = T.Transformer(T.flavor_args(T.load_config(["--config", "configs/debug_model.toml", *args]),
                                                 vocab_size=2048))
-        float8.convert(model, T.load_config(["--config", "configs/debug_model.toml", "--model.converters", "float8",
-                                             *args]), torch.device("cuda"))
+        cfg = T.load_config(["--config", "configs/debug_model.toml", "--model.converters", "float8", *args])
+        float8.convert(model, cfg.float8, cfg.model.converters, cfg.compile.enable, torch.device("cuda"))
         return model
 
     model = converted()

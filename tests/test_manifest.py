@@ -482,7 +482,9 @@ def test_rank_0s_manifest_reaches_a_rank_through_the_store_and_a_dropped_source_
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set("data_manifest_0", zlib.compress(json.dumps(manifest).encode()))  # as rank 0 does
-        assert startup.share_manifest(cfg, 1, torch.device("cpu")) == manifest
+        held_out = startup.held_out(cfg.validation, cfg.eval)
+        shared = startup.share_manifest(cfg.data, held_out, str(tmp_path), 300, 1, torch.device("cpu"))
+        assert shared == {**manifest, "mirror": cfg.data.mirror}
     finally:
         dist.destroy_process_group()
     old = DataSource(name="old", path=str(tmp_path / "gone"))
