@@ -337,8 +337,11 @@ def validate(cfg: Config, world_size: int, gpu: bool | None = None) -> dict:
                           f"degree {dp} and divide training.global_batch_size {gbs} (a step takes "
                           "as many sequences from every stream)")
     grad_accum = gbs // (t.local_batch_size * dp)  # micro-batches per optimizer step
-    return {"dp_shard": shard, "dp": dp, "global_batch_size": gbs, "grad_accum": grad_accum,
-            "num_streams": streams, "tokens_per_step": gbs * t.seq_len}
+    # steps between rounds (RunClock's ETA counts the rounds still due), 0: none
+    rounds = {"validation": v.freq if v.enable else 0, "eval": cfg.eval.freq if cfg.eval.enable else 0,
+              "checkpoint": cfg.checkpoint.interval if cfg.checkpoint.enable else 0}
+    return {"dp_shard": shard, "dp": dp, "tp": tp, "global_batch_size": gbs, "grad_accum": grad_accum,
+            "num_streams": streams, "tokens_per_step": gbs * t.seq_len, "rounds": rounds}
 
 
 def resume_keys(cfg: Config, args, sizes: dict, manifest: dict) -> dict:
@@ -638,10 +641,10 @@ def lr_factor(step: int, cfg: Config) -> float:
 
 def main(cfg: Config):
     # --- 1. config: validated before any process group or model exists, on every rank alike -----
-    clock = RunClock(cfg)  # elapsed time and the ETA, from here; the rounds' time apart
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     sizes = validate(cfg, world_size)
+    clock = RunClock(cfg.training.steps, sizes["rounds"])  # elapsed time and the ETA, from here
     level = logging.INFO if rank == 0 else logging.WARNING  # rank 0 logs; the others only warn
     logging.basicConfig(level=level, format="%(message)s", stream=sys.stdout, force=True)
     stop = stop_on_signals()  # before the slow start-up, so an early signal is not lost
@@ -650,10 +653,8 @@ def main(cfg: Config):
     # --- 2. device, process group, mesh, dump folder ---------------------------------------------
     device, mesh = init_distributed(cfg.parallelism, sizes, cfg.comm.init_timeout_seconds)
     lock = startup.open_dump_folder(cfg.job, config.to_toml(cfg), rank, device)  # noqa: F841 (kept)
-    # The data-parallel ranks, each of which sees its own data (init_distributed made the mesh).
-    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")  # the ranks that each read their own data
     dp_rank = dp_mesh.get_local_rank()
-    dp = dp_mesh.size()
     torch.use_deterministic_algorithms(cfg.training.deterministic)
     torch.manual_seed(cfg.training.seed)
 
@@ -674,7 +675,7 @@ def main(cfg: Config):
     optimizer, scheduler = build_optimizer(model, cfg, device)
     manifest = startup.share_manifest(cfg.data, startup.held_out(cfg.validation, cfg.eval),
                                       cfg.job.dump_folder, cfg.comm.init_timeout_seconds, rank, device)
-    loader = build_loader(cfg, tokenizer, dp_rank, dp, manifest)
+    loader = build_loader(cfg, tokenizer, dp_rank, sizes["dp"], manifest)
 
     # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path --
     guard = SpikeGuard(cfg.spikes, device)  # the window of recent steps that spikes stand out of
@@ -684,15 +685,16 @@ def main(cfg: Config):
                                 notes={"model.converters": cfg.model.converters})
     step, tokens_seen = checkpointer.resume()
     startup.check_sources(loader, rank, cfg.data.resolve_timeout_seconds)  # before step 1, all alike
-    windows, tasks = evals.read_once(cfg, tokenizer, args.max_seq_len, manifest, device)
-    heldout = evals.heldout_share(windows, cfg.validation.local_batch_size, dp_rank, dp,
+    windows, tasks = evals.read_once(cfg.validation, cfg.eval, tokenizer, manifest, device,
+                                     seq_len=cfg.training.seq_len, max_seq_len=args.max_seq_len,
+                                     data=cfg.data, budget=cfg.comm.init_timeout_seconds)
+    heldout = evals.heldout_share(windows, cfg.validation.local_batch_size, dp_rank, sizes["dp"],
                                   partial(ignore_boundaries, args=args))
 
     # --- 7. training loop ------------------------------------------------------------------------
     metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, rank, clock, dataclasses.asdict(cfg))
     LEFT_OPEN[:] = [checkpointer.saver, metrics]  # an error exit finishes their save and logs first
     dp_group = dp_mesh.get_group()
-    tp = cfg.parallelism.tensor_parallel_degree
     flops = flops_per_token(model, cfg.training.seq_len)  # forward and backward, a token, for MFU
     speed = Throughput(device, sizes["tokens_per_step"], world_size, flops, cfg.metrics.peak_tflops)
     agreement = StepAgreement(stop, guard, checkpointer.saver, device, dp_group)
@@ -709,8 +711,9 @@ def main(cfg: Config):
         # Every micro-batch first: the loss divides by the positions it counts in the global batch.
         batches, data_error, data_seconds = read_step(loader, cfg, sizes, args, device)
         global_valid_tokens = count_valid_tokens(batches, dp_group)
-        loss_shares = [forward_backward(model, inputs, labels, global_valid_tokens, dp, tp,
-                                        z_loss=cfg.training.z_loss) for inputs, labels in batches]
+        loss_shares = [forward_backward(model, inputs, labels, global_valid_tokens, sizes["dp"],
+                                        sizes["tp"], z_loss=cfg.training.z_loss)
+                       for inputs, labels in batches]
         grad_norm = clip_grad_norm(model, cfg.training.max_norm)
         decision = agreement.on_step(loss_shares, grad_norm, data_error)  # the step's one host sync
         lr = optimizer.param_groups[0]["lr"]  # the lr this step used
@@ -739,12 +742,12 @@ def main(cfg: Config):
         if cfg.validation.enable and (step % cfg.validation.freq == 0 or last):
             with clock.timed("validation") as took:
                 result = evals.validate(model, heldout, cfg.validation.local_batch_size, device,
-                                        dp_group, tp)
+                                        dp_group, sizes["tp"])
             metrics.log({"step": step, **result, "validation_seconds": took.seconds})
         if cfg.eval.enable and (step % cfg.eval.freq == 0 or last):
             with clock.timed("eval") as took:
                 result = evals.evaluate(model, tasks, cfg.eval.local_batch_size, device,
-                                        dp_group, tp)
+                                        dp_group, sizes["tp"])
             metrics.log({"step": step, **result, "eval_seconds": took.seconds})
 
         if decision.save_done:  # an async save, written on every rank: put it in place

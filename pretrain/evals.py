@@ -1,7 +1,7 @@
 """Downstream accuracy in the training loop: multiple-choice tasks scored as lm-evaluation-harness
 scores them (0-shot, its prompts, its answer keys), so a number here is the number
 `lm_eval --model hf` gives for the same weights exported with `checkpoint_convert.py dcp2hf`.
-train.py calls check() with the config, read_once() at start-up (which reads [validation]'s
+train.py calls check() with [eval], read_once() at start-up (which reads [validation]'s
 held-out windows and load()s the tasks on rank 0 and hands both to every rank: a missing or
 malformed task is one error line then, not a crash at step N), evaluate() every [eval] freq steps
 and validate() (held-out loss) every [validation] freq steps.
@@ -226,18 +226,17 @@ def evaluate(model, tasks: dict, batch: int, device, dp_group, tp: int) -> dict:
 # Read once per job, and [validation]'s held-out loss
 # --------------------------------------------------------------------------------------------------
 
-def read_once(cfg, tokenizer, max_seq_len: int, manifest: dict, device) -> tuple:
-    """[validation]'s held-out windows ({source: (sequences, seq_len + 1) tokens}) and [eval]'s requests (load()),
-    the same on every rank of the job (`cfg`: train.py's config): rank 0 alone reads and tokenizes them and hands
-    them over in three broadcasts, so 2,048 ranks read the Hub once, not 2,048 times. A source or task that cannot
-    be read is rank 0's one line, raised on every rank."""
-    v = cfg.validation
-    seq_len = cfg.training.seq_len
+def read_once(v, e: Eval, tokenizer, manifest: dict, device, *, seq_len: int, max_seq_len: int, data,
+              budget: float) -> tuple:
+    """[validation]'s (`v`) held-out windows ({source: (sequences, seq_len + 1) tokens}) and [eval]'s requests
+    (load()), the same on every rank of the job: rank 0 alone reads and tokenizes them and hands them over in three
+    broadcasts, so 2,048 ranks read the Hub once, not 2,048 times. A source or task that cannot be read is rank 0's
+    one line, raised on every rank. data: [data], for its read timeouts; budget: comm.init_timeout_seconds."""
     windows = []  # rank 0's: one (sequences, seq_len + 1) tensor per held-out source
     head = {}  # rank 0's: the windows' counts and the tasks, or its error
     store = dist.distributed_c10d._get_default_store()
     key = f"read_once_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"  # a restart keeps old keys
-    limits = cfg.data.hub_timeout_seconds, cfg.comm.init_timeout_seconds  # a request's, a file's
+    limits = data.hub_timeout_seconds, budget  # a request's, a file's
     if dist.get_rank() == 0:
         try:
             for src in v.sources if v.enable else []:
@@ -245,14 +244,14 @@ def read_once(cfg, tokenizer, max_seq_len: int, manifest: dict, device) -> tuple
                 sequences = None if v.sequences == -1 else v.sequences
                 held = heldout_windows(src, tokenizer, seq_len, sequences, manifest, *limits)
                 windows.append(torch.tensor(held, dtype=torch.int32))  # (sequences, seq_len + 1)
-            store.set(f"{key}/doing", f"reading the eval tasks {[t.name for t in sources(cfg.eval)]}")
-            tasks = load(cfg.eval, tokenizer, max_seq_len, manifest, *limits)
+            store.set(f"{key}/doing", f"reading the eval tasks {[t.name for t in sources(e)]}")
+            tasks = load(e, tokenizer, max_seq_len, manifest, *limits)
             head = {"counts": [len(w) for w in windows], "tasks": tasks}
         except DataError as e:
             head = {"error": str(e)}
     # The others wait in the store while rank 0 reads (retries may outlast a collective)
     what = "the held-out windows and eval tasks"
-    wait_for_rank0(store, key, dist.get_rank(), cfg.data.resolve_timeout_seconds, what)
+    wait_for_rank0(store, key, dist.get_rank(), data.resolve_timeout_seconds, what)
     # JSON, not pickle: what a rank receives is data, never code
     sent = torch.frombuffer(bytearray(json.dumps(head).encode()), dtype=torch.uint8)
     head = json.loads(from_rank0(sent, device).numpy().tobytes())

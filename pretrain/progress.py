@@ -100,13 +100,13 @@ class RunClock:
     last round took (a round not yet run counts nothing). The rounds are timed apart (timed), so the
     log line's tps and the steps' time leave them out (lap)."""
 
-    def __init__(self, cfg, now=time.perf_counter):  # cfg: train.py's Config
+    def __init__(self, steps: int, every: dict, now=time.perf_counter):
+        """steps: training.steps; every: {"validation", "eval", "checkpoint": steps between two
+        rounds, 0: none} (train.validate's sizes["rounds"])."""
         self.now = now
         self.start = now()
-        self.steps = cfg.training.steps
-        self.every = {"validation": cfg.validation.freq if cfg.validation.enable else 0,
-                      "eval": cfg.eval.freq if cfg.eval.enable else 0,
-                      "checkpoint": cfg.checkpoint.interval if cfg.checkpoint.enable else 0}
+        self.steps = steps
+        self.every = dict(every)
         self.cost = {}  # kind -> its last round's seconds
         self.spent = dict.fromkeys([*self.every, "rewind"], 0.0)  # kind -> all its rounds' seconds
         self.mark = self.start  # where the steps of the next lap began

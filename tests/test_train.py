@@ -237,15 +237,9 @@ def test_the_eta_counts_the_steps_left_and_the_rounds_still_due():
     3 s, and a log line every 10 steps comes before its step's rounds. At step 40's line the ETA is 60 steps
     x 2 s plus the rounds at steps 40-100 at their measured cost: validation at 40, 60, 80, 100 (4 x 5 s),
     evals at 50, 75, 100 (3 x 7 s), saves at 60, 90, 100 (3 x 3 s)."""
-    import types
-
     from pretrain.progress import RunClock, duration
     t = [0.0]
-    cfg = types.SimpleNamespace(training=types.SimpleNamespace(steps=100),
-                                validation=types.SimpleNamespace(enable=True, freq=20),
-                                eval=types.SimpleNamespace(enable=True, freq=25),
-                                checkpoint=types.SimpleNamespace(enable=True, interval=30))
-    clock = RunClock(cfg, now=lambda: t[0])
+    clock = RunClock(100, {"validation": 20, "eval": 25, "checkpoint": 30}, now=lambda: t[0])
     t[0] = 10.0  # start-up
     clock.lap(0)
     logged = 0
