@@ -219,22 +219,25 @@ class Saver:
         """A rewind's: remove every step-N above `step`, on the timeline the rewind left, so that a
         restart resumes on the rewound one. No save is in flight (the rewind finished it)."""
         later = [n for n in numbered(self.folder) if n > step] if self.rank == 0 else []
-        if error := self.on_rank0(remove, self.folder, later):
+        if self.group is None:  # after a failed save: every rank rewinds at the same step
+            self.group = self.save_group()
+        # On the save group: deleting checkpoints may take as long as writing them did.
+        if error := self.on_rank0(remove, self.folder, later, group=self.group):
             raise SaveError(f"rewind to step-{step}: cannot remove the later checkpoints of "
                             f"{self.folder} ({error}); remove every step-N above {step} before a "
                             "restart, or it resumes on the timeline the rewind left")
         return later
 
-    def on_rank0(self, change, *args) -> str:
+    def on_rank0(self, change, *args, group=None) -> str:
         """Rank 0 alone changes the folder, which every node shares; every rank learns how that
-        went: "" or rank 0's error."""
+        went, on `group` (None: the default one): "" or rank 0's error."""
         outcome = [""]
         if self.rank == 0:
             try:
                 change(*args)
             except OSError as e:
                 outcome[0] = f"{type(e).__name__}: {e}"
-        dist.broadcast_object_list(outcome, src=0)
+        dist.broadcast_object_list(outcome, src=0, group=group)
         return outcome[0]
 
     def put_in_place(self, step: int):

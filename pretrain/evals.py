@@ -23,7 +23,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, ClassVar, Optional
 
 import fsspec
 import pyarrow.parquet as pq
@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from data import heldout_windows
-from pretrain.config import ConfigError, unknown
+from pretrain.config import AT_LEAST_1, MINUS_1_OR_AT_LEAST_1, ConfigError, unknown
 from pretrain.data_manifest import source_files
 from pretrain.distributed import from_rank0, wait_for_rank0
 from pretrain.loss import heldout_loss
@@ -90,15 +90,11 @@ class Eval:  # train.py's [eval] section
     limit: int = 1000  # examples per task: the first ones of its split, the same every round; -1: all of them
     local_batch_size: int = 8  # sequences (one per choice) per forward on each data-parallel rank
     tasks: list[EvalTask] = field(default_factory=list)  # [[eval.tasks]] tables: name, optional path and revision
+    RULES: ClassVar[dict] = {"freq": AT_LEAST_1, "limit": MINUS_1_OR_AT_LEAST_1, "local_batch_size": AT_LEAST_1}
 
 
 def check(e: Eval) -> None:
-    """The [eval] rules, before any process group exists."""
-    for key, value in (("freq", e.freq), ("local_batch_size", e.local_batch_size)):
-        if value < 1:
-            raise ConfigError(f"eval.{key} = {value}: must be >= 1")
-    if e.limit != -1 and e.limit < 1:
-        raise ConfigError(f"eval.limit = {e.limit}: must be -1 or >= 1")
+    """The [eval] tasks' rules (config.check_rules applies RULES), before any process group exists."""
     names = [t.name for t in e.tasks]
     for name in names:
         if name not in TASKS:

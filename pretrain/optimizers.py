@@ -36,10 +36,10 @@ class AdamWBF16State(torch.optim.Optimizer):
     8. Each parameter's moments are read up to fp32, updated, applied and rounded back in turn, so
     the fp32 copies exist for one parameter at a time (torch's fused AdamW wants one dtype).
 
-    Rounding to bf16 (8 significant bits) undoes a decay by beta2 smaller than about half its spacing:
-    from beta2 0.997 on, a moment that gets no more gradient stays where it was, where fp32's would
-    fall (0.999: 1.0 after 1,000 steps, fp32 0.37). Up to MAX_BETA2 it decays as fp32's does, within
-    the rounding; check() refuses more."""
+    Rounding to bf16 (8 significant bits) undoes a decay by beta2 smaller than about half its spacing,
+    so with beta2 close to 1 a moment that gets no more gradient stays where it was. Up to MAX_BETA2
+    it decays as fp32's does, within the rounding; check() refuses more (docs/internals.md#parallelism
+    has the measurements)."""
 
     MAX_BETA2 = 0.99
 

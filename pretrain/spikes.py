@@ -17,12 +17,13 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
 from pretrain.checkpoint_folder import newest
-from pretrain.config import ConfigError
+from pretrain.config import AT_LEAST_1, NON_NEGATIVE, ConfigError
 
 logger = logging.getLogger("train")
 
@@ -36,6 +37,12 @@ class Spikes:  # train.py's [spikes] section
     rewind_within: int = 100  # the steps over which rewind_after counts skips
     rewind_lr_factor: float = 1.0  # after a rewind the lr is multiplied by this...
     rewind_lr_steps: int = 0  # ...for this many steps
+    RULES: ClassVar[dict] = {"sigma": (lambda x: x >= 0, ">= 0 (0 skips only non-finite steps)"),
+                             "window": (lambda x: x >= 4, ">= 4 (spikes are looked for once half of it is in)"),
+                             "max_skipped": AT_LEAST_1,
+                             "rewind_after": (lambda x: x >= 0, ">= 0 (0: never rewind)"),
+                             "rewind_lr_factor": (lambda x: 0 < x <= 1, "in (0, 1]"),
+                             "rewind_lr_steps": NON_NEGATIVE}
 
 
 class RunError(RuntimeError):
@@ -43,17 +50,10 @@ class RunError(RuntimeError):
 
 
 def check(s: Spikes, checkpoints: bool) -> None:
-    """The [spikes] rules, before any process group exists; checkpoints: checkpoint.enable."""
-    rules = {"sigma": (s.sigma >= 0, ">= 0 (0 skips only non-finite steps)"),
-             "window": (s.window >= 4, ">= 4 (spikes are looked for once half of it is in)"),
-             "max_skipped": (s.max_skipped >= 1, ">= 1"),
-             "rewind_after": (s.rewind_after >= 0, ">= 0 (0: never rewind)"),
-             "rewind_within": (s.rewind_within >= max(1, s.rewind_after), ">= rewind_after"),
-             "rewind_lr_factor": (0 < s.rewind_lr_factor <= 1, "in (0, 1]"),
-             "rewind_lr_steps": (s.rewind_lr_steps >= 0, ">= 0")}
-    for key, (ok, allowed) in rules.items():
-        if not ok:  # NaN fails every comparison, so it is caught too
-            raise ConfigError(f"spikes.{key} = {getattr(s, key)!r}: must be {allowed}")
+    """The [spikes] rules across its keys and [checkpoint] (config.check_rules applies RULES),
+    before any process group exists; checkpoints: checkpoint.enable."""
+    if not s.rewind_within >= max(1, s.rewind_after):  # NaN fails every comparison, so it is caught too
+        raise ConfigError(f"spikes.rewind_within = {s.rewind_within!r}: must be >= rewind_after")
     if s.rewind_after and not checkpoints:
         raise ConfigError(f"spikes.rewind_after = {s.rewind_after} rewinds to a checkpoint: "
                           "set checkpoint.enable = true, or rewind_after = 0")

@@ -88,8 +88,7 @@ def test_the_backward_joins_the_chunks_gradients_once(monkeypatch):
 
 def test_the_held_out_loss_takes_a_chunk_of_positions_at_a_time(monkeypatch):
     """Validation's loss (L.heldout_loss, under no_grad) is the whole logits' summed cross-entropy, and no tensor of
-    it holds more than a chunk's logits: at 8B a validation batch's whole fp32 logits and log-softmax were 7.8 GiB,
-    more than the training step's chunked loss needs."""
+    it holds more than a chunk's logits (docs/internals.md#validation: what whole logits cost at 8B)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=1000, multiple_of=32, max_seq_len=64)
     torch.manual_seed(0)
