@@ -53,13 +53,20 @@ def planned(extra: list, world_size: int, gpu: bool | None = None):
         return cfg, Transformer(train.model_args(cfg)), sizes
 
 
+def estimated(cfg, model, sizes: dict, cuda: bool) -> dict:
+    """memory.estimate_memory for this config: the sections it reads, handed by name."""
+    f8_gather = "float8" in cfg.model.converters and cfg.float8.enable_fsdp_float8_all_gather
+    return memory.estimate_memory(model, sizes, training=cfg.training, optimizer=cfg.optimizer,
+                                  activation_checkpoint=cfg.activation_checkpoint, float8_gather=f8_gather, cuda=cuda)
+
+
 def estimate(args, extra):  # bench.py memory
     import train
     if args.world_size is None and train.load_config(extra).model.flavor != "debugmodel":
         fail("--world_size is missing: the number of GPUs in the job (e.g. --world_size 8); "
              "it sets the sharding")
     cfg, model, sizes = planned(extra, args.world_size or 1, gpu=args.device == "cuda")  # the job's
-    parts = memory.estimate_memory(model, cfg, sizes, cuda=args.device == "cuda")
+    parts = estimated(cfg, model, sizes, cuda=args.device == "cuda")
     print(memory.format_estimate(parts))
     for name, capacity in memory.GPUS if args.device == "cuda" else []:
         share = parts["total"] / capacity
@@ -229,7 +236,7 @@ def matrix_row(extra: list, steps: int, warmup: int, nproc: int, cuda: bool, tim
     import train
     try:  # what `bench.py memory` says for this run
         cfg, model, sizes = planned(extra, nproc)
-        parts = memory.estimate_memory(model, cfg, sizes, cuda=cuda)
+        parts = estimated(cfg, model, sizes, cuda=cuda)
         estimate = f"{parts['total'] / 2**30:.2f}"
     except train.ConfigError:  # train.py says why in the row
         estimate = "-"
@@ -339,7 +346,7 @@ def blocks_that_fit(extra: list, capacity: int) -> int:
     # shapes only (cuda=True): on a CPU the process's own memory is no block's
     def fits(n: int) -> bool:
         cfg, model, sizes = planned([*extra, "--model.n_layers", str(n)], 1)
-        total = memory.estimate_memory(model, cfg, sizes, cuda=True)["total"]
+        total = estimated(cfg, model, sizes, cuda=True)["total"]
         return memory.verdict(total, capacity) == "fits"
 
     lo, hi = 1, train.flavor_args(train.load_config(extra)).n_layers  # the answer is in [lo, hi]

@@ -31,13 +31,10 @@ from pretrain import checkpoint_folder
 from pretrain import data_check
 from pretrain import distributed
 from pretrain import dryrun
+from pretrain import measure
 from pretrain import memory
 from pretrain import sources
 from pretrain.metrics import peak_tflops
-
-# FOR TESTS ONLY: that rank sleeps inside its matmul timing (20x slower)
-SLOW_RANK = "PREFLIGHT_TEST_SLOW_RANK"
-
 
 def fail(msg: str):
     """A bad config or data source: one line and exit 2, as train.py ends."""
@@ -52,53 +49,6 @@ def level(value: float, warn: float, fail: float) -> str:
     if value < warn:
         return "WARN"
     return "OK"
-
-
-def matmul_tflops(device, rank: int) -> float:
-    """A dense matmul's TFLOP/s, the fastest of the runs in half a second (8 at least) after 2
-    warm-ups: a busy neighbour only ever slows a run down, so the fastest is the device's own
-    speed. bf16 8192^2 on GPU, fp32 512^2 on CPU."""
-    gpu = device.type == "cuda"
-    n, dtype = (8192, torch.bfloat16) if gpu else (512, torch.float32)
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))  # the operands
-    times = []  # seconds of each run
-    start = time.perf_counter()
-    while len(times) < 10 or time.perf_counter() - start < 0.5:
-        t0 = time.perf_counter()
-        a @ b
-        if gpu:
-            torch.cuda.synchronize()
-        if os.environ.get(SLOW_RANK) == str(rank):
-            time.sleep(19 * (time.perf_counter() - t0))
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / min(times[2:]) / 1e12
-
-
-def bus_bandwidth(group, device, sizes) -> dict:
-    """{op: [GB/s per size]} as nccl-tests computes it from the slowest rank's time: algbw = bytes
-    of the result / time; all-reduce busbw = algbw x 2(n-1)/n, all-gather busbw = algbw x
-    (n-1)/n."""
-    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the newer name first
-    n = dist.get_world_size(group)
-    out = {}
-    for size in sizes:
-        part = torch.ones(size // 4 // n, device=device)
-        full = torch.ones(len(part) * n, device=device)  # all-gather's output: n parts
-        ops = (("all-reduce", lambda: dist.all_reduce(full, group=group), 2 * (n - 1) / n),
-               ("all-gather", lambda: gather(full, part, group=group), (n - 1) / n))
-        for op, run, factor in ops:
-            run()  # two warm-ups: connections, buffers
-            run()
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            for _ in range(5):
-                run()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = torch.tensor([time.perf_counter() - t0], device=device)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
-            out.setdefault(op, []).append(full.nbytes * 5 / dt.item() * factor / 1e9)
-    return out
 
 
 def rank_checks(cfg, device, rank: int, token: str) -> dict:
@@ -116,7 +66,7 @@ def rank_checks(cfg, device, rank: int, token: str) -> dict:
     # GPUs that torch does not see: a CPU-only torch build in the VENV (unless the job hid them)
     hidden = not gpu and smi and os.environ.get("CUDA_VISIBLE_DEVICES") != ""
     r = {"node": node, "device": name, "versions": (torch.__version__, runtime, nccl),
-         "hidden_gpus": hidden, "tflops": matmul_tflops(device, rank), "dump": "", "free": None}
+         "hidden_gpus": hidden, "tflops": measure.matmul_tflops(device, rank), "dump": "", "free": None}
     try:
         with open(cfg.model.tokenizer_path, "rb") as f:
             r["tokenizer"] = hashlib.sha256(f.read()).hexdigest()
@@ -150,10 +100,10 @@ def check(args, extra):
     sizes = train.validate(cfg, world)
     with torch.device("meta"):
         model = Transformer(train.model_args(cfg))
-    # a checkpoint: fp32 weights and AdamW's moments, every rank's shard of them
-    parts = memory.estimate_memory(model, cfg, sizes, cuda=True)
-    per_shard = parts["weights"] + parts["optimizer"]
-    ckpt = per_shard * sizes["dp_shard"] * cfg.parallelism.tensor_parallel_degree
+    # a checkpoint: fp32 weights and the optimizer's states, every rank's shard of them
+    parts = memory.estimate_memory(model, sizes, training=cfg.training, optimizer=cfg.optimizer, cuda=True,
+                                   activation_checkpoint=cfg.activation_checkpoint, float8_gather=False)
+    ckpt = (parts["weights"] + parts["optimizer"]) * sizes["dp_shard"] * sizes["tp"]
     # the trainer's device, process group and mesh
     device, _ = distributed.init_distributed(cfg.parallelism, sizes, cfg.comm.init_timeout_seconds)
     gpu = device.type == "cuda"
@@ -183,8 +133,10 @@ def check(args, extra):
     verdict = Verdicts()
     if rank == 0:
         report_ranks(cfg, ranks, ckpt, gpu, verdict)
+    listed = data_check.configured(cfg.data.sources, cfg.validation.sources, cfg.eval)
     try:  # rank 0 resolves, once
-        manifest, ranks[0]["manifest"], resolved, fresh = data_check.share_sources(cfg, rank)
+        manifest, ranks[0]["manifest"], resolved, fresh = data_check.share_sources(
+            cfg.data, cfg.job.dump_folder, listed, rank)
     except sources.DataError as e:
         fail(str(e))
     # each node checks every local file, split over its ranks as startup.share_manifest does
@@ -192,18 +144,19 @@ def check(args, extra):
     part = mine.index(rank)
     streams = cfg.data.num_streams or sizes["dp"]
     max_seq_len = train.flavor_args(cfg).max_seq_len  # the window evals.load cuts examples to
-    unreadable = data_check.read_share(cfg, manifest, fresh, part=part, parts=len(mine), streams=streams,
-                                       max_seq_len=max_seq_len)
+    unreadable = data_check.read_share(cfg.data, cfg.eval, listed, manifest, fresh, part=part, parts=len(mine),
+                                       streams=streams, max_seq_len=max_seq_len,
+                                       tokenizer_path=cfg.model.tokenizer_path)
     for x, data in zip(ranks, gather({**(resolved if rank == 0 else {}), **unreadable})):
         x["data"] = data
     if rank == 0:
-        report_data(cfg, ranks, nodes, verdict)
+        report_data(cfg, listed, ranks, nodes, verdict)
     sizes_b = [2**20, 2**24, 2**28, 2**30] if gpu else [2**18, 2**22]  # small on CPU (gloo)
     groups = node_groups(nodes, cfg.comm.init_timeout_seconds)
     intra = None  # one rank on this node: nothing to measure within it
     if len(mine) > 1:
-        intra = bus_bandwidth(groups[r["node"]], device, sizes_b)
-    inter = bus_bandwidth(None, device, sizes_b) if len(nodes) > 1 else None
+        intra = measure.bus_bandwidth(groups[r["node"]], device, sizes_b)
+    inter = measure.bus_bandwidth(None, device, sizes_b) if len(nodes) > 1 else None
     for x, measured in zip(ranks, gather(intra)):
         x["intra"] = measured
     code = [0]  # the exit code, rank 0's for every rank
@@ -358,14 +311,14 @@ def report_ranks(cfg, ranks: list, ckpt: float, gpu: bool, verdict: Verdicts):
     verdict("FAIL" if differ or missing else "OK", f"tokenizer {cfg.model.tokenizer_path}", text)
 
 
-def report_data(cfg, ranks: list, nodes: dict, verdict: Verdicts):
+def report_data(cfg, listed: list, ranks: list, nodes: dict, verdict: Verdicts):
     """Rank 0: the data manifest, and whether each node reads each source and eval task."""
     manifest_level, text = ranks[0]["manifest"]  # rank 0's, from data_check.rank0_manifest
     verdict(manifest_level, "data manifest", text)
     from_mirror = ""
     if cfg.data.mirror:
         from_mirror = f", from the data mirror {cfg.data.mirror} where it holds the file"
-    for _, _, name in data_check.configured(cfg):
+    for _, _, name in listed:  # data_check.configured's
         errors = {}
         for x in ranks:  # a node's first error: its ranks checked a share each
             if x["data"].get(name) and not errors.get(x["node"]):

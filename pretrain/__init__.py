@@ -1,5 +1,7 @@
 """The trainer's plumbing: what train.py, model.py and data.py (at the root) stand on. Imported as
-`from pretrain.checkpoint import Checkpointer`; nothing here imports a program at the root.
+`from pretrain.checkpoint import Checkpointer`; nothing here imports a program at the root. A module
+takes its own config section or plain values, never train.py's whole Config, except config (which
+makes it), dryrun (which hands it to the trainer's own functions) and titan_run (a program).
 
     config             TOML and `--section.key value` into train.py's dataclasses; --help
     distributed        process group and mesh, bounded waits, one rank's error on all
@@ -20,7 +22,8 @@
     agreement          what every rank agrees on at a step: one all-reduce, one decision
     optimizers         optimizers beside torch's (AdamW with bf16 moments) and their config rules
     memory             memory per device: estimated from the layout, or counted live
-    measure            how bench.py measures: timed commands, side by side, steady rates, profiles
+    measure            how bench.py and preflight.py measure: timed commands, side by side, steady
+                       rates, profiles; matmul speed and bus bandwidth
     float8             torchao float8: the config rules, conversion, TP styles
     evals              held-out loss; downstream tasks scored as lm-evaluation-harness does
     dryrun             preflight.py dryrun: the trainer it is handed, set up and two steps at the

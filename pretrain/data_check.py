@@ -36,13 +36,13 @@ def hub_unreachable() -> str:
     return ""
 
 
-def configured(cfg) -> list:
+def configured(training: list, held_out: list, eval_cfg) -> list:
     """[(manifest section, source, its name in the report)] in the config's order: the training
-    sources, the held-out ones, then [eval]'s tasks (pinned in the manifest's validation
-    section)."""
-    groups = (("data", "data source", cfg.data.sources),
-              ("validation", "validation source", cfg.validation.sources),
-              ("validation", "eval task", evals.sources(cfg.eval)))
+    sources ([[data.sources]]), the held-out ones ([[validation.sources]]), then [eval]'s tasks
+    (pinned in the manifest's validation section)."""
+    groups = (("data", "data source", training),
+              ("validation", "validation source", held_out),
+              ("validation", "eval task", evals.sources(eval_cfg)))
     return [(kind, s, f"{what} {s.name!r} ({s.path})")
             for kind, what, srcs in groups for s in srcs]
 
@@ -52,14 +52,14 @@ def hub_id(path: str) -> bool:
     return not os.path.exists(path) and bool(re.fullmatch(r"[\w.-]+/[\w.-]+", path))
 
 
-def rank0_manifest(cfg) -> tuple:
+def rank0_manifest(data_cfg, dump_folder: str, listed: list) -> tuple:
     """Rank 0's (manifest, (level, text) for the report, {source: why rank 0 cannot resolve it},
     [sources resolved now]): the run's pinned manifest ([data] manifest, else the dump folder's once
     a run made it) read as the run reads it, and the sources it lacks resolved once, each on its
-    own, as the first start would. Writes nothing."""
+    own, as the first start would. `listed`: configured()'s. Writes nothing."""
     t0 = time.perf_counter()
-    given = cfg.data.manifest
-    folder = cfg.job.dump_folder
+    given = data_cfg.manifest
+    folder = dump_folder
     path = given or os.path.join(folder, data_manifest.MANIFEST)
     manifest = {"version": 1, "data": [], "validation": []}  # none yet: every source is missing
     state = None  # the report's (level, text), once something decides it
@@ -67,10 +67,10 @@ def rank0_manifest(cfg) -> tuple:
         # no validation sources: those it lacks are resolved below (a start pins them, preflight
         # writes nothing)
         try:
-            manifest = data_manifest.pinned_manifest(given, folder, cfg.data.sources, [])
+            manifest = data_manifest.pinned_manifest(given, folder, data_cfg.sources, [])
         except sources.DataError as e:
             state = ("FAIL", f"{e}; the sources below were resolved afresh")
-    missing = [(kind, s, name) for kind, s, name in configured(cfg)
+    missing = [(kind, s, name) for kind, s, name in listed
                if not data_manifest.manifest_entry(manifest, s, kind)]
     offline = hub_unreachable() if any(hub_id(s.path) for _, s, _ in missing) else ""
     errors = {}  # source name -> why rank 0 cannot resolve it
@@ -81,7 +81,7 @@ def rank0_manifest(cfg) -> tuple:
             manifest[kind].append(data_manifest.resolve_source(src))
         except sources.DataError as e:
             errors[name] = str(e)
-    n = len(configured(cfg)) - len(missing)
+    n = len(listed) - len(missing)
     none_yet = f"none pinned yet ({path} is made at the run's first start)"
     pinned = f"{n} source(s) pinned in {path}" if n else none_yet
     seconds = time.perf_counter() - t0
@@ -90,13 +90,14 @@ def rank0_manifest(cfg) -> tuple:
     return manifest, state, errors, [name for _, _, name in missing]
 
 
-def share_sources(cfg, rank: int) -> tuple:
+def share_sources(data_cfg, dump_folder: str, listed: list, rank: int) -> tuple:
     """rank0_manifest on every rank, through the job's store with a deadline of its own, as
     startup.share_manifest does (data_manifest.shared_manifest): resolving many sources on a
     rate-limited Hub may take longer than a collective. A DataError if the wait runs out."""
     store = dist.distributed_c10d._get_default_store()
-    wait = cfg.data.resolve_timeout_seconds  # seconds every rank waits for rank 0
-    return data_manifest.shared_manifest(store, rank, wait, lambda: rank0_manifest(cfg))
+    wait = data_cfg.resolve_timeout_seconds  # seconds every rank waits for rank 0
+    return data_manifest.shared_manifest(store, rank, wait,
+                                         lambda: rank0_manifest(data_cfg, dump_folder, listed))
 
 
 def from_hub(path: str, size: int) -> bool:
@@ -109,31 +110,31 @@ def from_hub(path: str, size: int) -> bool:
     return path.startswith("hf://")
 
 
-def read_task(cfg, src, manifest: dict, tokenizer, max_seq_len: int):
+def read_task(eval_cfg, src, manifest: dict, tokenizer, max_seq_len: int, timeout: float):
     """An eval task's first example, as train.py's start reads the task (evals.load): its pinned
     files, the task's layout (context, choices, answer), tokenized for a model of `max_seq_len`. A
-    DataError says what is wrong."""
-    tasks = [t for t in cfg.eval.tasks if t.name == src.name]
-    one = dataclasses.replace(cfg.eval, tasks=tasks, limit=1)
-    evals.load(one, tokenizer, max_seq_len, manifest, cfg.data.hub_timeout_seconds)
+    DataError says what is wrong. `timeout`: [data] hub_timeout_seconds."""
+    tasks = [t for t in eval_cfg.tasks if t.name == src.name]
+    one = dataclasses.replace(eval_cfg, tasks=tasks, limit=1)
+    evals.load(one, tokenizer, max_seq_len, manifest, timeout)
 
 
-def read_share(cfg, manifest: dict, fresh: list, part: int, parts: int, streams: int,
-               max_seq_len: int) -> dict:
+def read_share(data_cfg, eval_cfg, listed: list, manifest: dict, fresh: list, *, part: int, parts: int,
+               streams: int, max_seq_len: int, tokenizer_path: str) -> dict:
     """{source: "" or why this node cannot use it}, for this rank's share of its node (rank `part`
     of `parts`): every parts-th local file of the manifest is there with its bytes
     (data_manifest.verify_manifest, as a run checks), and every parts-th source reads as the run
     reads it, from [data] mirror where that holds the file: a training source's first document of
     its first stream (of `streams`: the file download_data.py fetches first), a held-out source's
     first document, an eval task's first example (read_task, for a model of `max_seq_len`).
-    `fresh`: the sources rank 0 resolved now."""
+    `listed`: configured()'s; `fresh`: the sources rank 0 resolved now."""
     errors = {}  # source name -> "" or why this node cannot use it
     offline = None  # why this node cannot reach the Hub, once asked ("": it can)
     tokenizer = None  # made for the first eval task
-    tasks = evals.sources(cfg.eval)
+    tasks = evals.sources(eval_cfg)
     # as train.py reads it: pinned Hub files from the mirror first
-    manifest = {**manifest, "mirror": cfg.data.mirror}
-    for i, (kind, src, name) in enumerate(configured(cfg)):
+    manifest = {**manifest, "mirror": data_cfg.mirror}
+    for i, (kind, src, name) in enumerate(listed):
         entry = data_manifest.manifest_entry(manifest, src, kind)
         if entry is None:  # rank 0 could not resolve it: its line says why
             continue
@@ -150,8 +151,8 @@ def read_share(cfg, manifest: dict, fresh: list, part: int, parts: int, streams:
             files = data_manifest.source_files(manifest, src, kind)
             training = kind == "data"
             n_streams = streams if training else 1
-            timeout = cfg.data.hub_timeout_seconds
-            reader = data.SourceReader(src, files, 0, n_streams, cfg.data.seed,
+            timeout = data_cfg.hub_timeout_seconds
+            reader = data.SourceReader(src, files, 0, n_streams, data_cfg.seed,
                                        ordered=not training, timeout=timeout)
             first = reader._files()[0] if src not in tasks else files[0]  # the file read first
             if from_hub(*first):
@@ -167,8 +168,8 @@ def read_share(cfg, manifest: dict, fresh: list, part: int, parts: int, streams:
             if src not in tasks:
                 reader.next_text()
                 continue
-            tokenizer = tokenizer or data.Tokenizer(cfg.model.tokenizer_path)
-            read_task(cfg, src, manifest, tokenizer, max_seq_len)
+            tokenizer = tokenizer or data.Tokenizer(tokenizer_path)
+            read_task(eval_cfg, src, manifest, tokenizer, max_seq_len, timeout)
         except sources.DataError as e:
             errors[name] = str(e)
     return errors

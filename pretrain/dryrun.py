@@ -213,7 +213,9 @@ def run(world_size: int, rest: list, trainer) -> int:
     print("not counted: NCCL's buffers, the CUDA context, the caching allocator's fragmentation, "
           "compile's workspaces, a validation or eval round; "
           f"\"fits\" keeps {memory.FREE:.0%} of the GPU free for them")
-    estimate = memory.estimate_memory(model, cfg, sizes, cuda=True)
+    f8_gather = "float8" in cfg.model.converters and cfg.float8.enable_fsdp_float8_all_gather
+    estimate = memory.estimate_memory(model, sizes, training=cfg.training, optimizer=cfg.optimizer, cuda=True,
+                                      activation_checkpoint=cfg.activation_checkpoint, float8_gather=f8_gather)
     print(f"bench.py memory's {memory.format_estimate(estimate)}")
     peak = max(r["peak"] for r in results)
     total = estimate["total"]  # bytes per rank, by bench.py memory's estimate

@@ -43,7 +43,8 @@ def resident_bytes() -> int:
         return peak_resident_bytes()
 
 
-def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
+def estimate_memory(model, sizes: dict, *, training, optimizer, activation_checkpoint, float8_gather: bool,
+                    cuda: bool) -> dict:
     """Bytes per device at a training step's peak, by part, for eager mode (compile keeps less).
 
     Weights, gradients and AdamW's moments are fp32 (or bf16 moments), sharded over dp_shard x tp.
@@ -61,11 +62,11 @@ def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
     under TP (loss parallel) the sharded log-softmax keeps its input, the fp32 logits, too, and the
     output layer keeps its all-gathered input whole.
     CPU adds the process's resident memory before the model exists (Python, torch, tokenizer).
-    float8 with enable_fsdp_float8_all_gather gathers the blocks' Linear weights in 1 byte each;
+    float8_gather (float8 with enable_fsdp_float8_all_gather) gathers the blocks' Linear weights in 1 byte each;
     activations stay as counted (torchao keeps each Float8Linear's input in high precision)."""
     a = model.args
-    t = cfg.training
-    tp = cfg.parallelism.tensor_parallel_degree
+    t = training
+    tp = sizes["tp"]
     shards = sizes["dp_shard"] * tp
     bw = 2 if t.mixed_precision_param == "bfloat16" else 4  # the param dtype's bytes
     b = bw if sizes["dp"] > 1 else 4  # the activations' (a little high under autocast)
@@ -89,7 +90,7 @@ def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
              "full": b * d / tp,  # the block input
              # wq, attention, wk, wv, w1, w3 | the input | wo, w2
              "op": bw * (2 * d + 2 * kv + 2 * f) / tp + b * d / tp + 2 * b * d}
-    ac = cfg.activation_checkpoint
+    ac = activation_checkpoint
     mode = "op" if ac.mode == "selective" and ac.selective_ac_option == "op" else ac.mode
     if mode == "selective":  # full AC on every Nth block, none on the others
         n_ac = len(range(0, a.n_layers, int(ac.selective_ac_option)))
@@ -97,14 +98,13 @@ def estimate_memory(model, cfg, sizes: dict, cuda: bool) -> dict:
     else:
         all_blocks = a.n_layers * saved[mode]
     n_linear = sum(q.numel() for q in block.parameters() if q.ndim == 2)  # wq wk wv wo w1 w2 w3
-    float8_gather = "float8" in cfg.model.converters and cfg.float8.enable_fsdp_float8_all_gather
     root_and_last = n_total - (a.n_layers - 1) * n_block  # the root and the last block
     float8_saves = (bw - 1) * n_linear * float8_gather  # float8 gathers 1 byte per Linear weight
     gathered = (bw * root_and_last - float8_saves) / tp  # FSDP's; without: autocast's (fp32: none)
     gathered = gathered if sizes["dp"] > 1 else (bw == 2) * 2 * a.n_layers * n_block / tp
     loss_bytes = 16 if tp > 1 else 12  # per logit: TP's log-softmax keeps the fp32 logits too
     parts = {"weights": 4 * n_total / shards,
-             "optimizer": (4 if cfg.optimizer.state_dtype == "bfloat16" else 8) * n_total / shards,
+             "optimizer": (4 if optimizer.state_dtype == "bfloat16" else 8) * n_total / shards,
              "gradients": 4 * n_total / shards,
              "gathered": gathered,
              # the blocks', plus the final norm's and the output layer's input

@@ -252,7 +252,7 @@ def test_memory_and_the_bare_loop_take_the_tokenizers_vocabulary(capsys, monkeyp
     monkeypatch.chdir(ROOT)  # the config's tokenizer path is relative to the repo root, as for train.py
     cfg, wide, sizes = b.planned([*debug, "--model.flavor", "8B", "--model.n_layers", "1"], 1)
     assert (wide.args.dim, wide.args.vocab_size) == (4096, 2048)  # 8B's width, the tokenizer's words
-    assert memory.estimate_memory(wide, cfg, sizes, cuda=True)["loss"] == 8 * 256 * 12 * 2048
+    assert b.estimated(cfg, wide, sizes, cuda=True)["loss"] == 8 * 256 * 12 * 2048
     built = []  # the bare loop's model
     monkeypatch.setattr(model, "Transformer", lambda args, real=model.Transformer: built.append(args) or real(args))
     tiny = ["--model.n_layers", "1", "--training.seq_len", "8", "--training.local_batch_size", "1"]

@@ -301,9 +301,9 @@ def test_memory_estimate_counts_the_float8_all_gather():
     from pretrain import memory
     base = ["--config", "configs/llama3_8b.toml", "--training.mixed_precision_param", "bfloat16"]
     cfg, model, sizes = bench.planned(base, 8)
-    plain = memory.estimate_memory(model, cfg, sizes, cuda=True)
+    plain = bench.estimated(cfg, model, sizes, cuda=True)
     cfg, model, sizes = bench.planned(base + FSDP_F8, 8)
-    f8 = memory.estimate_memory(model, cfg, sizes, cuda=True)
+    f8 = bench.estimated(cfg, model, sizes, cuda=True)
     linear = sum(q.numel() for q in model.layers[0].parameters() if q.ndim == 2)  # one block's Linear weights
     assert plain["gathered"] - f8["gathered"] == linear  # 2 bytes -> 1 for the gathered block
     assert plain["activations"] == f8["activations"]

@@ -39,7 +39,7 @@ def measure(configs):
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.device_mesh import init_device_mesh
 
-    from pretrain import memory
+    import bench
     import train
     from model import Transformer
 
@@ -52,7 +52,7 @@ def measure(configs):
         sizes = train.validate(cfg, dist.get_world_size())
         with torch.device("meta"):
             model = Transformer(train.flavor_args(cfg))
-        parts = memory.estimate_memory(model, cfg, sizes, cuda=False)
+        parts = bench.estimated(cfg, model, sizes, cuda=False)
         estimate = parts["total"] - parts["runtime"]  # without the process itself
         mesh = init_device_mesh("cpu", (1, sizes["dp_shard"], cfg.parallelism.tensor_parallel_degree),
                                 mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
@@ -111,7 +111,7 @@ def test_estimate_scales_with_the_layout():
     range published for them (8B, seq 8192, bf16, selective AC on 8 GPUs: tens of GiB, not hundreds)."""
     import torch
 
-    from pretrain import memory
+    import bench
     import train
     from model import Transformer, flavors
 
@@ -120,7 +120,7 @@ def test_estimate_scales_with_the_layout():
                                  *extra])
         with torch.device("meta"):
             model = Transformer(flavors[flavor])
-        return memory.estimate_memory(model, cfg, train.validate(cfg, world), cuda=True)[part] / 2**30
+        return bench.estimated(cfg, model, train.validate(cfg, world), cuda=True)[part] / 2**30
 
     assert total("8B", 8, part="optimizer") == pytest.approx(total("8B", 16, part="optimizer") * 2)
     assert total("8B", 8, "--activation_checkpoint.mode", "full") < total("8B", 8) < total(
@@ -139,7 +139,7 @@ def test_shipped_configs_fit_an_80_gib_gpu(name, world):
     from pretrain import memory
 
     cfg, model, sizes = bench.planned(["--config", os.path.join(ROOT, f"configs/{name}.toml")], world)
-    total = memory.estimate_memory(model, cfg, sizes, cuda=True)["total"]
+    total = bench.estimated(cfg, model, sizes, cuda=True)["total"]
     assert memory.FRAGMENTATION * total < 80 * 2**30, f"{name} on {world} GPUs: {total / 2**30:.1f} GiB estimated"
 
 

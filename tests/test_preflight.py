@@ -222,7 +222,8 @@ def report(cfg, ranks, nodes, inter, sizes, ckpt) -> int:
     import preflight
     verdict = preflight.Verdicts()
     preflight.report_ranks(cfg, ranks, ckpt, True, verdict)
-    preflight.report_data(cfg, ranks, nodes, verdict)
+    listed = preflight.data_check.configured(cfg.data.sources, cfg.validation.sources, cfg.eval)
+    preflight.report_data(cfg, listed, ranks, nodes, verdict)
     preflight.report_bandwidth(ranks, nodes, inter, sizes, True, verdict)
     return verdict.summary(1.0)
 
