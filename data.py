@@ -41,13 +41,13 @@ from pretrain.sources import HUB_TIMEOUT, MIB, NO_STEP, DataError, DataSource, H
 # Tokenizer
 # --------------------------------------------------------------------------------------------------
 
-# Llama 3's pre-tokenizer split: contractions, words, 1-3 digit groups, punctuation runs,
-# whitespace
+# Llama 3's pre-tokenizer splits text into contractions, words, 1-3 digit groups, punctuation runs
+# and whitespace.
 LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 NUM_SPECIAL = 256
 # Loader workers ignore these: the trainer handles them (save, then exit), then stops its workers.
-USR1 = (signal.SIGUSR1,) if hasattr(signal, "SIGUSR1") else ()  # not on Windows
+USR1 = (signal.SIGUSR1,) if hasattr(signal, "SIGUSR1") else ()  # Windows has no SIGUSR1
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT) + USR1
 logger = logging.getLogger("data")
 
@@ -80,7 +80,7 @@ class Tokenizer:
                  "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
                  "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>",
                  "<|python_tag|>"]
-        reserved = range(2, 2 + NUM_SPECIAL - len(named))  # the rest, numbered on from 2
+        reserved = range(2, 2 + NUM_SPECIAL - len(named))  # the rest are numbered on from 2
         names = named + [f"<|reserved_special_token_{i}|>" for i in reserved]
         self.special = {name: n + i for i, name in enumerate(names)}
         self.path = path  # loader workers build their own copy from it
@@ -113,13 +113,13 @@ class SourceReader:
                  ordered: bool = False, timeout: float = HUB_TIMEOUT, budget: float = math.inf,
                  step=NO_STEP):
         self.src = src
-        self.stream = stream  # this reader's stream, of num_streams
+        self.stream = stream  # which of the num_streams streams this reader reads
         self.num_streams = num_streams
-        self.seed = seed  # with the source and the epoch: the order of the files
-        self.ordered = ordered  # sorted, never shuffled: validation
+        self.seed = seed  # with the source and the epoch, it sets the order of the files
+        self.ordered = ordered  # validation reads the files sorted, never shuffled
         self.timeout = timeout  # seconds a hub read may go without a byte before it is retried
-        self.budget = budget  # seconds a failing read is retried, from its start: [comm]'s timeout
-        self.step = step  # [end, seconds] of the training step's reads: its loader's (NO_STEP: none)
+        self.budget = budget  # seconds a failing read is retried from its start ([comm]'s timeout)
+        self.step = step  # its loader's [end, seconds] of the step's reads (NO_STEP for none)
         self.files = [tuple(f) for f in files]
         self.epoch, self.file, self.row = 0, 0, 0  # the next document to read
         self.at = 0  # the row being read, for error messages
@@ -142,7 +142,7 @@ class SourceReader:
         """(row, text) of a file from row `start`: parquet seeks by row group, json skips lines."""
         col = self.src.text_column
         self.at = start
-        # parquet: exact range reads, no read-ahead: the footer, then the row groups needed
+        # parquet takes exact range reads, no read-ahead: the footer, then the row groups needed
         if path.endswith(".parquet"):
             with open_file(path, size, self.timeout, self.budget, self.src.name, self.step) as f:
                 pf = pq.ParquetFile(f)
@@ -159,7 +159,7 @@ class SourceReader:
                         yield from ((row, t) for row, t in rows if row >= start)
                     first += n
             return
-        # json lines, plain or compressed (the extension says which); a hub file in 8 MiB ranges
+        # json lines may be compressed (the extension says how); a hub file is read in 8 MiB ranges
         compression = fsspec.utils.infer_compression(path)
         with open_file(path, size, self.timeout, self.budget, self.src.name, self.step) as raw:
             f = io.BufferedReader(raw, 8 * MIB) if isinstance(raw, HubFile) else raw
@@ -180,13 +180,13 @@ class SourceReader:
         after the last document handed out, after a growing pause, so the stream is the same, while
         that can end within the budget from the start of the read. Anything else stops with one line
         naming the file and the row."""
-        failures = 0  # in a row, since the last document handed out
+        failures = 0  # failed tries in a row since the last document handed out
         started = time.monotonic()  # when the read of the next document began
         while True:
             files = self._files()
             whole_epoch = self.file == 0 and self.row == 0  # this pass starts at the epoch's start
-            found = False  # a row of this stream in this pass
-            by_rows = len(files) < self.num_streams  # too few files: split rows instead
+            found = False  # whether this pass found a row of this stream
+            by_rows = len(files) < self.num_streams  # with too few files, streams split the rows
             while self.file < len(files):
                 try:
                     for row, text in self._rows(*files[self.file], self.row):
@@ -278,7 +278,7 @@ class PackedStream:
         self.tok = tokenizer
         self.seq_len = seq_len
         self.counts = [0] * len(sources)  # tokens emitted per source
-        # per source: where its next document is
+        # where each source's next document is
         self.positions = [r.state_dict() for r in self.readers]
         self.cur = None  # the source of the document being packed
         self.cur_state = None  # its reader's position before that document
@@ -341,15 +341,15 @@ def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int, st
     gone (even by SIGKILL), not after an error: an exit drops what a full pipe has not taken."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    # blocked from the fork to here: none got through
+    # they were blocked from the fork to here, so none got through
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     tok = Tokenizer(tokenizer_path)
     readers = {}
-    for key, spec, position in jobs:  # step: the trainer's loader's, in shared memory
+    for key, spec, position in jobs:  # step is the trainer's loader's, in shared memory
         readers[key] = SourceReader(**spec, step=step)
         readers[key].load_state_dict(position)
     try:
-        while not stop.is_set() and os.getppid() == parent:  # another parent pid: the trainer died
+        while not stop.is_set() and os.getppid() == parent:  # a new parent means the trainer died
             idle = True
             for key, r in readers.items():
                 if not queues[key].full():
@@ -374,14 +374,14 @@ class Workers:
     """num_workers loader processes per rank; (stream, source) pairs are dealt out round-robin."""
 
     def __init__(self, streams: list, num_workers: int, step, prefetch: int = 64):
-        ctx = multiprocessing.get_context("spawn")  # not fork: the trainer has threads (gloo, OMP)
+        ctx = multiprocessing.get_context("spawn")  # spawn, as the trainer has threads (gloo, OMP)
         pairs = [(s, i) for s in range(len(streams)) for i in range(len(streams[s].readers))]
         self.queues = {key: ctx.Queue(maxsize=prefetch) for key in pairs}
         self.stop = ctx.Event()
         self.procs = []
         self.pairs = pairs  # pair k goes to worker k % num_workers
         self.failed = {}  # (stream, source) -> its error
-        self.names = [r.src.name for r in streams[0].readers]  # each source's, for the lines
+        self.names = [r.src.name for r in streams[0].readers]  # each source's name, for error lines
         self.step = step  # the loader's step deadline, in memory the workers share
         # A child inherits the signal mask: these stay blocked until the worker ignores them, so a
         # signal sent to every process of the job while a worker starts up cannot kill it. The
@@ -389,7 +389,7 @@ class Workers:
         old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             for w in range(min(num_workers, len(pairs))):
-                jobs = []  # this worker's (stream, source) pairs: what its readers are made from
+                jobs = []  # what this worker's readers are made from, one per (stream, source) pair
                 for s, i in pairs[w::num_workers]:
                     jobs.append(((s, i), streams[s].readers[i].spec(), streams[s].positions[i]))
                 queues = {k: self.queues[k] for k, *_ in jobs}
@@ -414,18 +414,18 @@ class Workers:
             try:
                 item = self.queues[(s, i)].get(timeout=min(5, max(left, 0.01)))
                 break
-            except (EOFError, OSError):  # its worker died, maybe mid-message: its node's fault
+            except (EOFError, OSError):  # its worker died, maybe mid-message: a fault of its node
                 raise self.died(s, i)
             except queue.Empty:
-                if left <= 0:  # a read that is slow but not failing, or a worker slow to start
+                if left <= 0:  # a read is slow but not failing, or a worker is slow to start
                     raise DataError(self.too_long(s, i, time.monotonic() - asked), fault=True)
         if item[0] == "error":  # the worker has stopped: later reads of this pair fail at once
-            self.failed[(s, i)] = item[1:]  # its line, and whether a fault
+            self.failed[(s, i)] = item[1:]  # its line, and whether it is a fault
             raise DataError(*item[1:])
         return item
 
     def died(self, s: int, i: int) -> DataError:
-        worker = self.procs[self.pairs.index((s, i)) % len(self.procs)]  # the pair's, as dealt
+        worker = self.procs[self.pairs.index((s, i)) % len(self.procs)]  # the worker dealt the pair
         worker.join(timeout=1)  # it closed its queues as it exited: its exit code comes next
         killed = worker.exitcode == -signal.SIGKILL  # the out-of-memory killer's signal
         how = "killed by SIGKILL: out of memory?" if killed else f"exit code {worker.exitcode}"
@@ -449,7 +449,7 @@ class Workers:
                 p.join(timeout=5)
         for q in self.queues.values():
             q.close()  # the read-ahead is thrown away
-        # Lets their semaphores go now, not at interpreter exit.
+        # Dropping them lets their semaphores go now, not at interpreter exit.
         self.queues = {}
         self.procs = []
 
@@ -468,7 +468,7 @@ class DataLoader:
         per_rank = num_streams // dp_degree
         self.names = [s.name for s in sources]
         self.stream_ids = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
-        manifest = manifest or make_manifest(sources, (), timeout, budget)  # None: resolved here
+        manifest = manifest or make_manifest(sources, (), timeout, budget)  # None is resolved here
         files = [source_files(manifest, s) for s in sources]
         # [end, seconds] of a step's reads (reads_within), in memory the loader workers share
         self.step = multiprocessing.get_context("spawn").RawArray("d", [math.inf, math.inf])
@@ -479,7 +479,7 @@ class DataLoader:
         # multiple of the streams, each micro-batch takes the same from each (the layout before
         # resizing); else the micro-batches take the streams one window each, in turn.
         self.turn = 1 if local_batch_size % per_rank else local_batch_size // per_rank
-        self.at = 0  # windows taken in this round of turns: 0 at a step's end (train.validate's rule)
+        self.at = 0  # windows taken in this round of turns; 0 at a step's end (train.validate's rule)
         self.local_batch_size = local_batch_size
         self.num_workers = num_workers
         self.workers = None
@@ -499,10 +499,10 @@ class DataLoader:
         return self
 
     def __next__(self):
-        # started late: after a resume set the positions
+        # workers start late, after a resume has set the positions
         if self.num_workers and self.workers is None:
             self.workers = Workers(self.streams, self.num_workers, self.step)
-        reads = [None] * len(self.streams)  # None: each stream reads in this process
+        reads = [None] * len(self.streams)  # None means each stream reads in this process
         if self.workers:
             reads = [functools.partial(self.workers.get, s) for s in range(len(self.streams))]
         rows = []
@@ -521,7 +521,7 @@ class DataLoader:
         the loader's budget (comm.init_timeout_seconds) of its start, in all, or stops with one
         DataError line: the other ranks wait for this one in a collective, and slow retries, each
         within its own budget, add up. An enclosing block's end holds (train.read_step's)."""
-        if self.step[0] != math.inf:  # inside an enclosing block
+        if self.step[0] != math.inf:  # this is inside an enclosing block
             yield
             return
         self.step[:] = [time.monotonic() + self.budget, self.budget]

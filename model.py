@@ -273,7 +273,7 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {seqlen} exceeds max_seq_len={self.args.max_seq_len}")
         h = self.tok_embeddings(tokens)  # (bs, seqlen, dim)
         freqs_cis = torch.view_as_real(self.freqs_cis[:seqlen])  # compiled blocks get no complex input
-        mask = attention_mask(tokens, self.args)  # one for all layers
+        mask = attention_mask(tokens, self.args)  # all layers share one mask
         for layer in self.layers:
             h = layer(h, freqs_cis, mask)
         h = self.norm(h)

@@ -90,13 +90,13 @@ class Checkpointer:
         self.guard = guard
         self.sd_options = StateDictOptions(flatten_optimizer_state_dict=True)
         self.saver = checkpoint_folder.Saver(cfg, self.folder, model.args.params)
-        self.chosen = 0  # choices of a step-N so far
+        self.chosen = 0  # how many times a step-N was chosen so far
 
     def state(self, step: int, tokens_seen: int, model_only: bool = False) -> dict:
         """Everything a resume needs, as tensors only: DCP then never unpickles anything on load."""
         model = {k: plain(v) for k, v in get_model_state_dict(self.model).items()}
         state = {"model": model, "train": {"step": torch.tensor(step)}}
-        if model_only:  # the export at the end of training
+        if model_only:  # this is the export at the end of training
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.cfg.export_dtype]
             return {**state, "model": {k: v.to(dtype) for k, v in model.items()}}
         opt = get_optimizer_state_dict(self.model, self.optimizer, options=self.sd_options)
@@ -125,7 +125,7 @@ class Checkpointer:
         the newest complete step-N below `below` (None: none). The other ranks wait for it in the
         job's store, as for the other reads at start-up (a busy filesystem's listing may outlast a
         collective's timeout); every rank then loads what rank 0 chose (NFS listings can differ)."""
-        self.chosen += 1  # a key of its own for each choice (a rewind chooses again)
+        self.chosen += 1  # each choice gets a key of its own (a rewind chooses again)
         key = f"checkpoint_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}_{self.chosen}"
         store = dist.distributed_c10d._get_default_store()
         if self.rank == 0:
@@ -181,7 +181,7 @@ class Checkpointer:
         (its .metadata read once)."""
         try:
             whole = dcp.FileSystemReader(path).read_metadata()
-        except Exception:  # missing, truncated, or not DCP at all: incomplete() says which
+        except Exception:  # the folder is missing, truncated or not DCP; incomplete() says which
             whole = None
         if reason := checkpoint_folder.incomplete(path, whole):
             raise CheckpointError(f"{path} is not a complete DCP checkpoint: {reason}")
@@ -201,7 +201,7 @@ class Checkpointer:
         """metadata(path) as rank 0 finds it, on every rank: a node's view of a shared filesystem
         can be stale, so rank 0 alone checks it, and every rank stops with rank 0's line, or with
         that of a rank that cannot read it."""
-        error = ("", False)  # this rank's line, if it cannot read the metadata, and whether a fault
+        error = ("", False)  # its line if it cannot read the metadata, and whether it is a fault
         meta = None
         try:
             if self.rank == 0:
@@ -210,9 +210,9 @@ class Checkpointer:
                 meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         except CheckpointError as e:
             error = (str(e), False)
-        except Exception as e:  # what DCP's reader raises: any error of the file system or format
+        except Exception as e:  # DCP's reader raises any error of the file system or format
             metadata = os.path.join(path, ".metadata")
-            error = (f"rank {self.rank} cannot read {metadata}, which rank 0 found complete "  # stale
+            error = (f"rank {self.rank} cannot read {metadata}, which rank 0 found complete "  # its view is stale
                      f"({type(e).__name__}: {str(e)[:200]})".replace("\n", " "), "node")
         errors = [None] * dist.get_world_size()
         dist.all_gather_object(errors, (*error, node_name()))
@@ -224,20 +224,20 @@ class Checkpointer:
         """(step, tokens_seen) of the checkpoint at `path` (`meta`: its metadata, if read), loaded.
         rewind: the data loader keeps its place and the spike guard its counters (SpikeGuard.rewind)."""
         meta = meta or self.agreed_metadata(path)
-        if model_prefix(meta) == "":  # torchtitan's layout
+        if model_prefix(meta) == "":  # an empty prefix is torchtitan's layout
             optimizer = None if model_only else self.optimizer  # its data position is another loader's
             return load_torchtitan(path, meta, self.model, optimizer, self.scheduler), 0
         rank_key = f"rank{self.rank}"  # this rank's RNG state in the checkpoint
         model = {k: plain(v) for k, v in get_model_state_dict(self.model).items()}
         state = {"model": model} if model_only else self.state(0, 0)
-        for key in meta if not model_only else ():  # JSON blobs: allocate what was saved
+        for key in meta if not model_only else ():  # JSON blobs are allocated at their saved size
             section, _, name = key.partition(".")
             if section in ("train", "data") and meta[key].properties.dtype == torch.uint8:
                 state[section][name] = torch.empty(meta[key].size, dtype=torch.uint8)
         if not model_only:
             # older runs lack some of these
             state["train"] = {k: v for k, v in state["train"].items() if f"train.{k}" in meta}
-            if f"rng.{rank_key}" not in meta:  # resuming on more ranks than before
+            if f"rng.{rank_key}" not in meta:  # the run resumes on more ranks than before
                 del state["rng"]
         try:
             dcp.load(state, checkpoint_id=path)
@@ -257,14 +257,14 @@ class Checkpointer:
         opt = get_optimizer_state_dict(self.model, self.optimizer, options=self.sd_options)
         opt = {**opt, **state["optimizer"]}
         set_optimizer_state_dict(self.model, self.optimizer, opt, options=self.sd_options)
-        # the schedule's position only: optimizer.lr and the schedule's shape may change on a resume
+        # the schedule's position alone loads: optimizer.lr and its shape may change on a resume
         set_schedule(self.scheduler, self.optimizer, json_from(train["lr_scheduler"])["last_epoch"])
         step = int(train["step"])
         if "spikes" in train:  # older checkpoints have none
             self.guard.load_state_dict(json_from(train["spikes"]), window_only=rewind)
         if rewind:
             return step, int(train["tokens_seen"])
-        self.guard.cut_lr(self.optimizer, step + 1)  # the next step's, within a rewind's lr cut
+        self.guard.cut_lr(self.optimizer, step + 1)  # it sets the next step's lr in a rewind's cut
         streams = {s: json_from(state["data"][f"stream{s}"]) for s in self.loader.stream_ids}
         self.loader.load_state_dict(streams)
         if "rng" in state:
@@ -282,7 +282,7 @@ class Checkpointer:
         if changed:
             logger.info(f"this resume changes {'; '.join(changed)} (allowed: the checkpoint's "
                         "weights are the same)")
-        # allowed, but the lr schedule is a function of training.steps
+        # a change is allowed, but the lr schedule is a function of training.steps
         if steps != self.steps and self.rank == 0:
             logger.warning(f"training.steps changed {steps} -> {self.steps}: the lr schedule now "
                            f"ends at step {self.steps} instead of {steps}, and the lr from here "

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-logger = logging.getLogger("checkpoint")  # as checkpoint.py's: its lines read "checkpoint"
+logger = logging.getLogger("checkpoint")  # checkpoint.py's logger, so its lines read "checkpoint"
 
 
 class SaveError(RuntimeError):
@@ -37,7 +37,7 @@ def incomplete(path: str, meta=None):
     readable, every file it names as long as the data it records there (an rsync cut short)."""
     try:
         meta = meta or dcp.FileSystemReader(path).read_metadata()
-    except Exception as e:  # missing, truncated, or not DCP at all
+    except Exception as e:  # the folder is missing, truncated or not DCP at all
         metadata = os.path.join(path, ".metadata")
         return f"{metadata} is missing or unreadable ({type(e).__name__})"
     need = {}
@@ -105,8 +105,8 @@ class Saver:
         self.rank = dist.get_rank()
         # Saves run DCP's collectives on a gloo group of their own (async ones from a background
         # thread), made now, while the launcher's store answers (a signal may have ended torchrun
-        # by the time a save starts): bounded by save_timeout_seconds, as long as a save may take,
-        # not by [comm]'s timeout. Not in the dry run's fake group.
+        # by the time a save starts). Its timeout is save_timeout_seconds, as long as a save may
+        # take, not [comm]'s timeout. A dry run's fake backend gets no such group.
         use_group = cfg.enable and dist.get_backend() != "fake"
         self.group = self.save_group() if use_group else None
         self.pending = None  # (future, step, start time) of an async save not yet in place
@@ -124,7 +124,7 @@ class Saver:
         and the folder is clear: in the background (async_mode) unless the run stops after it."""
         if self.pending is not None:  # at most one save in flight
             self.finish()
-        # after a failed save, or in the dry run: every rank saves at the same step
+        # a failed save dropped it, and the dry run has none; every rank saves at the same step
         if self.group is None:
             self.group = self.save_group()
         t0 = time.perf_counter()
@@ -145,11 +145,11 @@ class Saver:
                 dcp.save(state, checkpoint_id=tmp, process_group=self.group)
                 future.set_result(None)
         except (CheckpointException, OSError, RuntimeError) as e:
-            # disk full, quota, past save_timeout_seconds (gloo), maybe on some ranks: finish() agrees
+            # a full disk, quota or save_timeout_seconds (gloo) may fail some ranks; finish() agrees
             future.set_exception(e)
         self.pending = (future, step, time.monotonic())
         blocked = f"training blocked {time.perf_counter() - t0:.2f}s"
-        if background:  # put in place (or failed, on every rank) at a later step boundary
+        if background:  # it is put in place (or fails, on every rank) at a later step boundary
             return logger.info(f"checkpoint step-{step}: {blocked} (async)")
         self.finish(final, f": {blocked}")
 
@@ -170,13 +170,13 @@ class Saver:
             if "writing" not in states:
                 break
             time.sleep(0.1)
-        # the cause, not its effects
+        # report the cause, not its effects
         error = "late" if "late" in states else next((s for s in states if s), "")
         if error == "late":
             error = (f"rank {states.index('late')} was still writing after "
                      f"checkpoint.save_timeout_seconds = {self.cfg.save_timeout_seconds} s")
         if error:
-            # a write still running, or a timed-out group: every rank makes a new one at the next save
+            # a write may still run, or the group timed out: every rank makes a new one at the next save
             self.group = None
             return self.failed(step, error, final)
         try:
@@ -201,7 +201,7 @@ class Saver:
                 self.put_in_place(step)
                 saved = f"{self.folder}/step-{step}"
                 logger.info(f"saved checkpoint {saved} (async, before the error exit)")
-        except Exception as e:  # its write, its collectives, the time it may take, the rename
+        except Exception as e:  # its write, its collectives, its time limit or the rename failed
             logger.error(f"checkpoint step-{step} failed ({why(e)}); the newest complete "
                          f"checkpoint is still {newest(self.folder)}")
 
@@ -219,9 +219,9 @@ class Saver:
         """A rewind's: remove every step-N above `step`, on the timeline the rewind left, so that a
         restart resumes on the rewound one. No save is in flight (the rewind finished it)."""
         later = [n for n in numbered(self.folder) if n > step] if self.rank == 0 else []
-        if self.group is None:  # after a failed save: every rank rewinds at the same step
+        if self.group is None:  # a failed save dropped it; every rank rewinds at the same step
             self.group = self.save_group()
-        # On the save group: deleting checkpoints may take as long as writing them did.
+        # It runs on the save group: deleting checkpoints may take as long as writing them did.
         if error := self.on_rank0(remove, self.folder, later, group=self.group):
             raise SaveError(f"rewind to step-{step}: cannot remove the later checkpoints of "
                             f"{self.folder} ({error}); remove every step-N above {step} before a "

@@ -51,7 +51,7 @@ def _docs(cls) -> dict:
     else a comment line just above it. A field without one gets "" (--help shows its default)."""
     try:
         src = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):  # no source file (a notebook cell's class, say): no docs, no crash
+    except (OSError, TypeError):  # no source file (a notebook cell's class) means no docs, no crash
         return {}
     lines = src.splitlines()
     tokens = tokenize.generate_tokens(io.StringIO(src).readline)
@@ -127,7 +127,7 @@ def _tables(value, cls, where: str, name: str) -> list:
         for k, v in table.items():
             if k not in hints:
                 raise ConfigError(f"{where}: unknown key {k!r} in [[{name}]] {n}{_hint(k, hints)}")
-            # Optional[str]: str
+            # an Optional[str] converts as str
             typ = next((t for t in typing.get_args(hints[k]) if t is not type(None)), hints[k])
             table = {**table, k: _convert(v, typ, f"{where} {name}[{n}].{k}")}
         try:
@@ -158,7 +158,7 @@ def build_parser(config_cls, description: str, with_docs: bool = True) -> argpar
         for f in dataclasses.fields(cls):
             typ = hints[f.name]
             if _table_type(typ):
-                continue  # tables: TOML only
+                continue  # tables are set in TOML only
             bare = {"nargs": "?", "const": "true"} if typ is bool else {}  # --checkpoint.enable
             doc = f"{docs.get(f.name, '')} (default: {getattr(cls(), f.name)!r})".lstrip()
             group.add_argument(f"--{sec.name}.{f.name}", default=argparse.SUPPRESS,
@@ -179,7 +179,7 @@ def load(config_cls, argv, description: str = ""):
         section, dot, key = arg[2:].partition("=")[0].partition(".")
         if not dot:
             raise ConfigError(f"option {arg}: expected --section.key (e.g. --training.steps)")
-        _set(config_cls(), section, key, None, "command line")  # raises: unknown, or a TOML table
+        _set(config_cls(), section, key, None, "command line")  # unknown keys and tables raise
     cfg = config_cls()
     files = args.config or []
     if len(files) > 1:

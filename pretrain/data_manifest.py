@@ -26,9 +26,9 @@ import fsspec
 from pretrain.sources import HF_URL, HUB_TIMEOUT, MIB, RETRY_DELAYS, DataError, DataSource, resolve_files
 from pretrain.sources import retry_or_raise
 
-logger = logging.getLogger("data")  # as sources.py's: the data's lines read "data"
+logger = logging.getLogger("data")  # sources.py's logger, so the data's lines read "data"
 
-MANIFEST = "data_manifest.json"  # in the dump folder, unless [data] manifest names one
+MANIFEST = "data_manifest.json"  # kept in the dump folder, unless [data] manifest names one
 KEY = ("name", "path", "config", "data_files", "split", "revision")  # what decides a source's files
 
 
@@ -56,7 +56,7 @@ def resolve_source(src: DataSource, timeout: float = HUB_TIMEOUT,
     if all(hub):  # `datasets`' listing filled HfFileSystem's cache: the sizes cost no request
         fs = fsspec.filesystem("hf")
         started = time.monotonic()
-        for failures in range(len(RETRY_DELAYS) + 1):  # (unless the cache was cleared)
+        for failures in range(len(RETRY_DELAYS) + 1):  # it retries only if the cache was cleared
             tried = time.monotonic()
             try:
                 files = [[m[3], fs.info(u)["size"]] for m, u in zip(hub, urls)]
@@ -92,7 +92,7 @@ def write_manifest(manifest: dict, path: str):
     own."""
     text = json.dumps(manifest, indent=1)
     flat_list = r"\[\n\s*([^\[\]{}]*?)\n\s*\]"  # a list holding no list or object
-    # one line per file: JSON strings never hold a raw newline
+    # each file takes one line; JSON strings never hold a raw newline
     text = re.sub(flat_list, lambda m: "[" + re.sub(r",\n\s*", ", ", m[1]) + "]", text)
     tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"
     try:
@@ -102,7 +102,7 @@ def write_manifest(manifest: dict, path: str):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:  # a full disk, a read-only or missing folder: the user's to fix
+    except OSError as e:  # a full disk or a read-only or missing folder is the user's to fix
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise DataError(f"cannot write the data manifest {path}: {e.strerror or e}; free space "
@@ -131,7 +131,7 @@ def source_files(manifest: dict, src: DataSource, section: str = "data") -> list
     if not e["commit"]:  # a local folder
         return [(os.path.join(e["path"], name), size) for name, size, *_ in e["files"]]
     at = f"hf://datasets/{e['path']}@{e['commit']}/"
-    if manifest.get("mirror"):  # read there first
+    if manifest.get("mirror"):  # the mirror is read first
         at = f"{os.path.abspath(manifest['mirror'])}::{at}"
     return [(at + name, size) for name, size, *_ in e["files"]]
 
@@ -165,7 +165,7 @@ def pinned_manifest(given: str, dump_folder: str, sources, validation,
             write_manifest(manifest, path)
         names = ", ".join(s.name for s in new)
         logger.info(f"data manifest: validation source(s) {names} pinned now")
-    # local folders: listing one costs no request
+    # only local folders are listed again: listing one costs no request
     for e in manifest["data"] + manifest["validation"]:
         if e["commit"] is None and os.path.isdir(e["path"]):
             log_new_files(e, path, timeout, budget)
@@ -177,7 +177,7 @@ def log_new_files(e: dict, path: str, timeout: float, budget: float):
     try:
         now = resolve_files(*(e[k] for k in KEY[1:]), e["name"], timeout, budget)
     except DataError:
-        return  # no files left: verify_manifest names them
+        return  # if no files are left, verify_manifest names them
     root = os.path.abspath(e["path"])
     new = len({os.path.relpath(u, root) for u in now} - {f[0] for f in e["files"]})
     if new:
@@ -197,7 +197,7 @@ def shared_manifest(store, rank: int, wait: float, make):
             result = make()
         except DataError as e:  # the one line every rank prints
             result = {"error": str(e), "fault": e.fault}
-        # every rank GETs it: paths compress ~10x
+        # every rank GETs it, and paths compress ~10x
         store.set(key, zlib.compress(json.dumps(result).encode()))
     try:
         store.wait([key], timedelta(seconds=wait))
@@ -207,7 +207,7 @@ def shared_manifest(store, rank: int, wait: float, make):
         raise DataError(f"rank {rank} waited data.resolve_timeout_seconds = {wait} s for rank 0 to "
                         f"resolve the data: {fix}", fault=True) from e
     result = json.loads(zlib.decompress(store.get(key)))
-    if isinstance(result, dict) and "error" in result:  # every rank raises it: nothing to agree
+    if isinstance(result, dict) and "error" in result:  # every rank raises it: no need to agree
         raise DataError(result["error"], fault=result["fault"])
     return result
 

@@ -69,7 +69,7 @@ def agree_on_reads(error, rank: int, wait: float) -> None:
                        f"{late[0]} (of {len(late)} late) to read the next document of its sources: "
                        "a slow or rate-limited Hub? Raise it", True)
         store.set(f"{key}/verdict", json.dumps(verdict))
-    try:  # rank 0's own reading, then its wait for the others
+    try:  # this covers rank 0's own reading, then its wait for the others
         store.wait([f"{key}/verdict"], timedelta(seconds=2 * wait))
     except RuntimeError as e:
         raise DataError(f"rank {rank} waited 2 x data.resolve_timeout_seconds = {2 * wait:g} s for "
@@ -144,7 +144,7 @@ def init_distributed(p, sizes: dict, timeout_seconds: float, fake_rank: int = -1
         restarted = attempt_store(timeout)  # a restarted attempt's own store, else {}
         dist.init_process_group(backend, timeout=timeout, device_id=device_id, **restarted)
     else:
-        # plain `python train.py`: one process, no ports needed; dryrun.py: one rank of the job
+        # plain `python train.py` is one process, needing no ports; dryrun.py is one rank of the job
         rank = 0
         world = 1
         if fake_rank >= 0:
@@ -160,10 +160,10 @@ def init_distributed(p, sizes: dict, timeout_seconds: float, fake_rank: int = -1
         # all-reduce, not one per dimension in sequence (which can differ between ranks, and which
         # it warns about).
         mesh["dp_shard", "tp"]._flatten()
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")  # all ranks that see different data (main's dp)
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")  # main's dp groups ranks with different data
     # The mesh's subgroups get the backend's default timeout (NCCL 10 min, gloo 30 min), not the one
     # above: set it on every group, so a rank that freezes ends the job after init_timeout_seconds
-    # whichever group waits for it. (set_timeout: torch 2.15)
+    # whichever group waits for it. (torch 2.15 has set_timeout.)
     set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
     for group in list(dist.distributed_c10d._world.pg_map) if backend != "fake" else []:
         set_timeout(timeout, group)

@@ -169,7 +169,7 @@ def load(e: Eval, tokenizer, max_seq_len: int, manifest: dict, timeout: float,
             for choice in choices:
                 ids = tokenizer.encode(context + " " + choice, bos=True, eos=False)
                 n = len(ids) - len(context_ids)  # the choice's tokens
-                ids = ids[-(max_seq_len + 1):]  # past the model's window: the last, as lm-eval keeps
+                ids = ids[-(max_seq_len + 1):]  # keep the last tokens that fit, as lm-eval does
                 requests.append((ids, min(n, len(ids) - 1)))
             examples.append((len(choices), answer, [len(c) for c in choices]))
         if not examples:
@@ -188,11 +188,11 @@ def evaluate(model, tasks: dict, batch: int, device, dp_group, tp: int) -> dict:
     dp = dist.get_world_size(dp_group)
     result = {"eval_acc": {}, "eval_acc_norm": {}, "eval_examples": {}}
     for name, (requests, examples) in tasks.items():
-        # One row length per task (a multiple of 64 and tp, which SP splits): few compiled shapes.
+        # A row length per task (a multiple of 64 and tp, which SP splits) limits compiled shapes.
         width = -(-max(len(ids) - 1 for ids, _ in requests) // (64 * tp)) * 64 * tp
         mine = list(range(rank, len(requests), dp))
         lls = torch.zeros(len(requests), dtype=torch.float64, device=device)
-        for b in range(0, -(-len(requests) // dp), batch):  # every rank: ceil(requests / dp) rows
+        for b in range(0, -(-len(requests) // dp), batch):  # each rank does ceil(requests / dp) rows
             rows = mine[b:b + batch]
             inputs = torch.zeros(batch, width, dtype=torch.long)
             labels = torch.full((batch, width), -100, dtype=torch.long)  # the choices' tokens only
@@ -228,11 +228,11 @@ def read_once(v, e: Eval, tokenizer, manifest: dict, device, *, seq_len: int, ma
     (load()), the same on every rank of the job: rank 0 alone reads and tokenizes them and hands them over in three
     broadcasts, so 2,048 ranks read the Hub once, not 2,048 times. A source or task that cannot be read is rank 0's
     one line, raised on every rank. data: [data], for its read timeouts; budget: comm.init_timeout_seconds."""
-    windows = []  # rank 0's: one (sequences, seq_len + 1) tensor per held-out source
-    head = {}  # rank 0's: the windows' counts and the tasks, or its error
+    windows = []  # on rank 0, one (sequences, seq_len + 1) tensor per held-out source
+    head = {}  # on rank 0, the windows' counts and the tasks, or its error
     store = dist.distributed_c10d._get_default_store()
     key = f"read_once_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"  # a restart keeps old keys
-    limits = data.hub_timeout_seconds, budget  # a request's, a file's
+    limits = data.hub_timeout_seconds, budget  # a request's timeout, then a file's budget
     if dist.get_rank() == 0:
         try:
             for src in v.sources if v.enable else []:
@@ -248,12 +248,12 @@ def read_once(v, e: Eval, tokenizer, manifest: dict, device, *, seq_len: int, ma
     # The others wait in the store while rank 0 reads (retries may outlast a collective)
     what = "the held-out windows and eval tasks"
     wait_for_rank0(store, key, dist.get_rank(), data.resolve_timeout_seconds, what)
-    # JSON, not pickle: what a rank receives is data, never code
+    # Send JSON, not pickle: what a rank receives is data, never code
     sent = torch.frombuffer(bytearray(json.dumps(head).encode()), dtype=torch.uint8)
     head = json.loads(from_rank0(sent, device).numpy().tobytes())
     if "error" in head:
         raise DataError(head["error"])
-    empty = torch.zeros(0, dtype=torch.int32)  # no held-out source, or not rank 0
+    empty = torch.zeros(0, dtype=torch.int32)  # used with no held-out source, or off rank 0
     flat = from_rank0(torch.cat([w.flatten() for w in windows]) if windows else empty, device)
     names = [src.name for src in v.sources] if v.enable else []
     return dict(zip(names, flat.view(-1, seq_len + 1).split(head["counts"]))), head["tasks"]
@@ -285,7 +285,7 @@ def validate(model, heldout: dict, batch: int, device, dp_group, tp: int) -> dic
         for b in range(0, len(inputs), batch):
             x = inputs[b:b + batch].to(device)
             y = labels[b:b + batch].to(device)
-            sums[i, 0] += heldout_loss(model, x, y, tp)  # -100: ignored
+            sums[i, 0] += heldout_loss(model, x, y, tp)  # labels of -100 are ignored
             sums[i, 1] += (y != -100).sum()
     dist.all_reduce(sums, group=dp_group)
     model.train()

@@ -14,7 +14,7 @@ import re
 import socket
 import traceback
 
-# the repository's root: its files' frames (train.py, model.py, pretrain/) are what lost_rank names
+# the repository's root; lost_rank names the frames of its files (train.py, model.py, pretrain/)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = (ROOT, os.path.join(ROOT, "pretrain"))
 USER, RUN, FAULT = 2, 3, 4
@@ -50,15 +50,15 @@ def on_node(line: str, node: str) -> str:
     return f"node {node}: {line}"
 
 
-# What a rank's exception says when another rank ended, as torch 2.11-2.15 word it (the texts, and
-# where each came from: tests/test_robustness.py). NCCL's watchdog mostly ends the process itself,
-# with its own lines.
+# These match what a rank's exception says when another rank ended, as torch 2.11-2.15 word it
+# (tests/test_robustness.py holds the texts and where each came from). NCCL's watchdog mostly
+# ends the process itself, with its own lines.
 WAITED = (r"Timed out waiting (\d+)ms",
           r"Watchdog caught collective operation timeout: .*?Timeout\(ms\)=(\d+)")
-# a connection that broke: to the peer's process (SIGKILL, lost node), its listener, c10d's store
+# a connection broke: to the peer's process (SIGKILL, lost node), its listener or c10d's store
 GONE = r"Connection (closed|reset) by (remote )?peer|Connection refused|Broken pipe|Socket closed"
-GONE += r"|Failed to recv"  # c10d's store, its host gone
-GONE += r"|ncclRemoteError|Connect timeout"  # the last: a new group's peer never connected
+GONE += r"|Failed to recv"  # c10d's store lost its host
+GONE += r"|ncclRemoteError|Connect timeout"  # the last means a new group's peer never connected
 
 
 def lost_rank(e: BaseException) -> str:

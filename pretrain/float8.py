@@ -17,7 +17,7 @@ from pretrain.config import ConfigError
 
 logger = logging.getLogger("train")
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # Float8LinearConfig.from_recipe_name's
-AUTO_FILTER = "auto_filter_small_kn"  # torchtitan's flag in filter_fqns: torchao's table of sizes
+AUTO_FILTER = "auto_filter_small_kn"  # torchtitan's filter_fqns flag for torchao's table of sizes
 
 
 @dataclass
@@ -51,7 +51,7 @@ def check(f8: Float8, converters: list, training, gpu: bool | None = None) -> No
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("model.converters = [\"float8\"] needs torchao: "
                           "pip install torchao==0.18.0")
-    here = gpu is None  # train.py: this machine is the job's
+    here = gpu is None  # under train.py, this machine is the job's
     index = int(os.environ.get("LOCAL_RANK", 0))  # this process's GPU
     gpu = torch.cuda.is_available() if here else gpu
     needs = (9, 4) if torch.version.hip else (8, 9)
@@ -59,9 +59,9 @@ def check(f8: Float8, converters: list, training, gpu: bool | None = None) -> No
         name = torch.cuda.get_device_name(index)
         raise ConfigError("float8 needs float8 matmuls (H100, H200, B200, MI300 or newer), "
                           f"which this {name} lacks: remove \"float8\" from model.converters")
-    # What torch._scaled_mm enforces on a GPU (the CPU's emulation multiplies in fp32 and enforces
-    # neither): rowwise scaling writes bf16 only, and the tokens are the inner dimension of the
-    # weight-gradient matmul.
+    # torch._scaled_mm enforces two rules on a GPU (the CPU's emulation multiplies in fp32 and
+    # enforces neither): rowwise scaling writes bf16 only, and the tokens are the inner dimension
+    # of the weight-gradient matmul.
     param_dtype = training.mixed_precision_param
     if gpu and f8.recipe_name != "tensorwise" and param_dtype != "bfloat16":
         raise ConfigError(f"float8.recipe_name = {f8.recipe_name!r} needs "
@@ -85,24 +85,24 @@ def convert(model: torch.nn.Module, f8: Float8, converters: list, compiled: bool
     if f8.recipe_name == "rowwise":  # as torchtitan does (pytorch/pytorch#150859)
         import torch._inductor.config as inductor
         inductor.emulate_precision_casts = True
-    if device.type == "cuda" and not compiled:  # torchao's casts: separate kernels then
+    if device.type == "cuda" and not compiled:  # torchao's casts then run as separate kernels
         logger.warning("float8 without compile.enable is slower than bf16: "
                        "turn on --compile.enable")
-    logging.disable(logging.WARNING)  # torchao's CUDA kernels fail to load on CPU: not for the log
+    logging.disable(logging.WARNING)  # hide torchao's CUDA kernels failing to load on CPU
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8 import _auto_filter_for_recipe, precompute_float8_dynamic_scale_for_fsdp
     logging.disable(logging.NOTSET)
     recipe = Float8LinearConfig.from_recipe_name(f8.recipe_name)
-    # CPU: torch._scaled_mm takes ~1000x an fp32 matmul there: the float8 values multiply in fp32
+    # on CPU, torch._scaled_mm takes ~1000x an fp32 matmul, so the float8 values multiply in fp32
     gather = f8.enable_fsdp_float8_all_gather and sharded
     config = dataclasses.replace(recipe, emulate=device.type == "cpu",
                                  enable_fsdp_float8_all_gather=gather)
 
-    def convertible(m: torch.nn.Linear, fqn: str) -> bool:  # float8 matmuls: dims multiples of 16
-        kept = any(f in fqn for f in f8.filter_fqns)  # filter_fqns: stays in high precision
+    def convertible(m: torch.nn.Linear, fqn: str) -> bool:  # float8 matmuls need multiples of 16
+        kept = any(f in fqn for f in f8.filter_fqns)  # filter_fqns' layers stay in high precision
         return not kept and m.in_features % 16 == 0 and m.out_features % 16 == 0
 
-    auto = AUTO_FILTER in f8.filter_fqns  # as torchtitan: torchao's H100 thresholds, kept up to date there
+    auto = AUTO_FILTER in f8.filter_fqns  # like torchtitan, use torchao's H100 thresholds, kept up to date there
     chosen = _auto_filter_for_recipe(f8.recipe_name, f8.filter_fqns) if auto else convertible
     convert_to_float8_training(model, config=config, module_filter_fn=chosen)
     high = sorted({re.sub(r"layers\.\d+\.", "layers.*.", n) for n, m in model.named_modules()
@@ -121,7 +121,7 @@ def tp_styles(model: torch.nn.Module, device_type: str, recipe_name: str):
     otherwise (gloo has no float8; on ROCm they are not used): the plan's plain styles."""
     linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
     all_float8 = all(type(m).__name__ == "Float8Linear" for m in linears)
-    on_cuda = device_type == "cuda" and not torch.version.hip  # a ROCm build's "cuda" is not
+    on_cuda = device_type == "cuda" and not torch.version.hip  # a ROCm build's "cuda" is not CUDA
     if not on_cuda or recipe_name != "tensorwise" or not all_float8:
         return None
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
@@ -135,7 +135,7 @@ def plain(t):
     local = t._local_tensor if isinstance(t, DTensor) else t
     float8_weight = "WeightWithDynamicFloat8CastTensor"  # the one wrapper unwrapped here
     is_wrapper = torch.utils._python_dispatch.is_traceable_wrapper_subclass(local)
-    if not is_wrapper:  # plain (or a dry run's fake one)
+    if not is_wrapper:  # a plain tensor (or a dry run's fake one)
         return t
     kind = type(local)
     if f"{kind.__module__}.{kind.__name__}" != f"torchao.float8.fsdp_utils.{float8_weight}":

@@ -40,8 +40,8 @@ def chunked_loss(output: torch.nn.Module, h: torch.Tensor, labels: torch.Tensor,
     def chunk(x, y):
         return loss_fn(output(x).float(), y)  # (n, vocab) logits, freed once their loss is taken
 
-    # split, not h[start:start + n]: in backward a slice's gradient is a zeros of h's size per
-    # chunk, added to the others; split's is one cat of the chunks' gradients
+    # Use split, not h[start:start + n]: in backward a slice's gradient is a zeros of h's size per
+    # chunk, added to the others; split's is one cat of the chunks' gradients.
     total = 0
     for x, y in zip(h.split(n), labels.split(n)):  # (n, dim), (n,)
         total = total + checkpoint(chunk, x, y, use_reentrant=False)
@@ -53,9 +53,9 @@ def cross_entropy_and_z(logits: torch.Tensor, labels: torch.Tensor, z_loss: floa
     summed squared log-normaliser (PaLM's z-loss: it keeps logsumexp near 0, so the softmax cannot
     drift into large logits). logits (positions, vocab), vocab-sharded under TP; labels (positions,)."""
     ce = F.cross_entropy(logits, labels, reduction="sum")
-    if not z_loss:  # no second pass over the logits
+    if not z_loss:  # this skips a second pass over the logits
         return torch.stack([ce, torch.zeros_like(ce)])
-    lse = logsumexp(logits)  # (positions,); under TP replicated: reduced over shards
+    lse = logsumexp(logits)  # (positions,); replicated under TP, reduced over shards
     counted = (labels != -100).to(lse.dtype)
     if isinstance(lse, DTensor):  # a plain tensor may not meet a DTensor in one op
         counted = DTensor.from_local(counted, lse.device_mesh, lse.placements)
@@ -71,12 +71,12 @@ def logsumexp(logits: torch.Tensor) -> torch.Tensor:
         return torch.logsumexp(logits, dim=-1)
     mesh = logits.device_mesh
     local = logits.to_local()  # (positions, vocab / tp)
-    # The max only keeps exp() from overflowing (the result does not depend on it): no gradient
+    # The max, detached, only keeps exp() from overflowing: the result does not depend on it.
     peak = DTensor.from_local(local.detach().amax(-1), mesh, [Partial("max")])
     peak = peak.full_tensor()  # (positions,): an all-reduce max
     share = local.sub(peak[:, None]).exp().sum(-1)  # (positions,): this shard's part of the sum
-    # A Partial DTensor, not funcol.all_reduce: funcol's backward all-reduces the gradient too,
-    # which would count the loss (replicated on every rank) once per rank
+    # Use a Partial DTensor, not funcol.all_reduce: funcol's backward all-reduces the gradient too,
+    # which would count the loss (replicated on every rank) once per rank.
     total = DTensor.from_local(share, mesh, [Partial()]).full_tensor()  # (positions,): all-reduced
     return DTensor.from_local(total.log() + peak, mesh, [Replicate()])
 

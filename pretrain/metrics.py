@@ -59,9 +59,9 @@ class LogSums:
 
     def reset(self):
         self.steps = 0  # steps since the last line, skipped ones too
-        self.kept = 0  # those applied: the logged loss is their mean
+        self.kept = 0  # the steps applied; the logged loss is their mean
         self.data_seconds = 0.0  # the steps' wait for batches
-        self.loss = torch.zeros(2, device=self.device)  # cross-entropy, z term: the kept steps' shares
+        self.loss = torch.zeros(2, device=self.device)  # the kept steps' cross-entropy and z-term shares
         self.valid_tokens = torch.zeros((), device=self.device)  # positions the loss counted, every step
 
     def add(self, loss_shares: list, valid_tokens: torch.Tensor, data_seconds: float, kept: bool):
@@ -101,11 +101,11 @@ class Throughput:
     tokens_per_step: int  # the global batch's tokens
     world_size: int
     flops_per_token: float  # forward and backward
-    peak_tflops: float  # per device, for MFU: metrics.peak_tflops; 0: the GPU's, if known
+    peak_tflops: float  # per device, for MFU (metrics.peak_tflops); 0 takes the GPU's, if known
 
     def __post_init__(self):
-        self.peak_tflops = peak_tflops(self.device, self.peak_tflops)  # 0 still: MFU n/a
-        memory_stats(self.device)  # the GPU's peak from here on: the first line covers training only
+        self.peak_tflops = peak_tflops(self.device, self.peak_tflops)  # if still 0, MFU is n/a
+        memory_stats(self.device)  # reset the GPU's peak: the first line covers training only
 
     def over(self, sums: LogSums, seconds: float) -> dict:
         """The figures of sums' steps, which trained for `seconds`."""
@@ -127,7 +127,7 @@ class MetricsLogger:
     def __init__(self, cfg, dump: str, rank: int, clock: RunClock, config: dict):
         """cfg: train.py's [metrics] section; config: the whole config's values, for W&B."""
         self.clock = clock
-        self.last = {}  # the latest value of each key logged: the summary line
+        self.last = {}  # the latest value of each key logged, for the summary line
         self.peak = {"memory_gib": 0.0, "memory_allocated_gib": 0.0}  # the largest logged
         self.jsonl = self.tb = self.wandb = None
         if rank != 0:
@@ -156,16 +156,16 @@ class MetricsLogger:
         if self.jsonl is None:
             return
         if "loss" in r:  # a training step, in torchtitan's format so existing log parsers work
-            # when it ended (unix s): the job's goodput (slurm/recover.py)
+            # when it ended (unix s), for the job's goodput (slurm/recover.py)
             r = {**r, "time": time.time(), **self.clock.times(r["step"])}
             mfu = f"{r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
             line = (f"step: {r['step']}  loss: {r['loss']:.4f}  grad_norm: {r['grad_norm']:.4f}  "
                     f"lr: {r['lr']:.1e}  memory: {r['memory_gib']:.2f}GiB({r['memory_pct']:.1f}%)  "
                     f"tps: {r['tps']:,.0f}  tflops: {r['tflops']:.1f}  mfu: {mfu}  "
                     f"data_wait: {r['data_wait_pct']:.1f}%")
-            if r.get("loss_tokens_pct", 100) < 100:  # block_causal: boundaries not in the loss
+            if r.get("loss_tokens_pct", 100) < 100:  # block_causal keeps boundaries out of the loss
                 line += f"  loss_tokens: {r['loss_tokens_pct']:.1f}%"
-            if r.get("skipped_steps"):  # the run's, so far (pretrain/spikes.py)
+            if r.get("skipped_steps"):  # the run's skipped steps so far (pretrain/spikes.py)
                 line += f"  skipped: {r['skipped_steps']}"
             for k in self.peak:
                 self.peak[k] = max(self.peak[k], r[k] or 0.0)
@@ -192,7 +192,7 @@ class MetricsLogger:
         self.last.update(r)
         self.jsonl.write(json.dumps(r) + "\n")
         self.jsonl.flush()
-        scalars = {}  # what TensorBoard and W&B plot: the numbers, a nested dict's as "key/name"
+        scalars = {}  # TensorBoard and W&B plot the numbers, a nested dict's as "key/name"
         for k, v in r.items():
             for n, x in v.items() if isinstance(v, dict) else [("", v)]:
                 if k not in ("step", "time") and isinstance(x, (int, float)):
@@ -210,7 +210,7 @@ class MetricsLogger:
         last = self.last
         validation = f", validation {last['validation_loss']:.4f}" if "validation_loss" in last else ""
         gib, allocated = self.peak["memory_gib"], self.peak["memory_allocated_gib"]
-        gpu = f"{allocated:.2f} GiB allocated, {gib:.2f} GiB reserved"  # a GPU's; else the host's
+        gpu = f"{allocated:.2f} GiB allocated, {gib:.2f} GiB reserved"  # a host shows RSS instead
         logger.info(f"memory: peak {gpu if allocated else f'{gib:.2f} GiB RSS'}")
         logger.info(f"done: step {last['step']}, {last['tokens_seen']:,} tokens, "
                     f"{duration(self.clock.now() - self.clock.start)} wall; loss {last['loss']:.4f}"

@@ -34,13 +34,13 @@ def open_file(path: str, size: int, timeout: float = HUB_TIMEOUT, budget: float 
         local = mirrored(mirror, url, size)
         if local:
             return open(local, "rb")
-        # HF_HUB_OFFLINE, read the way huggingface_hub reads it.
+        # HF_HUB_OFFLINE is read the way huggingface_hub reads it.
         offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
         if offline:
             place = mirror_paths(mirror, url)[0]
             raise DataError(f"{place} is not in the data mirror (HF_HUB_OFFLINE=1): fetch it "
                             f"with python download_data.py --config C --world_size N --to {mirror}")
-        path = url  # not mirrored: read from the Hub
+        path = url  # a file not in the mirror is read from the Hub
     if path.startswith("hf://"):
         return HubFile(path, size, timeout, budget, name, step)
     fs, fs_path = fsspec.core.url_to_fs(path)
@@ -87,7 +87,7 @@ def fetch_file(mirror: str, url: str, size: int, timeout: float, budget: float =
     LFS file's sha256), renamed and recorded. Returns the bytes fetched.
     (hf_hub_download(local_dir=...) resumes, and records a file's commit, but keeps one commit of a
     path, and its retries wait as long as a 429 says, past the budget.)"""
-    bound_hub_requests(timeout)  # the listing below
+    bound_hub_requests(timeout)  # it bounds the listing below
     with contextlib.suppress(DataError):  # a damaged copy is fetched again
         if mirrored(mirror, url, size):
             return 0
@@ -101,10 +101,10 @@ def fetch_file(mirror: str, url: str, size: int, timeout: float, budget: float =
         os.remove(record)
     for failures in range(len(RETRY_DELAYS) + 1):
         on_disk = os.path.getsize(part) if os.path.exists(part) else 0
-        have = min(on_disk, size)  # what an earlier try or a killed download left: resumed from
+        have = min(on_disk, size)  # resume from what an earlier try or a killed download left
         try:
             lfs = fsspec.filesystem("hf").info(url).get("lfs")
-            sha256 = getattr(lfs, "sha256", None)  # None: not in LFS
+            sha256 = getattr(lfs, "sha256", None)  # None if the file is not in LFS
             remote = HubFile(url, size, timeout, budget, url)
             with remote as f, open(part, "r+b" if have else "wb") as out:
                 out.seek(have)

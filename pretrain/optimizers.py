@@ -47,7 +47,7 @@ class AdamWBF16State(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     def load_state_dict(self, state_dict: dict):
-        super().load_state_dict(state_dict)  # which casts the moments to the weights' dtype: undo it
+        super().load_state_dict(state_dict)  # it casts the moments to the weights' dtype; undo that
         for state in self.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
                 state[key] = state[key].to(torch.bfloat16)
@@ -58,7 +58,7 @@ class AdamWBF16State(torch.optim.Optimizer):
             lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
             for p in (p for p in group["params"] if p.grad is not None):
                 state = self.state[p]
-                if not state:  # "step" on the host, as torch's AdamW keeps it off CUDA graphs
+                if not state:  # "step" lives on the host, as torch's AdamW keeps it off CUDA graphs
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)

@@ -41,7 +41,7 @@ class Progress:
         self.desc = desc
         self.unit = unit
         self.done = 0
-        self.note = ""  # after the numbers: "3/12 files"
+        self.note = ""  # shown after the numbers, e.g. "3/12 files"
         self.start = time.monotonic()
         self.shown = self.start  # when the last plain line was
         self.lock = threading.Lock()
@@ -57,7 +57,7 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
         elif time.monotonic() - self.start >= DELAY and self.shown != self.start:
-            self.line()  # the end of what the log showed under way
+            self.line()  # a last line ends what the log showed under way
 
     def update(self, n: float = 1, total: float = None, note: str = None):
         """n more done; total: a new total (work found done already); note: the text after the numbers."""
@@ -138,7 +138,7 @@ class RunClock:
     def rounds(self) -> str:
         """The `done:` line's account of the rounds' time (rewinds only where there were any)."""
         s = self.spent
-        rewinds = f"rewinds {s['rewind']:.1f}s, " if s["rewind"] else ""  # their reloads
+        rewinds = f"rewinds {s['rewind']:.1f}s, " if s["rewind"] else ""  # their reloads' seconds
         return (f"validation {s['validation']:.1f}s, evals {s['eval']:.1f}s, {rewinds}"
                 f"saves {s['checkpoint']:.1f}s")
 
@@ -152,7 +152,7 @@ class RunClock:
 
     def times(self, step: int) -> dict:
         """At `step`'s log line: elapsed_seconds and eta_seconds."""
-        recent = list(self.laps)[1:] or list(self.laps)  # the first: start-up, compile, warm-up
+        recent = list(self.laps)[1:] or list(self.laps)  # lap 1 holds start-up, compile, warm-up
         steps = sum(n for n, _ in recent)
         per_step = sum(s for _, s in recent) / steps if steps else 0.0
         rounds = sum(self.due(kind, step) * self.cost.get(kind, 0.0) for kind in self.every)

@@ -22,22 +22,22 @@ from pathlib import PurePath
 from typing import Optional
 
 
-# Pauses before retrying after a transient error (connection, timeout, HTTP 408/429/5xx): about 4
-# minutes in all, then stop, or sooner where the retry budget ends. Anything else (a corrupt file,
+# Retries after a transient error (connection, timeout, HTTP 408/429/5xx) pause for about 4 minutes
+# in all, then stop, or stop sooner where the retry budget ends. Anything else (a corrupt file,
 # 401/403/404) stops at once.
 RETRY_DELAYS = (1, 2, 4, 8, 16, 32, 60, 60, 60)
 TRANSIENT = ("ConnectionError", "TimeoutError", "TransportError", "Timeout", "TimeoutException",
              "NetworkError", "RemoteProtocolError", "ChunkedEncodingError", "IncompleteRead",
              "ClientConnectionError")
-# datasets' metadata files (FILES_TO_IGNORE, the YAML that sets configs): data only if a pattern
-# names one
+# datasets' metadata files (FILES_TO_IGNORE, the YAML that sets configs) are data only if a pattern
+# names one.
 METADATA_FILES = ("README.md", ".huggingface.yaml", "config.json", "dataset_info.json",
                   "dataset_infos.json", "dataset_dict.json", "dummy_data.zip")
-HUB_TIMEOUT = 60.0  # seconds a Hub read may go without a byte: [data] hub_timeout_seconds
+HUB_TIMEOUT = 60.0  # seconds a Hub read may go without a byte ([data] hub_timeout_seconds)
 HF_URL = r"hf://datasets/(.+?)@([0-9a-f]{40})/(.+)"  # a pinned Hub file: repo id, commit, path
 logger = logging.getLogger("data")
-# A read's `step`: [end, seconds] of its training step's reads, the end a time.monotonic() (one clock
-# for every process of a machine), inf while none reads. A DataLoader owns its step's, in memory its
+# A read's `step` is [end, seconds] of its training step's reads; the end is a time.monotonic() (one clock
+# for every process of a machine), inf while none reads. A DataLoader keeps its step in memory its
 # loader workers share (DataLoader.reads_within); a read outside a training step has none.
 NO_STEP = (math.inf, math.inf)
 
@@ -133,7 +133,7 @@ def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int,
         why = (f"the Hub refused {path!r}{http} while {what}: check the dataset id and revision; "
                "for a gated or private set log in (`hf auth login` or `huggingface-cli login`, "
                "or set HF_TOKEN) and accept its terms on the dataset's Hub page")
-    elif retries_left:  # but the next would not fit: its step's end (the sooner, if both), or this read's
+    elif retries_left:  # but the next would pass its step's end (the sooner, if both) or this read's budget
         limit = budget if in_step else step[1]
         of_what = "" if in_step else " for the reads of one step in all"
         why = (f"{what} failed {times} in {spent:.0f} s and stopped retrying: another "
@@ -143,7 +143,7 @@ def retry_or_raise(name: str, path: str, what: str, e: Exception, failures: int,
         why = f"{what} failed {failures + 1} times"
     else:
         why = f"{what} failed at once: the file is damaged or unreadable"
-    # a transient error that outlasted its retries is the Hub's or the network's: a restart may do
+    # a transient error that outlasted its retries is the Hub's or the network's: a restart may work
     raise DataError(f"data source {name!r}: {why} ({reason})".replace("\n", " "),
                     fault=transient(e)) from e
 
@@ -182,7 +182,7 @@ def local_files(root: str, pattern: str) -> list:
     inside_name = re.search(r"[^/]\*\*|\*\*[^/]", pattern)  # `**` inside a name
     if inside_name or any(os.path.exists(os.path.join(root, f)) for f in METADATA_FILES):
         return []
-    skipped = set(METADATA_FILES) - {os.path.basename(pattern)}  # unless the pattern names one
+    skipped = set(METADATA_FILES) - {os.path.basename(pattern)}  # one the pattern names is read
     matches = glob.glob(pattern, root_dir=root, recursive=True)
     files = sorted(f for f in matches
                    if os.path.isfile(os.path.join(root, f)) and os.path.basename(f) not in skipped)
@@ -215,7 +215,7 @@ def resolve_files(path: str, config: Optional[str], data_files: Optional[str], s
             builder = load_dataset_builder(path, name=config, data_files=data_files,
                                            revision=revision)
             return tuple(sorted(builder.config.data_files[split]))
-        except Exception as e:  # no files, folder or split: the user's paths, not the network
+        except Exception as e:  # missing files, folder or split mean bad paths, not the network
             users = isinstance(e, (FileNotFoundError, KeyError, ValueError)) and not transient(e)
             if users and type(e).__name__ != "DatasetNotFoundError":
                 line = f"data source {name!r}: no {split!r} files for {source} ({type(e).__name__}: {e})"
@@ -244,11 +244,11 @@ class HubFile(io.RawIOBase):
         self.size = size
         self.pos = 0  # where the next read starts
         self.timeout = timeout  # seconds a request may go without a byte
-        self.budget = budget  # seconds a failing range is retried for: comm.init_timeout_seconds
+        self.budget = budget  # seconds a failing range is retried for (comm.init_timeout_seconds)
         self.name = name or url  # the data source, for the one line that ends the retries
-        self.step = step  # [end, seconds] of the training step's reads (NO_STEP: none)
+        self.step = step  # [end, seconds] of the training step's reads (NO_STEP for none)
 
-    def readable(self):  # (and seekable: io's defaults say no)
+    def readable(self):  # this and seekable say yes; io's defaults say no
         return True
 
     seekable = readable
@@ -272,7 +272,7 @@ class HubFile(io.RawIOBase):
                 body = self.get(self.pos, self.pos + n - 1)
                 break
             except Exception as e:
-                if not transient(e):  # a refusal or wrong bytes: the caller's line names the row
+                if not transient(e):  # refusals, wrong bytes go up: the caller's line names the row
                     raise
                 retry_or_raise(self.name, self.repo, f"reading {self.hf_url}", e, failures, started=started,
                                budget=self.budget, next_try=self.timeout, step=self.step)
@@ -284,13 +284,13 @@ class HubFile(io.RawIOBase):
         """One try for bytes first..last (or fewer, from `first` on)."""
         from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
         # huggingface_hub's client waits forever by default: a connection that stops sending would
-        # hang the rank. A timeout makes it a TimeoutException. One try: readinto retries, with
-        # pauses the budget can see. Redirects (to the CDN) keep the Range header.
+        # hang the rank. A timeout makes it a TimeoutException. This is one try: readinto retries,
+        # with pauses the budget can see. Redirects (to the CDN) keep the Range header.
         headers = {**build_hf_headers(), "Range": f"bytes={first}-{last}"}
         r = http_backoff("GET", self.url, headers=headers, timeout=self.timeout, max_retries=0)
         hf_raise_for_status(r)
         body = r.content
-        if r.status_code == 200 and len(body) == self.size:  # Range ignored: the whole file
+        if r.status_code == 200 and len(body) == self.size:  # the server ignored Range and sent all
             return body[first:last + 1]
         ranged = r.status_code == 206 and r.headers.get("Content-Range", "").startswith(f"bytes {first}-")
         if not ranged or not 0 < len(body) <= last + 1 - first:

@@ -72,8 +72,8 @@ class SpikeGuard:
         self.skipped = 0  # the run's skipped steps
         self.rewinds = 0  # the run's rewinds
         self.cut_until = 0  # a rewind's lr cut holds up to this step
-        self.step_values = self.thresholds = None  # the latest check's, read only if it skips
-        self.reason = ""  # the latest skip's
+        self.step_values = self.thresholds = None  # set by the latest check, read only if it skips
+        self.reason = ""  # why the latest step was skipped
 
     def check(self, shares: list, grad_norm: torch.Tensor, group) -> torch.Tensor:
         """(2,) int on the device: [not finite, spike] for this step. shares: this rank's loss shares
@@ -109,7 +109,7 @@ class SpikeGuard:
         loss, grad_norm = self.step_values.tolist()
         record = {"step": step, "skipped": self.reason, "step_loss": loss,
                   "step_grad_norm": grad_norm, "skipped_steps": self.skipped, "sigma": self.cfg.sigma,
-                  "time": time.time()}  # when: slurm/recover.py's goodput counts its time as lost
+                  "time": time.time()}  # slurm/recover.py's goodput counts this step's time as lost
         if self.thresholds is not None:
             record["loss_threshold"], record["grad_norm_threshold"] = self.thresholds.tolist()
         return record
@@ -152,7 +152,7 @@ class SpikeGuard:
         self.cut_until = to + self.cfg.rewind_lr_steps
         self.cut_lr(checkpointer.optimizer, to + 1)
         return {"step": step, "rewound_to": to, "tokens_seen": tokens, "checkpoint": path,
-                "time": time.time(),  # when: slurm/recover.py's goodput counts the steps again
+                "time": time.time(),  # slurm/recover.py's goodput counts the steps again from here
                 "left_out": [to + 1, step], "dropped": dropped, "lr_factor": self.cfg.rewind_lr_factor,
                 "lr_steps": self.cfg.rewind_lr_steps, "rewinds": self.rewinds}
 

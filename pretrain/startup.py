@@ -25,7 +25,7 @@ def open_dump_folder(job, config_toml: str, rank: int, device):
     resolved config there (and logs it, with job.print_config)."""
     folder = job.dump_folder
     error = ""  # this rank's one line, if the folder cannot be used
-    lock = None  # rank 0's
+    lock = None  # only rank 0 takes the lock
     try:
         os.makedirs(folder, exist_ok=True)
         if not os.access(folder, os.W_OK):
@@ -68,7 +68,7 @@ def share_manifest(data, held_out: list, dump_folder: str, budget: float, rank: 
     manifest = shared_manifest(store, rank, data.resolve_timeout_seconds, make)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    # a node whose copy differs from rank 0's: a fault of that node (agree names it)
+    # a node whose copy differs from rank 0's has a fault of its own (agree names it)
     error = verify_manifest(manifest, local_rank, local_world, [*data.sources, *held_out])
     agree(DataError(error, fault="node") if error else "", device)
     return {**manifest, "mirror": data.mirror}
