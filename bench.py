@@ -17,7 +17,6 @@ their two sides `--repeats` times and report medians and the load average; only 
 `--warmup` count."""
 
 import argparse
-import importlib.util
 import itertools
 import json
 import os
@@ -490,11 +489,12 @@ def profile(args, extra):
     print("\n".join(lines), flush=True)
 
 
-# --- side by side with torchtitan 0.2.2 (pretrain/titan_run.py; the trainer never imports it)
+# --- side by side with torchtitan 0.3.0 or 0.2.2 (pretrain/titan_run.py; the trainer never imports it)
 
 def titan(args, extra):
-    if importlib.util.find_spec("torchtitan") is None:
-        fail("torchtitan is not installed: pip install -r requirements-bench.txt (bench only)")
+    version = titan_run.titan_version(args.python)
+    if not version:
+        fail(f"{args.python} has no torchtitan: pip install --no-deps -r requirements-bench.txt (bench only)")
     import torch
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda: no GPU visible (use --device cpu)")
@@ -505,7 +505,7 @@ def titan(args, extra):
     cfg, model, sizes = planned(extra, args.nproc)
     tokens = sizes["global_batch_size"] * cfg.training.seq_len
     print(f"{cfg.model.flavor} {model.args.n_layers} layers, seq {cfg.training.seq_len}, "
-          f"{tokens:,} tokens per step, {args.nproc} processes on {args.device}", flush=True)
+          f"{tokens:,} tokens per step, {args.nproc} processes on {args.device}; torchtitan {version}", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         titan_run.titan_tokenizer(cfg, folder)
         cmd = titan_run.titan_command(cfg, model.args, sizes, args, folder)
@@ -527,7 +527,7 @@ def main(argv: list):
                       ("startup", "seconds from launch to the first step, beyond `import torch`"),
                       ("memory", "the memory estimate per device for any flavor and layout; does it fit a GPU"),
                       ("matrix", "one trainer run per combination of --vary values: a markdown table of its log"),
-                      ("titan", "this trainer and torchtitan 0.2.2 in turn, same shapes: the ratio of tokens/s"),
+                      ("titan", "this trainer and torchtitan in turn, same shapes: the ratio of tokens/s"),
                       ("mask", "the trainer with block_causal and causal attention in turn: the ratio of tokens/s"),
                       ("loader", "the data loader alone, one stream: realised token shares and tokens/s"),
                       ("gpu", "one command for a GPU node: the GPU self-test, then tokens/s, MFU and memory "
@@ -559,6 +559,8 @@ def main(argv: list):
     jobs["loader"].add_argument("--show", type=int, default=0, help="decode this many packed samples instead")
     jobs["titan"].add_argument("--device", choices=["cuda", "cpu"],
                                help="where both run (default: cuda if visible)")
+    jobs["titan"].add_argument("--python", default=sys.executable, help="the Python whose torchtitan runs "
+                               "(0.3.0 or 0.2.2; default: this one), e.g. a venv's bin/python with 0.2.2")
     jobs["gpu"].add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                              help="cpu: the same steps at tiny shapes (the debug model), end to end in "
                                   "a minute or two")

@@ -5,12 +5,12 @@ torchtitan.
     python checkpoint_convert.py dcp2torch --input_dir DCP_DIR  --output_dir META_DIR [--dtype bfloat16]
     python checkpoint_convert.py dcp2hf    --input_dir DCP_DIR  --output_dir HF_DIR
     python checkpoint_convert.py hf2dcp    --input_dir HF_DIR   --output_dir DCP_DIR
-    python checkpoint_convert.py dcp2titan --input_dir DCP_DIR  --output_dir TITAN_DIR
+    python checkpoint_convert.py dcp2titan --input_dir DCP_DIR  --output_dir TITAN_DIR [--titan_version 0.2.2]
 
 Tensors keep their dtype and bits (HF's q/k rows are permuted, invertibly); from a DCP folder such
 as a trainer's step-N only the model.* tensors are read. DCP_DIR may also be a torchtitan checkpoint
-(its model at the top level, no params.json: pass --params); TITAN_DIR is that layout, for
-torchtitan's initial_load_path.
+(0.3.0's or 0.2.2's: its model at the top level, no params.json: pass --params); TITAN_DIR is
+that layout, for torchtitan's initial_load_path (an absolute path in 0.3.0).
 """
 
 import argparse
@@ -34,7 +34,7 @@ from model import ModelArgs, Transformer, flavors
 from pretrain.hf_layout import args_from_hf, hf_config, hf_name, hf_tokenizer, permute_rope, tokenizer_files
 from pretrain.progress import Progress
 from pretrain.sources import DataError
-from pretrain.titan_layout import model_keys
+from pretrain.titan_layout import model_keys, titan_name
 
 MAX_SHARD_BYTES = 5 * 10**9  # per safetensors file, as Hugging Face does by default; tests lower it
 DEFAULT_TOKENIZER = "assets/tokenizer/tokenizer.model"  # train.py's [model] tokenizer_path default
@@ -224,11 +224,12 @@ def save_dcp(args: ModelArgs, sd: dict, dir: str):
     write_json(dir, "params.json", args.params())
 
 
-def save_titan(dcp_dir: str, out: str, params: str):
-    """The Meta keys at the top level, as torchtitan's initial_load_path reads them (params.json:
-    for us)."""
+def save_titan(dcp_dir: str, out: str, params: str, version: str):
+    """The model at the top level under torchtitan's names in `version`, as its initial_load_path
+    reads them (params.json: for us)."""
     args, model = dcp_model(dcp_dir, params)
-    dcp.save(load_dcp(dcp_dir, model), checkpoint_id=out, no_dist=True)
+    sd = {titan_name(k, version): w for k, w in load_dcp(dcp_dir, model).items()}
+    dcp.save(sd, checkpoint_id=out, no_dist=True)
     write_json(out, "params.json", args.params())
 
 
@@ -338,8 +339,8 @@ HELP = {"torch2dcp": "Meta's params.json + consolidated.*.pth (model-parallel sh
         "dcp2hf": "DCP -> Hugging Face: config.json, safetensors shards, tokenizer and generation "
                   "files",
         "hf2dcp": "Hugging Face config.json + safetensors -> DCP (tokenizer files are not read)",
-        "dcp2titan": "DCP -> torchtitan's layout (the model's tensors at the top level under "
-                     "Meta's names), which its --checkpoint.initial_load_path loads"}
+        "dcp2titan": "DCP -> torchtitan's layout (the model's tensors at the top level under its "
+                     "names), which its --checkpoint.initial_load_path loads"}
 INPUT = {"torch2dcp": "Meta folder: params.json and consolidated.00.pth (or .00 .. .NN)",
          "dcp2torch": "DCP folder: a torch2dcp/hf2dcp output, a trainer step-N or a torchtitan "
                       "step-N",
@@ -364,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.choices["dcp2torch"].add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"],
         help="cast every tensor (default: keep each tensor's dtype)")
+    sub.choices["dcp2titan"].add_argument(
+        "--titan_version", choices=["0.3.0", "0.2.2"], default="0.3.0",
+        help="0.3.0 names q, k and v qkv_linear.w* and the output layer lm_head; 0.2.2 Meta's names")
     sub.choices["dcp2hf"].add_argument(
         "--tokenizer_path", default=None, help="the run's tiktoken tokenizer.model, written as "
         "tokenizer.json & co.; '' writes no tokenizer files (default: [model] tokenizer_path of "
@@ -385,7 +389,7 @@ def main(argv=None):
                 "dcp2torch": lambda src, out, opts: save_meta(src, out, opts.params, opts.dtype),
                 "dcp2hf": lambda src, out, opts: save_hf(src, out, opts.params, opts.tokenizer_path),
                 "hf2dcp": lambda src, out, opts: save_dcp(*load_hf(src), out),
-                "dcp2titan": lambda src, out, opts: save_titan(src, out, opts.params)}
+                "dcp2titan": lambda src, out, opts: save_titan(src, out, opts.params, opts.titan_version)}
     parser = build_parser()
     opts = parser.parse_args(argv)
     out = opts.output_dir

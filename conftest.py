@@ -179,3 +179,17 @@ def pytest_terminal_summary(terminalreporter):
             f"the slow ones {slow:,.0f} s; this session {whole:,.0f} s wall "
             f"(whole suite budget {WHOLE_BUDGET}){verdict}")
     terminalreporter.write_line(line)
+
+
+def titan_names(sd: dict, version: str) -> dict:
+    """Meta's names as torchtitan `version` calls them: 0.3.0 puts q, k and v under qkv_linear and calls the
+    output layer lm_head (written out here, not taken from pretrain/titan_layout.py)."""
+    if version == "0.2.2":
+        return dict(sd)
+    rename = {f".attention.{p}.": f".attention.qkv_linear.{p}." for p in ("wq", "wk", "wv")}
+    out = {}
+    for k, w in sd.items():
+        for old, new in rename.items():
+            k = k.replace(old, new)
+        out["lm_head.weight" if k == "output.weight" else k] = w
+    return out

@@ -25,7 +25,7 @@ from pretrain.distributed import raise_first, wait_for_rank0
 from pretrain.faults import CheckpointError, node_name
 from pretrain.float8 import plain
 from pretrain.optimizers import set_schedule
-from pretrain.titan_layout import load_torchtitan, model_prefix
+from pretrain.titan_layout import load_torchtitan, model_keys, model_prefix
 
 logger = logging.getLogger("checkpoint")
 
@@ -186,8 +186,9 @@ class Checkpointer:
         if reason := checkpoint_folder.incomplete(path, whole):
             raise CheckpointError(f"{path} is not a complete DCP checkpoint: {reason}")
         meta = whole.state_dict_metadata
+        names = model_keys(meta)  # Meta name -> its key: model.<name>, or torchtitan's
         prefix = model_prefix(meta)
-        ours = {f"{prefix}{k}": tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
+        ours = {names.get(k, prefix + k): tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
         bad = [f"{k} {tuple(meta[k].size)} vs ours {s}" for k, s in ours.items()
                if k in meta and tuple(meta[k].size) != s]
         bad += [f"{k} missing" for k in ours if k not in meta]

@@ -172,7 +172,7 @@ def test_titan_log_parsing_takes_the_steps_after_the_warmup():
     assert titan_run.steady_tps(log, 15) is None  # nothing after the warmup: a failed or cut-short run
 
 
-def test_titan_runs_torchtitan_on_our_shapes_and_tokens_per_step(tmp_path):
+def test_titan_runs_torchtitan_on_our_shapes_and_tokens_per_step(tmp_path, monkeypatch):
     import argparse
     import gzip
     import json
@@ -183,19 +183,26 @@ def test_titan_runs_torchtitan_on_our_shapes_and_tokens_per_step(tmp_path):
 
     cfg, model, sizes = b.planned(["--config", os.path.join(ROOT, "configs/debug_model.toml"),
                                            "--training.seq_len", "512", "--activation_checkpoint.mode", "selective"], 2)
-    args = argparse.Namespace(nproc=2, steps=30, warmup=10, device="cpu")
-    cmd = titan_run.titan_command(cfg, model.args, sizes, args, str(tmp_path))
-    assert cmd[cmd.index("pretrain.titan_run") - 1] == "-m"  # run as a module from the root: it imports model.py
-    assert cmd[cmd.index("pretrain.titan_run") + 2] == "cpu"
-    shape = json.loads(cmd[cmd.index("pretrain.titan_run") + 1])
-    assert shape == {"dim": 256, "n_layers": 6, "n_heads": 16, "n_kv_heads": 8, "vocab_size": 2048, "multiple_of": 256,
-                     "ffn_dim_multiplier": None, "norm_eps": 1e-5, "rope_theta": 500000.0}
-    flags = dict(zip(cmd, cmd[1:]))
-    assert flags["--training.local_batch_size"] == "8" and flags["--training.global_batch_size"] == "16"
-    assert flags["--training.seq_len"] == "512" and flags["--parallelism.data_parallel_shard_degree"] == "2"
-    assert flags["--training.mixed_precision_param"] == "float32"
-    assert flags["--activation_checkpoint.mode"] == "selective"
-    assert flags["--metrics.log_freq"] == "10" and flags["--training.steps"] == "30" and "--compile.enable" not in cmd
+    for version in ("0.3.0", "0.2.2"):  # the CLI of the torchtitan the Python has
+        monkeypatch.setattr(titan_run, "titan_version", lambda python: version)
+        args = argparse.Namespace(nproc=2, steps=30, warmup=10, device="cpu")
+        cmd = titan_run.titan_command(cfg, model.args, sizes, args, str(tmp_path))
+        assert cmd[cmd.index("pretrain.titan_run") - 1] == "-m"  # run as a module from the root: it imports model.py
+        assert cmd[cmd.index("pretrain.titan_run") + 2] == "cpu"
+        spec = json.loads(cmd[cmd.index("pretrain.titan_run") + 1])
+        assert spec == {"dim": 256, "n_layers": 6, "n_heads": 16, "n_kv_heads": 8, "vocab_size": 2048,
+                        "multiple_of": 256, "ffn_dim_multiplier": None, "norm_eps": 1e-5, "rope_theta": 500000.0,
+                        "device": "cpu", "lr": cfg.optimizer.lr, "ac": "selective", "ac_option": "op"}
+        flags = dict(zip(cmd, cmd[1:]))
+        assert flags["--training.local_batch_size"] == "8" and flags["--training.global_batch_size"] == "16"
+        assert flags["--training.seq_len"] == "512" and flags["--parallelism.data_parallel_shard_degree"] == "2"
+        assert flags["--training.mixed_precision_param"] == "float32"
+        assert flags["--metrics.log_freq"] == "10" and flags["--training.steps"] == "30" and "--compile.enable" not in cmd
+        if version == "0.2.2":
+            assert flags["--activation_checkpoint.mode"] == "selective" and flags["--model.flavor"] == "bench"
+        else:  # its model, lr and AC from titan_config (the spec), its data under [dataloader]
+            assert flags["--module"] == "pretrain.titan_run" and flags["--config"] == "titan_config"
+            assert flags["--dataloader.dataset"] == "c4_test" and flags["--dump_folder"] == str(tmp_path)
     # Its tokenizer files give our ids (transformers converts; torchtitan reads them with `tokenizers`).
     from tokenizers import Tokenizer
 
@@ -212,9 +219,9 @@ def test_titan_runs_torchtitan_on_our_shapes_and_tokens_per_step(tmp_path):
 def test_titan_refuses_without_torchtitan_and_bad_counts(monkeypatch, capsys):
     import bench as b
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchtitan" else real(name, *a))
-    for argv, message in [(["titan"], "torchtitan is not installed: pip install"),
+    from pretrain import titan_run
+    monkeypatch.setattr(titan_run, "titan_version", lambda python: "")
+    for argv, message in [(["titan"], "has no torchtitan: pip install --no-deps -r requirements-bench.txt"),
                           (["titan", "--nproc", "0"], "--nproc 0: must be >= 1"),
                           (["titan", "--steps", "15"], "--steps must be a multiple of --warmup")]:
         with pytest.raises(SystemExit) as e:
@@ -230,7 +237,7 @@ def test_titan_side_by_side_runs():
     # test_titan_runs_torchtitan_on_our_shapes_and_tokens_per_step
     out = bench("titan", "--config", "configs/debug_model.toml", *SMALL, "--nproc", "1", "--steps", "2",
                 "--warmup", "1", "--repeats", "1", "--device", "cpu")
-    assert "debugmodel 2 layers, seq 64, 512 tokens per step, 1 processes on cpu" in out, out
+    assert "debugmodel 2 layers, seq 64, 512 tokens per step, 1 processes on cpu; torchtitan 0." in out, out
     assert re.search(r"pair 1: ours [\d,]+, torchtitan [\d,]+ tokens/s per process, ratio [\d.]+", out), out
     assert re.search(r"ours / torchtitan: [\d.]+ \(median of 1 pair ratios", out), out
 
@@ -241,7 +248,6 @@ def test_memory_and_the_bare_loop_take_the_tokenizers_vocabulary(capsys, monkeyp
     """With the bundled 2,048-token tokenizer the loss is over 2,048 words, not the flavor's 128,256: an 8B-wide
     run here is estimated (memory, matrix, gpu) and built (titan, the bare loop) with the vocabulary it trains."""
     import bench as b
-    from pretrain import memory
     import model
     import train
 

@@ -5,6 +5,7 @@ Runs train conftest.SMALL (2 blocks, seq 64) unless a test needs the flavor's de
 share one launch through a module fixture (a launch costs ~5 s of imports before its first step)."""
 
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -17,7 +18,7 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import SMALL, run_training
+from conftest import SMALL, run_training, titan_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FSDP = ("--training.local_batch_size", 4)  # 2 ranks x 4 = the debug config's global batch of 8
@@ -412,22 +413,36 @@ def test_ctrl_c_with_loader_workers_ends_the_process(tmp_path):
 
 # --- torchtitan's layout (written here with stock DCP; tests/test_titan.py runs the real torchtitan) ---------
 
-def titan_save(path, model, optimizer=None, scheduler=None, step=0, dtype=None):
-    """A checkpoint laid out as torchtitan 0.2.2 lays it out: the model at the top level under Meta's names; a
-    full save adds its flattened optimizer state, the lr scheduler's and its own state (pickled plain values)
-    and the data loader's; its last save is the model alone in export_dtype."""
+def titan_save(path, model, optimizer=None, scheduler=None, step=0, dtype=None, version="0.2.2"):
+    """A checkpoint laid out as torchtitan lays it out: the model at the top level under its names; a full save
+    adds its flattened optimizer state, the lr scheduler's and its own state (pickled plain values) and the data
+    loader's; its last save is the model alone in export_dtype. 0.3.0 names q, k and v qkv_linear.w* and the
+    output layer lm_head, and keeps one fused q/k/v moment a layer: rows by kv head, each group's query heads,
+    then its key and its value head (its FusedQKVLinear; the real one: tests/test_titan.py)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-    state = {k: v.to(dtype or v.dtype) for k, v in model.state_dict().items()}
+    state = titan_names({k: v.to(dtype or v.dtype) for k, v in model.state_dict().items()}, version)
     if optimizer is not None:
         flat = StateDictOptions(flatten_optimizer_state_dict=True)
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=flat)
+        opt = get_optimizer_state_dict(model, optimizer, options=flat)
+        if version == "0.3.0":
+            a = model.args
+            hd, per = a.dim // a.n_heads, a.n_heads // a.n_kv_heads
+            for i, kind in itertools.product(range(a.n_layers), ("exp_avg", "exp_avg_sq", "step")):
+                q, k, v = (opt.pop(f"state.layers.{i}.attention.{p}.weight.{kind}") for p in ("wq", "wk", "wv"))
+                if kind != "step":
+                    q, k, v = (x.view(a.n_kv_heads, -1, hd, a.dim) for x in (q, k, v))
+                    q = torch.cat([q.view(a.n_kv_heads, per, hd, a.dim), k, v], 1).reshape(-1, a.dim)
+                opt[f"state.layers.{i}.attention.qkv_linear.wqkv.weight.{kind}"] = q
+            opt = {k.replace("state.output.", "state.lm_head."): v for k, v in opt.items() if "param_groups" not in k}
+        state["optimizer"] = opt
         state["lr_scheduler"] = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
         state["train_state"] = {"step": step, "ntokens_seen": 4096 * step}
         state["dataloader"] = {"dp_rank_0": {"token_buffer": [1, 2]}, "world_size": 1}
     dcp.save(state, checkpoint_id=str(path), no_dist=True)
 
 
-def test_initial_load_takes_torchtitan_layout_and_continues_its_run(tmp_path, caplog):
+@pytest.mark.parametrize("version", ["0.3.0", "0.2.2"])
+def test_initial_load_takes_torchtitan_layout_and_continues_its_run(tmp_path, caplog, version):
     """initial_load_path on torchtitan's layout: model-only takes the weights bit for bit; a full save with
     initial_load_model_only = false also brings the AdamW moments, the step and the lr schedule's position."""
     import torch.distributed as dist
@@ -453,8 +468,8 @@ def test_initial_load_takes_torchtitan_layout_and_continues_its_run(tmp_path, ca
         theirs(torch.randint(0, 384, (2, 16))).logsumexp(-1).mean().backward()
         their_opt.step()
         their_sched.step()
-    titan_save(tmp_path / "full", theirs, their_opt, their_sched, step=3)
-    titan_save(tmp_path / "export", theirs, dtype=torch.bfloat16)
+    titan_save(tmp_path / "full", theirs, their_opt, their_sched, step=3, version=version)
+    titan_save(tmp_path / "export", theirs, dtype=torch.bfloat16, version=version)
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

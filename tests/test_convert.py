@@ -33,6 +33,7 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import checkpoint_convert as C  # noqa: E402
+from conftest import titan_names  # noqa: E402
 import data as D  # noqa: E402
 from pretrain.config import to_toml  # noqa: E402
 from pretrain import hf_layout as H  # noqa: E402
@@ -311,9 +312,10 @@ def test_trainer_step_folder_exports_model_only(meta, ascii_tokenizer, tmp_path)
     assert_bitwise_equal(read_dcp_model(convert("hf2dcp", hf, tmp_path / "dcp")), fp32)
 
 
-def titan_layout(path, sd: dict, full: bool):
-    """torchtitan 0.2.2's layout, written with stock DCP: the model at the top level under Meta's names and no
+def titan_layout(path, sd: dict, full: bool, version: str = "0.2.2"):
+    """torchtitan's layout, written with stock DCP: the model at the top level under its names and no
     params.json; a full save adds its flattened optimizer and its pickled lr schedule, step and loader state."""
+    sd = titan_names(sd, version)
     state = dict(sd)
     if full:
         state["optimizer"] = {f"state.{k}.exp_avg": torch.randn_like(w, dtype=torch.float32) for k, w in sd.items()}
@@ -324,26 +326,31 @@ def titan_layout(path, sd: dict, full: bool):
     return path
 
 
-def test_torchtitan_layout_in_and_out(tmp_path):
+@pytest.mark.parametrize("version", ["0.3.0", "0.2.2"])
+def test_torchtitan_layout_in_and_out(tmp_path, version):
     """dcp2torch reads a full torchtitan checkpoint (its model among optimizer.*, lr_scheduler.* ...) with
     --params: bit for bit what stock dcp_to_torch_save finds there (dcp2hf shares the reading). dcp2titan
-    writes that layout: the Meta keys at the top level, where torchtitan's initial_load_path reads them."""
+    writes that layout: the model at the top level under the version's names, where torchtitan's
+    initial_load_path reads them (0.3.0 by default)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     sd = random_state_dict(M.ModelArgs(**PARAMS))
     json.dump(PARAMS, open(tmp_path / "params.json", "w"))
-    titan = titan_layout(tmp_path / "titan", sd, full=True)
+    titan = titan_layout(tmp_path / "titan", sd, full=True, version=version)
     dcp_to_torch_save(str(titan), str(tmp_path / "stock.pt"))
     stock = torch.load(tmp_path / "stock.pt", weights_only=True)
     meta = convert("dcp2torch", titan, tmp_path / "meta", "--params", tmp_path / "params.json")
-    assert_bitwise_equal(torch.load(meta / "consolidated.00.pth", weights_only=True), {k: stock[k] for k in sd})
+    theirs = titan_names(sd, version)
+    assert_bitwise_equal(torch.load(meta / "consolidated.00.pth", weights_only=True),
+                         {k: stock[t] for k, t in zip(sd, theirs)})
 
     ours = tmp_path / "ours"
     dcp.save({"model": sd}, checkpoint_id=str(ours), no_dist=True)
     json.dump(M.ModelArgs(**PARAMS).params(), open(ours / "params.json", "w"))
-    out = convert("dcp2titan", ours, tmp_path / "out")
-    back = {k: torch.empty_like(w) for k, w in sd.items()}  # as torchtitan asks for its model's keys
+    which = [] if version == "0.3.0" else ["--titan_version", version]
+    out = convert("dcp2titan", ours, tmp_path / "out", *which)
+    back = {k: torch.empty_like(w) for k, w in theirs.items()}  # as torchtitan asks for its model's keys
     dcp.load(back, checkpoint_id=str(out), no_dist=True)
-    assert_bitwise_equal(back, sd)
+    assert_bitwise_equal(back, theirs)
     assert json.load(open(out / "params.json")) == json.load(open(ours / "params.json"))  # for our converters
 
 

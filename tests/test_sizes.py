@@ -18,9 +18,9 @@ BUDGETS = {
     "download_data.py": 200, "preflight.py": 450, "bench.py": 610, "plot.py": 200,
     "pretrain/config.py": 230, "pretrain/distributed.py": 200, "pretrain/sources.py": 300,
     "pretrain/data_manifest.py": 250, "pretrain/mirror.py": 150, "pretrain/data_check.py": 200,
-    "pretrain/checkpoint.py": 290, "pretrain/checkpoint_folder.py": 265, "pretrain/titan_layout.py": 150,
+    "pretrain/checkpoint.py": 290, "pretrain/checkpoint_folder.py": 265, "pretrain/titan_layout.py": 180,
     "pretrain/hf_layout.py": 150, "pretrain/metrics.py": 230, "pretrain/memory.py": 230, "pretrain/measure.py": 200,
-    "pretrain/float8.py": 150, "pretrain/evals.py": 300, "pretrain/dryrun.py": 300, "pretrain/titan_run.py": 150,
+    "pretrain/float8.py": 150, "pretrain/evals.py": 300, "pretrain/dryrun.py": 300, "pretrain/titan_run.py": 230,
     "pretrain/progress.py": 160, "pretrain/loss.py": 100, "pretrain/spikes.py": 200,
     "pretrain/faults.py": 120, "pretrain/startup.py": 100, "pretrain/optimizers.py": 250, "pretrain/agreement.py": 100,
 }
@@ -37,6 +37,9 @@ BUDGETS = {
 # name rather than the whole Config (issue 61).
 # pretrain/measure.py: DESIGN.md's 150 was written before preflight.py's device measurements (matmul speed,
 # bus bandwidth) joined bench.py's there.
+# pretrain/titan_layout.py and titan_run.py: DESIGN.md's 150 was written for torchtitan 0.2.2 alone; 0.3.0 (issue 62)
+# names q, k, v and the output layer its own way, keeps fused q/k/v moments, and builds its model in a Python
+# config function, and 0.2.2 stays.
 # pretrain/progress.py, loss.py, spikes.py, faults.py and startup.py are not in DESIGN.md's table yet.
 ROOT_FILES = sorted(glob.glob(os.path.join(ROOT, "*.py")))  # what a user runs and forks
 PACKAGE = sorted(glob.glob(os.path.join(ROOT, "pretrain", "*.py")))

@@ -1,11 +1,14 @@
-"""Coming from torchtitan 0.2.2 and going back, against the real torchtitan (pretrain/titan_run.py: our debug shape,
-its c4_test loader on the bundled C4 sample, CPU): its checkpoints convert bit for bit and give our logits in
-transformers, train.py continues its run, and torchtitan starts from dcp2titan's folder with our model's loss.
-Slow, and skipped where torchtitan is not installed (CI): the layouts alone are tested without it in
-tests/test_convert.py and tests/test_checkpoint.py."""
+"""Coming from torchtitan and going back, against the real torchtitan this Python has, 0.3.0 or 0.2.2
+(pretrain/titan_run.py: our debug shape, its c4_test loader on the bundled C4 sample, CPU): its checkpoints
+convert bit for bit and give our logits in transformers, train.py continues its run (0.3.0's fused q/k/v
+moments split as its own FusedQKVLinear splits its weights), and torchtitan starts from dcp2titan's folder
+with our model's loss. Slow, and skipped where torchtitan is not installed (CI): the layouts alone are tested
+without it in tests/test_convert.py and tests/test_checkpoint.py. 0.2.2 runs in a venv of its own
+(docs/checkpoints.md#coming-from-torchtitan)."""
 
 import argparse
 import dataclasses
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -24,7 +27,7 @@ sys.path.insert(0, ROOT)
 
 import bench  # noqa: E402
 import checkpoint_convert as C  # noqa: E402
-from conftest import SMALL, run_training  # noqa: E402
+from conftest import SMALL, run_training, titan_names  # noqa: E402
 import model as M  # noqa: E402
 from pretrain.titan_run import titan_command, titan_tokenizer  # noqa: E402
 import train  # noqa: E402
@@ -33,10 +36,12 @@ CONFIG = os.path.join(ROOT, "configs", "debug_model.toml")
 # Both trainers run the SMALL shape (2 of the debug model's blocks, seq 64): its checkpoints carry every
 # kind of weight the layouts name, at a fifth of the 6-block, seq-256 steps' time
 ARGS = dataclasses.replace(M.flavors["debugmodel"], n_layers=2)
+INSTALLED = importlib.util.find_spec("torchtitan") is not None
+VERSION = importlib.metadata.version("torchtitan") if INSTALLED else ""  # "0.3.0" or "0.2.2"
 WARMUP = ("--lr_scheduler.warmup_steps", "4")  # the same schedule shape in both trainers
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*assuming the intent is to"),
-              pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
-                                 reason="torchtitan is not installed (pip install -r requirements-bench.txt)")]
+              pytest.mark.skipif(not INSTALLED,
+                                 reason="torchtitan is not installed (pip install --no-deps -r requirements-bench.txt)")]
 
 
 def torchtitan(folder, steps: int, *flags) -> dict:
@@ -79,6 +84,8 @@ def test_its_checkpoints_convert_bit_for_bit_with_our_logits(titan_run, tmp_path
     for step, dtype in ((5, torch.float32), (10, torch.bfloat16)):
         dcp_to_torch_save(str(titan_run / f"step-{step}"), str(tmp_path / f"stock{step}.pt"))
         stock = torch.load(tmp_path / f"stock{step}.pt", weights_only=True)
+        meta_names = list(M.Transformer(ARGS).state_dict())
+        stock = {k: stock[t] for k, t in zip(meta_names, titan_names(dict.fromkeys(meta_names), VERSION))}
         out = tmp_path / f"meta{step}"
         C.main(["dcp2torch", "--input_dir", str(titan_run / f"step-{step}"), "--output_dir", str(out),
                 "--params", str(params)])
@@ -126,8 +133,10 @@ def first_batch(folder, seq_len=64, batch=8):
         kernels.generate_permute_indices = kernels.fill_indices_wrapper = None
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
-    data = HuggingFaceTextDataset("c4_test", os.path.join(ROOT, "assets/data/c4"), HuggingFaceTokenizer(str(folder)),
-                                  seq_len, infinite=True)
+    # 0.3.0 shifts each document's labels within it, and hands positions that titan_run drops on CPU (SDPA)
+    tokenizer = HuggingFaceTokenizer(str(folder)) if VERSION.startswith("0.2.") else HuggingFaceTokenizer(
+        tokenizer_path=str(folder))
+    data = HuggingFaceTextDataset("c4_test", os.path.join(ROOT, "assets/data/c4"), tokenizer, seq_len, infinite=True)
     samples = [sample for sample, _ in zip(data, range(batch))]
     return torch.stack([s[0]["input"] for s in samples]), torch.stack([s[1] for s in samples])
 
@@ -141,7 +150,8 @@ def test_torchtitan_starts_from_dcp2titan_with_our_loss(tmp_path):
     model.init_weights()
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "ours"), no_dist=True)
     json.dump(args.params(), open(tmp_path / "ours" / "params.json", "w"))
-    C.main(["dcp2titan", "--input_dir", str(tmp_path / "ours"), "--output_dir", str(tmp_path / "titan_in")])
+    C.main(["dcp2titan", "--input_dir", str(tmp_path / "ours"), "--output_dir", str(tmp_path / "titan_in"),
+            "--titan_version", VERSION])
     folder = tmp_path / "run"
     folder.mkdir()
     losses = torchtitan(folder, 1, "--checkpoint.initial_load_path", str(tmp_path / "titan_in"))
@@ -149,3 +159,20 @@ def test_torchtitan_starts_from_dcp2titan_with_our_loss(tmp_path):
     with torch.no_grad():
         expected = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten()).item()
     assert losses[1] == pytest.approx(expected, abs=1e-4)  # torchtitan logs 5 decimals
+
+
+@pytest.mark.skipif(VERSION.startswith("0.2."), reason="0.2.2 keeps q, k and v apart")
+def test_fused_qkv_splits_as_torchtitan_splits_it():
+    """titan_layout.split_qkv (how its fused q/k/v moments become ours) cuts rows as 0.3.0's FusedQKVLinear
+    cuts its weight into wq, wk and wv on save, for grouped and plain multi-head attention."""
+    from torchtitan.models.common.attention import FusedQKVLinear
+    from pretrain.titan_layout import split_qkv
+    for n_heads, n_kv in ((16, 8), (8, 2), (4, 4)):
+        hd, dim = 8, 32
+        fused = torch.randn((n_heads + 2 * n_kv) * hd, dim)
+        module = types.SimpleNamespace(head_dim=hd, heads_per_kv=n_heads // n_kv, r_dim=n_heads // n_kv + 2)
+        theirs = {"wqkv.weight": fused}
+        FusedQKVLinear._split_qkv_on_save(module, theirs, "", None)
+        ours = split_qkv(fused, n_heads, n_kv)
+        for p in ("wq", "wk", "wv"):
+            assert torch.equal(ours[p], theirs[f"{p}.weight"]), (n_heads, n_kv, p)
