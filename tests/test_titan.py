@@ -143,7 +143,7 @@ def first_batch(folder, seq_len=64, batch=8):
 
 def test_torchtitan_starts_from_dcp2titan_with_our_loss(tmp_path):
     """Our weights (a DCP folder as torch2dcp and the trainer write it) -> dcp2titan -> torchtitan's
-    initial_load_path: its step-1 loss is our model.py's on its first batch."""
+    initial_load_path: it trains 3 steps, and its step-1 loss is our model.py's on its first batch."""
     args = ARGS
     torch.manual_seed(7)
     model = M.Transformer(args)
@@ -154,7 +154,8 @@ def test_torchtitan_starts_from_dcp2titan_with_our_loss(tmp_path):
             "--titan_version", VERSION])
     folder = tmp_path / "run"
     folder.mkdir()
-    losses = torchtitan(folder, 1, "--checkpoint.initial_load_path", str(tmp_path / "titan_in"))
+    losses = torchtitan(folder, 3, "--checkpoint.initial_load_path", str(tmp_path / "titan_in"))
+    assert sorted(losses) == [1, 2, 3]  # it trains on from our weights
     inputs, labels = first_batch(folder)
     with torch.no_grad():
         expected = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten()).item()
