@@ -6,6 +6,7 @@ torchtitan.
     python checkpoint_convert.py dcp2hf    --input_dir DCP_DIR  --output_dir HF_DIR
     python checkpoint_convert.py hf2dcp    --input_dir HF_DIR   --output_dir DCP_DIR
     python checkpoint_convert.py dcp2titan --input_dir DCP_DIR  --output_dir TITAN_DIR [--titan_version 0.2.2]
+    python checkpoint_convert.py average   STEP_DIR STEP_DIR ... --output DCP_DIR [--ema 0.9]
 
 Tensors keep their dtype and bits (HF's q/k rows are permuted, invertibly); from a DCP folder such
 as a trainer's step-N only the model.* tensors are read. DCP_DIR may also be a torchtitan checkpoint
@@ -31,6 +32,7 @@ from safetensors.torch import save_file
 
 from data import Tokenizer
 from model import ModelArgs, Transformer, flavors
+from pretrain import averaging
 from pretrain.hf_layout import args_from_hf, hf_config, hf_name, hf_tokenizer, permute_rope, tokenizer_files
 from pretrain.progress import Progress
 from pretrain.sources import DataError
@@ -331,6 +333,43 @@ def save_tokenizer(path: str, config: dict, out: str):
         write_json(out, name, content)
 
 
+# --- the average of several checkpoints' weights (Polyak averaging, model soups) ------------------
+def run_of(dir: str) -> dict:
+    """The resume keys a trainer's step-N keeps (its run's config), or {} for a converted model."""
+    metadata = dcp.FileSystemReader(dir).read_metadata().state_dict_metadata
+    if "train.config" not in metadata:
+        return {}
+    blob = {"train.config": torch.empty(metadata["train.config"].size, dtype=torch.uint8)}
+    dcp.load(blob, checkpoint_id=dir, no_dist=True)
+    return json.loads(bytes(blob["train.config"].tolist()))
+
+
+def save_average(dirs: list, out: str, params: str, ema: float = None):
+    """The weighted mean of the checkpoints' model tensors as a model-only DCP folder (params.json
+    beside it): uniform weights, or with `ema` the newest weighs 1, the one before ema, then ema^2...
+    A tensor at a time (pretrain/averaging.py): the peak is about the largest tensor twice, in fp32,
+    whatever the model's size. Every input must hold the same model (heads, shapes, dtypes) from one
+    run (a trainer step-N's resume keys)."""
+    args, model = dcp_model(dirs[0], params)
+    run = run_of(dirs[0])
+    for d in dirs[1:]:
+        other_args, other = dcp_model(d, params)
+        mine = {k: (getattr(args, k), getattr(other_args, k)) for k in ("n_heads", "n_kv_heads")}
+        mine |= {k: tuple(f"{m[k].properties.dtype} {tuple(m[k].size)}".replace("torch.", "") for m in (model, other))
+                 for k in model}
+        differ = [(k, a, b) for k, (a, b) in mine.items() if a != b]
+        theirs = run_of(d)
+        differ += [(k, run[k], theirs[k]) for k in run if k in theirs and theirs[k] != run[k]]
+        if differ:
+            k, a, b = differ[0]
+            raise ConvertError(f"{d}: {k} is {b} there but {a} in {dirs[0]}; average checkpoints of one model "
+                               "and one run")
+    factors = [1.0] * len(dirs) if ema is None else [ema ** (len(dirs) - 1 - i) for i in range(len(dirs))]
+    keys = [model_keys(dcp.FileSystemReader(d).read_metadata().state_dict_metadata) for d in dirs]
+    averaging.save_mean(dirs, keys, model, [f / sum(factors) for f in factors], out)
+    write_json(out, "params.json", args.params())
+
+
 # --- command line ---------------------------------------------------------------------------------
 HELP = {"torch2dcp": "Meta's params.json + consolidated.*.pth (model-parallel shards merged) "
                      "-> DCP",
@@ -341,6 +380,8 @@ HELP = {"torch2dcp": "Meta's params.json + consolidated.*.pth (model-parallel sh
         "hf2dcp": "Hugging Face config.json + safetensors -> DCP (tokenizer files are not read)",
         "dcp2titan": "DCP -> torchtitan's layout (the model's tensors at the top level under its "
                      "names), which its --checkpoint.initial_load_path loads"}
+AVERAGE = ("the mean of several checkpoints' weights (Polyak averaging, as Llama 3's final model) -> a "
+           "model-only DCP folder, a tensor at a time")
 INPUT = {"torch2dcp": "Meta folder: params.json and consolidated.00.pth (or .00 .. .NN)",
          "dcp2torch": "DCP folder: a torch2dcp/hf2dcp output, a trainer step-N or a torchtitan "
                       "step-N",
@@ -357,7 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--input_dir", required=True, help=INPUT.get(name, INPUT["dcp2torch"]))
         p.add_argument("--output_dir", required=True, help="folder to create (or an empty one); "
                        "written to a temp folder beside it and renamed when complete")
-    for name in ("dcp2torch", "dcp2hf", "dcp2titan"):
+    avg = sub.add_parser("average", help=AVERAGE, description=AVERAGE)
+    avg.add_argument("inputs", nargs="+", metavar="STEP_DIR", help="DCP folders of one model and run (a trainer's "
+                     "step-N, a converted model), oldest first")
+    avg.add_argument("--output", "--output_dir", dest="output_dir", required=True, help="folder to create")
+    avg.add_argument("--ema", type=float, help="EMA weights: the newest 1, the one before EMA, then EMA^2 ... "
+                     "(0 < EMA <= 1; default: uniform)")
+    for name in ("dcp2torch", "dcp2hf", "dcp2titan", "average"):
         sub.choices[name].add_argument(
             "--params", help="the model's shape where --input_dir has no params.json (torchtitan's "
             "checkpoints): a params.json with Meta's keys, or a flavor of model.py "
@@ -389,15 +436,22 @@ def main(argv=None):
                 "dcp2torch": lambda src, out, opts: save_meta(src, out, opts.params, opts.dtype),
                 "dcp2hf": lambda src, out, opts: save_hf(src, out, opts.params, opts.tokenizer_path),
                 "hf2dcp": lambda src, out, opts: save_dcp(*load_hf(src), out),
-                "dcp2titan": lambda src, out, opts: save_titan(src, out, opts.params, opts.titan_version)}
+                "dcp2titan": lambda src, out, opts: save_titan(src, out, opts.params, opts.titan_version),
+                "average": lambda src, out, opts: save_average(opts.inputs, out, opts.params, opts.ema)}
     parser = build_parser()
     opts = parser.parse_args(argv)
     out = opts.output_dir
     # DCP: no process group, yes
     warnings.filterwarnings("ignore", message=".*assuming the intent is to")
     try:
-        if not os.path.isdir(opts.input_dir):
-            raise ConvertError(f"--input_dir {opts.input_dir} does not exist or is not a directory")
+        averaging = opts.command == "average"
+        for given in opts.inputs if averaging else [opts.input_dir]:
+            if not os.path.isdir(given):
+                name = "STEP_DIR" if averaging else "--input_dir"
+                raise ConvertError(f"{name} {given} does not exist or is not a directory")
+        if averaging and opts.ema is not None and not 0 < opts.ema <= 1:
+            raise ConvertError(f"--ema {opts.ema}: must be in (0, 1]; the newest checkpoint weighs 1, each "
+                               "older one EMA times the next")
         if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
             raise ConvertError(f"--output_dir {out} exists and is not empty; remove it or pick "
                                f"another")
@@ -410,7 +464,7 @@ def main(argv=None):
         try:
             if opts.command == "dcp2hf":
                 opts.tokenizer_path = find_tokenizer(opts.input_dir, opts.tokenizer_path)
-            commands[opts.command](opts.input_dir, tmp, opts)
+            commands[opts.command](None if averaging else opts.input_dir, tmp, opts)
             follow_umask(tmp)
             os.rename(tmp, out)  # also replaces an empty output_dir (POSIX rename)
         except BaseException:

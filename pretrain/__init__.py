@@ -13,7 +13,8 @@ makes it), dryrun (which hands it to the trainer's own functions) and titan_run 
     data_check         preflight.py check's test that each node reads the run's data
     checkpoint         what a checkpoint holds, resume, initial loads (ours, Meta, torchtitan)
     checkpoint_folder  atomic sync/async DCP saves, which step-N are complete, pruning
-    titan_layout       torchtitan's checkpoint layout, read as ours
+    titan_layout       torchtitan's checkpoint layout (0.3.0's and 0.2.2's), read as ours
+    averaging          the mean of several checkpoints' weights, written a tensor at a time
     hf_layout          Hugging Face's names, config and tokenizer files
     metrics            the log line, metrics.jsonl, TensorBoard, W&B, MFU
     progress           the run's clock (elapsed, ETA); progress bars and lines on long work

@@ -354,6 +354,51 @@ def test_torchtitan_layout_in_and_out(tmp_path, version):
     assert json.load(open(out / "params.json")) == json.load(open(ours / "params.json"))  # for our converters
 
 
+# --- average: the mean of several checkpoints (Polyak averaging) ------------------------------------------
+
+def test_average_is_the_mean_of_the_tensors_and_refuses_other_models_and_runs(tmp_path, capsys):
+    """Two checkpoints' average is (a + b) / 2 to the bit, in fp32 and in bf16 (summed in fp32); --ema weighs
+    the newest most; the output converts on (dcp2torch). Another model, another run, a bad --ema: one line."""
+    from pretrain.checkpoint import json_tensor
+    args = M.ModelArgs(**PARAMS)
+    sds = [random_state_dict(args, seed=i, dtype=torch.float32) for i in range(3)]
+    for i, sd in enumerate(sds):  # as trainer step-N folders: the model and the run's resume keys
+        run = {"training.seed": 0, "model.flavor": "debugmodel"}
+        dcp.save({"model": sd, "train": {"config": json_tensor(run)}}, checkpoint_id=str(tmp_path / f"s{i}"),
+                 no_dist=True)
+        json.dump(args.params(), open(tmp_path / f"s{i}" / "params.json", "w"))
+    C.main(["average", str(tmp_path / "s0"), str(tmp_path / "s1"), "--output", str(tmp_path / "mean")])
+    assert_bitwise_equal(read_dcp_model(tmp_path / "mean"), {k: (sds[0][k] + sds[1][k]) / 2 for k in sds[0]})
+    C.main(["average", *(str(tmp_path / f"s{i}") for i in range(3)), "--output", str(tmp_path / "ema"), "--ema", "0.5"])
+    for k, w in read_dcp_model(tmp_path / "ema").items():  # weights 1/7, 2/7, 4/7
+        assert torch.allclose(w, (sds[0][k] + 2 * sds[1][k] + 4 * sds[2][k]) / 7, atol=1e-6), k
+    meta = convert("dcp2torch", tmp_path / "mean", tmp_path / "meta")
+    assert torch.load(meta / "consolidated.00.pth", weights_only=True).keys() == sds[0].keys()
+    halves = [{k: w.bfloat16() for k, w in sd.items()} for sd in sds[:2]]
+    for i, sd in enumerate(halves):
+        convert("torch2dcp", write_meta(tmp_path / f"bf{i}", PARAMS, sd), tmp_path / f"b{i}")
+    C.main(["average", str(tmp_path / "b0"), str(tmp_path / "b1"), "--output", str(tmp_path / "bmean")])
+    assert_bitwise_equal(read_dcp_model(tmp_path / "bmean"),
+                         {k: ((halves[0][k].float() + halves[1][k].float()) / 2).bfloat16() for k in sds[0]})
+
+    other_run = {"training.seed": 1, "model.flavor": "debugmodel"}
+    dcp.save({"model": sds[2], "train": {"config": json_tensor(other_run)}}, checkpoint_id=str(tmp_path / "r"),
+             no_dist=True)
+    json.dump(args.params(), open(tmp_path / "r" / "params.json", "w"))
+    folder = lambda name: str(tmp_path / name)  # noqa: E731
+    cases = [([folder("s0"), folder("b1")],
+              ["tok_embeddings.weight is bfloat16 (384, 64) there but float32 (384, 64)"]),
+             ([folder("s0"), folder("r")], ["training.seed is 1 there but 0 in", "one model and one run"]),
+             ([folder("s0"), folder("s1"), "--ema", "1.5"], ["--ema 1.5: must be in (0, 1]"]),
+             ([folder("s0"), folder("nope")], ["STEP_DIR", "nope does not exist"])]
+    for argv, words in cases:
+        with pytest.raises(SystemExit) as exit:
+            C.main(["average", *argv, "--output", folder("bad")])
+        err = capsys.readouterr().err
+        assert exit.value.code == 1 and len(err.strip().splitlines()) == 1 and all(w in err for w in words), err
+        assert not (tmp_path / "bad").exists()
+
+
 # --- the exported tokenizer, the README's snippet, file modes, rope config, --help --------------------
 
 def bundled_documents() -> list:
@@ -631,13 +676,16 @@ MEASURE = """if 1:
     import checkpoint_convert as C
     workdir, C.MAX_SHARD_BYTES = sys.argv[1], int(sys.argv[2])
     for command, src, dst in [("torch2dcp", "meta", "dcp"), ("dcp2torch", "dcp", "meta2"),
-                              ("dcp2hf", "dcp", "hf"), ("hf2dcp", "hf", "dcp2")]:
+                              ("dcp2hf", "dcp", "hf"), ("hf2dcp", "hf", "dcp2"), ("average", "dcp", "mean")]:
         if os.fork() == 0:  # a fresh peak per command, without paying python + torch startup again
             peaks = []
             for name in ("tiny", "big"):
-                C.main([command, "--input_dir", os.path.join(workdir, name, src),
-                        "--output_dir", os.path.join(workdir, name, dst),
-                        *(["--tokenizer_path", ""] if command == "dcp2hf" else [])])  # weights only
+                src_dir, dst_dir = (os.path.join(workdir, name, d) for d in (src, dst))
+                if command == "average":  # the checkpoint with its copy
+                    C.main([command, src_dir, os.path.join(workdir, name, "dcp2"), "--output", dst_dir])
+                else:
+                    C.main([command, "--input_dir", src_dir, "--output_dir", dst_dir,
+                            *(["--tokenizer_path", ""] if command == "dcp2hf" else [])])  # weights only
                 peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
             print("RSS", command, *peaks, flush=True)
             os._exit(0)
@@ -665,10 +713,13 @@ def measure_peak_rss(workdir, params: dict, dtype=torch.float32, n_shards=1,
 @pytest.mark.slow
 def test_peak_rss_small(tmp_path):
     params = dict(PARAMS, dim=256, n_heads=8, n_kv_heads=4, n_layers=8, vocab_size=4096, multiple_of=64)
+    largest = 4 * params["vocab_size"] * params["dim"]  # the embedding's fp32 bytes
     for command, (growth, size) in measure_peak_rss(tmp_path, params).items():
         report = f"{command}: peak RSS grew {growth / 1e6:.0f} MB for a {size / 1e6:.0f} MB checkpoint"
         print(report)  # visible with pytest -s
         assert 15e6 < size and growth < 1.5 * size, report
+        if command == "average":  # a tensor at a time: its sum and one input's copy, not the model
+            assert growth < 2 * largest + 12e6 and growth < size / 2, report
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lines at most, from DESIGN.md's file tables.
 BUDGETS = {
-    "train.py": 800, "model.py": 350, "data.py": 550, "checkpoint_convert.py": 430, "download_tokenizer.py": 80,
+    "train.py": 800, "model.py": 350, "data.py": 550, "checkpoint_convert.py": 490, "download_tokenizer.py": 80,
     "download_data.py": 200, "preflight.py": 450, "bench.py": 610, "plot.py": 200,
     "pretrain/config.py": 230, "pretrain/distributed.py": 200, "pretrain/sources.py": 300,
     "pretrain/data_manifest.py": 250, "pretrain/mirror.py": 150, "pretrain/data_check.py": 200,
@@ -22,9 +22,10 @@ BUDGETS = {
     "pretrain/hf_layout.py": 150, "pretrain/metrics.py": 230, "pretrain/memory.py": 230, "pretrain/measure.py": 200,
     "pretrain/float8.py": 150, "pretrain/evals.py": 300, "pretrain/dryrun.py": 300, "pretrain/titan_run.py": 230,
     "pretrain/progress.py": 160, "pretrain/loss.py": 100, "pretrain/spikes.py": 200,
-    "pretrain/faults.py": 120, "pretrain/startup.py": 100, "pretrain/optimizers.py": 250, "pretrain/agreement.py": 100,
+    "pretrain/faults.py": 120, "pretrain/startup.py": 100, "pretrain/optimizers.py": 250, "pretrain/agreement.py": 100, "pretrain/averaging.py": 80,
 }
-# checkpoint_convert.py: DESIGN.md's 400 was written before the converters' progress bars were.
+# checkpoint_convert.py: DESIGN.md's 400 was written before the converters' progress bars, torchtitan 0.3.0's names and
+# the `average` command (its checks; the streaming mean is pretrain/averaging.py) were.
 # pretrain/metrics.py: DESIGN.md's 150 was written before W&B took the training step as a field (a rewind's
 # steps go back, which W&B's own step may not) and the log line's sums and speed (LogSums, Throughput) left
 # train.py's loop (issue 61). pretrain/agreement.py (what every rank agrees on at a step) is not in DESIGN.md yet.
