@@ -401,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     avg = sub.add_parser("average", help=AVERAGE, description=AVERAGE)
     avg.add_argument("inputs", nargs="+", metavar="STEP_DIR", help="DCP folders of one model and run (a trainer's "
                      "step-N, a converted model), oldest first")
-    avg.add_argument("--output", "--output_dir", dest="output_dir", required=True, help="folder to create")
+    avg.add_argument("--output", "--output_dir", dest="output_dir", required=True,
+                     help="folder to create (or an empty one), renamed into place when complete")
     avg.add_argument("--ema", type=float, help="EMA weights: the newest 1, the one before EMA, then EMA^2 ... "
                      "(0 < EMA <= 1; default: uniform)")
     for name in ("dcp2torch", "dcp2hf", "dcp2titan", "average"):

@@ -553,7 +553,7 @@ def test_help_documents_every_argument(capsys):
     parser = C.build_parser()
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert [c.dest for c in subparsers._choices_actions] == ["torch2dcp", "dcp2torch", "dcp2hf", "hf2dcp",
-                                                             "dcp2titan"]
+                                                             "dcp2titan", "average"]
     assert all(len(c.help) > 20 for c in subparsers._choices_actions)
     for name, sub in subparsers.choices.items():
         options = [a for a in sub._actions if a.dest != "help"]
