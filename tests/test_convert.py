@@ -33,7 +33,7 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import checkpoint_convert as C  # noqa: E402
-from conftest import titan_names  # noqa: E402
+from conftest import run_training, titan_names  # noqa: E402
 import data as D  # noqa: E402
 from pretrain.config import to_toml  # noqa: E402
 from pretrain import hf_layout as H  # noqa: E402
@@ -356,9 +356,11 @@ def test_torchtitan_layout_in_and_out(tmp_path, version):
 
 # --- average: the mean of several checkpoints (Polyak averaging) ------------------------------------------
 
+@pytest.mark.slow
 def test_average_is_the_mean_of_the_tensors_and_refuses_other_models_and_runs(tmp_path, capsys):
-    """Two checkpoints' average is (a + b) / 2 to the bit, in fp32 and in bf16 (summed in fp32); --ema weighs
-    the newest most; the output converts on (dcp2torch). Another model, another run, a bad --ema: one line."""
+    """Two checkpoints' average is (a + b) / 2 to the bit, in fp32 and in bf16 (summed in fp32), and of a 2-rank
+    run's step-N (chunks); --ema weighs the newest most; the output converts on (dcp2torch). Another model,
+    another run, a bad --ema: one line."""
     from pretrain.checkpoint import json_tensor
     args = M.ModelArgs(**PARAMS)
     sds = [random_state_dict(args, seed=i, dtype=torch.float32) for i in range(3)]
@@ -380,6 +382,18 @@ def test_average_is_the_mean_of_the_tensors_and_refuses_other_models_and_runs(tm
     C.main(["average", str(tmp_path / "b0"), str(tmp_path / "b1"), "--output", str(tmp_path / "bmean")])
     assert_bitwise_equal(read_dcp_model(tmp_path / "bmean"),
                          {k: ((halves[0][k].float() + halves[1][k].float()) / 2).bfloat16() for k in sds[0]})
+
+    # A trainer's step-N from 2 FSDP ranks holds each tensor in chunks, one a rank: each read into its place.
+    dump = tmp_path / "run"
+    proc = run_training(["--config", os.path.join(REPO_ROOT, "configs/debug_model.toml"), "--job.dump_folder", dump,
+                         "--model.n_layers", "2", "--training.seq_len", "64", "--training.steps", "4",
+                         "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--validation.enable", "false"],
+                        nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [dump / "checkpoint" / f"step-{n}" for n in (2, 4)]
+    C.main(["average", *map(str, steps), "--output", str(tmp_path / "runmean")])
+    want = [read_dcp_model(step) for step in steps]
+    assert_bitwise_equal(read_dcp_model(tmp_path / "runmean"), {k: (want[0][k] + want[1][k]) / 2 for k in want[0]})
 
     other_run = {"training.seed": 1, "model.flavor": "debugmodel"}
     dcp.save({"model": sds[2], "train": {"config": json_tensor(other_run)}}, checkpoint_id=str(tmp_path / "r"),
