@@ -1,7 +1,7 @@
 """A dry run of train.py at the job's real world size, on a laptop: `python preflight.py dryrun
 --config C --world_size N [--section.key value ...]`. One CPU process, no GPU.
 
-Rank 0 and the last rank, each in a forked process, join a "fake" process group of N ranks
+Rank 0 and the last rank, each in a process of its own, join a "fake" process group of N ranks
 (collectives return at once) and run the trainer's own code under fake tensors (shapes and dtypes,
 no data): train.validate and the GPU job's config rules (float8.check(gpu=True)),
 distributed.init_distributed, the model on the meta device, float8.convert, train.parallelize
@@ -13,7 +13,9 @@ docs/performance.md#dry-run."""
 
 import argparse
 import dataclasses
+import importlib
 import multiprocessing
+import multiprocessing.connection
 import os
 import sys
 import time
@@ -42,23 +44,23 @@ class Nothing:
         return {}
 
 
-def phase_lines(rank: int):
-    """done(name): a line on stderr for each phase as it ends, with its seconds. A 405B dry run at
-    2,048 ranks takes minutes: a silent one looks hung."""
+def phase_lines(rank: int, say):
+    """done(name): a line for each phase as it ends, with its seconds, handed to `say` (the parent
+    prints it on stderr). A 405B dry run at 2,048 ranks takes minutes: a silent one looks hung."""
     last = [time.perf_counter()]
 
     def done(name: str):
         now = time.perf_counter()
-        print(f"dryrun: rank {rank}: {name} {now - last[0]:.1f}s", file=sys.stderr, flush=True)
+        say(f"dryrun: rank {rank}: {name} {now - last[0]:.1f}s")
         last[0] = now
     return done
 
 
-def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages, trainer) -> dict:
+def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages, trainer, say) -> dict:
     """trainer.main's set-up and two steps as `rank`, under fake tensors (`counter` counts their
     memory). Two: AdamW makes its moments (2 x fp32 a parameter shard) in the first optimizer.step,
     so only the second step's forward and backward hold them: its peak is the steady state's."""
-    done = phase_lines(rank)
+    done = phase_lines(rank, say)
     device, mesh = distributed.init_distributed(cfg.parallelism, sizes, cfg.comm.init_timeout_seconds,
                                                 fake_rank=rank)
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
@@ -120,10 +122,10 @@ def run_rank(cfg, sizes: dict, rank: int, counter: LiveStorages, trainer) -> dic
             "after": after, "items": len(items), "written": written}
 
 
-def child(cfg, sizes, rank, conn, trainer):
-    """One rank in a forked process: its result, or the trainer's one-line error, down the pipe."""
+def child(cfg, sizes, rank, conn, trainer: str):
+    """One rank in its own process: its result, or the trainer's one-line error, down the pipe."""
     try:
-        conn.send(run_rank(cfg, sizes, rank, LiveStorages(), trainer))
+        conn.send(run_rank(cfg, sizes, rank, LiveStorages(), importlib.import_module(trainer), say=conn.send))
     except ConfigError as e:
         conn.send({"rank": rank, "error": str(e), "code": 2})
     except Exception as e:  # what the trainer would crash on at start-up: the exception, and where
@@ -142,27 +144,39 @@ def validate(cfg, world_size: int, trainer) -> dict:
 
 
 def dry_run(cfg, world_size: int, trainer, ranks=None) -> list:
-    """Results for `ranks` (default 0 and world_size - 1), each in a forked process, in parallel.
+    """Results for `ranks` (default 0 and world_size - 1), each in a process of its own, in parallel.
     trainer: the module whose set-up and steps run (train.py, or a fork of it)."""
     sizes = validate(cfg, world_size, trainer)
-    ctx = multiprocessing.get_context("fork")
+    # Each rank forks from a fresh server process that imported the trainer once, not from this one:
+    # a fork inherits this process's thread pools, and once it has run CPU ops, torch 2.15 aborts in
+    # the child ("Invalid thread pool!").
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([trainer.__name__])
     results = []
     procs = []
     for rank in ranks if ranks is not None else sorted({0, world_size - 1}):
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=child, args=(cfg, sizes, rank, send, trainer), daemon=True)
+        proc = ctx.Process(target=child, args=(cfg, sizes, rank, send, trainer.__name__), daemon=True)
         proc.start()
         send.close()
         procs.append((rank, proc, recv))
-    for rank, proc, recv in procs:
-        try:
-            results.append(recv.recv())
-        except EOFError:
-            code = proc.join() or proc.exitcode
-            error = f"rank {rank}: the dry run's process died (exit code {code})"
-            results.append({"rank": rank, "error": error, "code": 1})
-        proc.join()
-    return results
+    pending = {recv: (rank, proc) for rank, proc, recv in procs}
+    while pending:  # each rank's phase lines as they come, then its result
+        for recv in multiprocessing.connection.wait(list(pending)):
+            rank, proc = pending[recv]
+            try:
+                message = recv.recv()
+            except EOFError:
+                proc.join()
+                message = {"rank": rank, "error": f"rank {rank}: the dry run's process died (exit code "
+                           f"{proc.exitcode})", "code": 1}
+            if isinstance(message, str):
+                print(message, file=sys.stderr, flush=True)
+                continue
+            results.append(message)
+            del pending[recv]
+            proc.join()
+    return sorted(results, key=lambda r: r["rank"])
 
 
 HELP = ("train.py's set-up and two steps (the second holds the optimizer's state) at the job's "
