@@ -17,6 +17,7 @@ their two sides `--repeats` times and report medians and the load average; only 
 `--warmup` count."""
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -65,7 +66,8 @@ def estimate(args, extra):  # bench.py memory
         fail("--world_size is missing: the number of GPUs in the job (e.g. --world_size 8); "
              "it sets the sharding")
     cfg, model, sizes = planned(extra, args.world_size or 1, gpu=args.device == "cuda")  # the job's
-    parts = estimated(cfg, model, sizes, cuda=args.device == "cuda")
+    training, sizes = sizes["phases"].heaviest(cfg.training, sizes)  # of [[phases]], the longest sequence's
+    parts = estimated(dataclasses.replace(cfg, training=training), model, sizes, cuda=args.device == "cuda")
     print(memory.format_estimate(parts))
     for name, capacity in memory.GPUS if args.device == "cuda" else []:
         share = parts["total"] / capacity

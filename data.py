@@ -1,5 +1,6 @@
-"""Data: the Llama 3 tokenizer, per-source readers, a token-weighted mixture, packing, loader
-workers, exact resume. Where each source's files are (the Hub, the manifest): pretrain/sources.py.
+"""Data: the Llama 3 tokenizer, per-source readers, a token-weighted mixture (per phase), packing,
+exact resume. Where each source's files are (the Hub, the manifest): pretrain/sources.py; the loader
+workers that read ahead: pretrain/loader_workers.py.
 
     python bench.py loader --config configs/debug_model.toml           # token shares, tokens/s
     python bench.py loader --config configs/debug_model.toml --show 2  # decode 2 packed samples
@@ -23,9 +24,7 @@ import logging
 import math
 import multiprocessing
 import os
-import queue
 import random
-import signal
 import time
 from typing import Optional
 
@@ -33,6 +32,7 @@ import fsspec
 import pyarrow.parquet as pq
 
 from pretrain.data_manifest import make_manifest, source_files
+from pretrain.loader_workers import Workers
 from pretrain.mirror import open_file
 from pretrain.sources import HUB_TIMEOUT, MIB, NO_STEP, DataError, DataSource, HubFile, retry_or_raise
 
@@ -46,9 +46,6 @@ from pretrain.sources import HUB_TIMEOUT, MIB, NO_STEP, DataError, DataSource, H
 LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 NUM_SPECIAL = 256
-# Loader workers ignore these: the trainer handles them (save, then exit), then stops its workers.
-USR1 = (signal.SIGUSR1,) if hasattr(signal, "SIGUSR1") else ()  # Windows has no SIGUSR1
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT) + USR1
 logger = logging.getLogger("data")
 
 
@@ -264,20 +261,23 @@ class PackedStream:
     """One logical stream: token-weighted mixture of sources, packed into seq_len + 1 windows.
 
     The next document comes from the source furthest below its token share, so shares are met in
-    tokens (not documents) whatever the document lengths. A document split across windows is
-    remembered by (source, reader state before it, offset): a restart re-reads one document at most.
+    tokens (not documents) whatever the document lengths. The shares count from the start of the
+    phase (set_phase): a new mixture holds from the phase's first window, with no burst of one source
+    catching up on the tokens it was owed before. A document split across windows is remembered by
+    (source, reader state before it, offset): a restart re-reads one document at most.
     """
 
     def __init__(self, sources, files: list, tokenizer: Tokenizer, seq_len: int, *, stream: int,
                  num_streams: int, seed: int, timeout: float = HUB_TIMEOUT,
                  budget: float = math.inf, step=NO_STEP):
-        total = sum(s.weight for s in sources)
-        self.shares = [s.weight / total for s in sources]
+        self.shares = shares([s.weight for s in sources])
         self.readers = [SourceReader(s, f, stream, num_streams, seed, timeout=timeout, budget=budget,
                                      step=step) for s, f in zip(sources, files)]
         self.tok = tokenizer
         self.seq_len = seq_len
         self.counts = [0] * len(sources)  # tokens emitted per source
+        self.phase = 0  # the phase (pretrain/phases.py) the shares are of
+        self.phase_counts = [0] * len(sources)  # tokens emitted per source since the phase began
         # where each source's next document is
         self.positions = [r.state_dict() for r in self.readers]
         self.cur = None  # the source of the document being packed
@@ -299,28 +299,42 @@ class PackedStream:
         out = []
         while len(out) < self.seq_len + 1:
             if self.offset >= len(self.doc):
-                total = sum(self.counts) + 1
-                # deficit = tokens a source should have by now minus tokens it has; ties go to the
-                # first source
+                total = sum(self.phase_counts) + 1
+                # deficit = tokens a source should have by now in this phase minus tokens it has;
+                # ties go to the first source
                 self.cur = max(range(len(self.readers)),
-                               key=lambda i: self.shares[i] * total - self.counts[i])
+                               key=lambda i: self.shares[i] * total - self.phase_counts[i])
                 self.doc, self.cur_state, self.positions[self.cur] = read(self.cur)
                 self.offset = 0
             take = self.doc[self.offset:self.offset + self.seq_len + 1 - len(out)]
             out += take
             self.offset += len(take)
             self.counts[self.cur] += len(take)
+            self.phase_counts[self.cur] += len(take)
         return out
+
+    def set_phase(self, phase: int, seq_len: int, weights: list):
+        """From the next window: windows of seq_len + 1 tokens, and the mixture `weights` counted
+        from here if `phase` is a new one (a resume inside a phase keeps its counts). The document
+        being packed goes on where it was cut, whatever its source's new weight."""
+        if phase != self.phase:
+            self.phase, self.phase_counts = phase, [0] * len(self.readers)
+        self.seq_len = seq_len
+        self.shares = shares(weights)
 
     def state_dict(self):
         return {"readers": [dict(p) for p in self.positions], "counts": list(self.counts),
-                "cur": self.cur, "cur_state": self.cur_state, "offset": self.offset}
+                "cur": self.cur, "cur_state": self.cur_state, "offset": self.offset,
+                "phase": self.phase, "phase_counts": list(self.phase_counts)}
 
     def load_state_dict(self, sd):
         for r, rsd in zip(self.readers, sd["readers"]):
             r.load_state_dict(rsd)
         self.positions = [dict(p) for p in sd["readers"]]
         self.counts = list(sd["counts"])
+        # checkpoints from before phases hold one mixture, counted from step 0
+        self.phase = sd.get("phase", 0)
+        self.phase_counts = list(sd.get("phase_counts", sd["counts"]))
         self.cur = sd["cur"]
         self.offset = sd["offset"]
         self.cur_state = sd["cur_state"]
@@ -333,125 +347,10 @@ class PackedStream:
             assert reader.state_dict() == self.positions[self.cur], moved
 
 
-def _worker(tokenizer_path: str, jobs: list, queues: dict, stop, parent: int, step):
-    """Loader process: reads and tokenizes the documents of its (stream, source) pairs, in order,
-    into one bounded queue per pair. Each document travels with its reader positions, so the trainer
-    checkpoints exactly what it consumed, whatever was read ahead. SIGTERM/SIGUSR1/SIGINT are
-    ignored (the trainer saves, then stops the workers); it ends when told, or when the trainer is
-    gone (even by SIGKILL), not after an error: an exit drops what a full pipe has not taken."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    # they were blocked from the fork to here, so none got through
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    tok = Tokenizer(tokenizer_path)
-    readers = {}
-    for key, spec, position in jobs:  # step is the trainer's loader's, in shared memory
-        readers[key] = SourceReader(**spec, step=step)
-        readers[key].load_state_dict(position)
-    try:
-        while not stop.is_set() and os.getppid() == parent:  # a new parent means the trainer died
-            idle = True
-            for key, r in readers.items():
-                if not queues[key].full():
-                    before = r.state_dict()
-                    queues[key].put((tok.encode(r.next_text()), before, r.state_dict()))
-                    idle = False
-            if idle:
-                time.sleep(0.002)
-    except DataError as e:  # hand the one-line error to every queue, behind what is already in it
-        undelivered = list(queues.values())
-        while not stop.is_set() and os.getppid() == parent:
-            for q in list(undelivered):
-                if not q.full():  # nobody is waiting on a full queue yet: try again later
-                    q.put(("error", str(e), e.fault))
-                    undelivered.remove(q)
-            time.sleep(0.01)
-    for q in queues.values():  # exit without waiting to flush read-ahead nobody will read
-        q.cancel_join_thread()
-
-
-class Workers:
-    """num_workers loader processes per rank; (stream, source) pairs are dealt out round-robin."""
-
-    def __init__(self, streams: list, num_workers: int, step, prefetch: int = 64):
-        ctx = multiprocessing.get_context("spawn")  # spawn, as the trainer has threads (gloo, OMP)
-        pairs = [(s, i) for s in range(len(streams)) for i in range(len(streams[s].readers))]
-        self.queues = {key: ctx.Queue(maxsize=prefetch) for key in pairs}
-        self.stop = ctx.Event()
-        self.procs = []
-        self.pairs = pairs  # pair k goes to worker k % num_workers
-        self.failed = {}  # (stream, source) -> its error
-        self.names = [r.src.name for r in streams[0].readers]  # each source's name, for error lines
-        self.step = step  # the loader's step deadline, in memory the workers share
-        # A child inherits the signal mask: these stay blocked until the worker ignores them, so a
-        # signal sent to every process of the job while a worker starts up cannot kill it. The
-        # trainer's own come after.
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        try:
-            for w in range(min(num_workers, len(pairs))):
-                jobs = []  # what this worker's readers are made from, one per (stream, source) pair
-                for s, i in pairs[w::num_workers]:
-                    jobs.append(((s, i), streams[s].readers[i].spec(), streams[s].positions[i]))
-                queues = {k: self.queues[k] for k, *_ in jobs}
-                args = (streams[0].tok.path, jobs, queues, self.stop, os.getpid(), step)
-                self.procs.append(ctx.Process(target=_worker, daemon=True, args=args))
-                self.procs[-1].start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-        # The trainer never puts: it closes its copy of each queue's write end, so a dead worker's
-        # queue reads as ended (EOFError), never waiting for the rest of a message it was writing.
-        for q in self.queues.values():
-            q._writer.close()
-
-    def get(self, s: int, i: int):
-        """Source i's next document for stream s, as `PackedStream.read_doc` gives it."""
-        if (s, i) in self.failed:
-            raise DataError(*self.failed[(s, i)])
-        asked = time.monotonic()
-        while True:
-            # past the step's end, the worker's own line (it names the file) has a second to come
-            left = self.step[0] + 1 - time.monotonic()
-            try:
-                item = self.queues[(s, i)].get(timeout=min(5, max(left, 0.01)))
-                break
-            except (EOFError, OSError):  # its worker died, maybe mid-message: a fault of its node
-                raise self.died(s, i)
-            except queue.Empty:
-                if left <= 0:  # a read is slow but not failing, or a worker is slow to start
-                    raise DataError(self.too_long(s, i, time.monotonic() - asked), fault=True)
-        if item[0] == "error":  # the worker has stopped: later reads of this pair fail at once
-            self.failed[(s, i)] = item[1:]  # its line, and whether it is a fault
-            raise DataError(*item[1:])
-        return item
-
-    def died(self, s: int, i: int) -> DataError:
-        worker = self.procs[self.pairs.index((s, i)) % len(self.procs)]  # the worker dealt the pair
-        worker.join(timeout=1)  # it closed its queues as it exited: its exit code comes next
-        killed = worker.exitcode == -signal.SIGKILL  # the out-of-memory killer's signal
-        how = "killed by SIGKILL: out of memory?" if killed else f"exit code {worker.exitcode}"
-        self.failed[(s, i)] = (f"data loader worker {worker.pid} died ({how})", True)
-        return DataError(*self.failed[(s, i)])
-
-    def too_long(self, s: int, i: int, waited: float) -> str:
-        seconds = self.step[1]
-        return (f"data source {self.names[i]!r}: the reads of one step took longer than "
-                f"comm.init_timeout_seconds = {seconds:g} s, how long the other ranks wait for this "
-                f"one in a collective: stream {s}'s next document was {waited:.0f} s in coming from "
-                "its loader worker; raise it to give the Hub longer")
-
-    def close(self):
-        # Nothing is drained: no worker waits to put, and a dead one's queue may end mid-message.
-        self.stop.set()
-        for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()  # it ignores SIGTERM
-                p.join(timeout=5)
-        for q in self.queues.values():
-            q.close()  # the read-ahead is thrown away
-        # Dropping them lets their semaphores go now, not at interpreter exit.
-        self.queues = {}
-        self.procs = []
+def shares(weights: list) -> list:
+    """Each source's share of the tokens."""
+    total = sum(weights)
+    return [w / total for w in weights]
 
 
 class DataLoader:
@@ -535,6 +434,11 @@ class DataLoader:
         if self.workers is not None:
             self.workers.close()
             self.workers = None
+
+    def set_phase(self, phase: int, seq_len: int, weights: list):
+        """Every stream's windows and mixture from the next batch on (PackedStream.set_phase)."""
+        for st in self.streams:
+            st.set_phase(phase, seq_len, weights)
 
     def source_tokens(self) -> dict:
         return {n: sum(st.counts[i] for st in self.streams) for i, n in enumerate(self.names)}

@@ -99,10 +99,10 @@ def tokens_per_byte(path: str, size: int, src, tokenizer: Tokenizer) -> float:
         return tokens / raw.tell()
 
 
-def plan_files(cfg, manifest: dict, held_out: list, tokens: int, streams: int, to: str,
+def plan_files(cfg, manifest: dict, held_out: list, tokens: int, shares: list, streams: int, to: str,
                workers: int) -> dict:
-    """{(url, size): the earliest position a stream reads it at} for the files `tokens` need, each
-    source's first file fetched on the way (for its tokens per byte); held-out, eval files: all."""
+    """{(url, size): the earliest position a stream reads it at} for each source's share of `tokens`
+    (its first file fetched on the way, for its tokens per byte), and every held-out and eval file."""
     timeout = cfg.data.hub_timeout_seconds
     budget = cfg.comm.init_timeout_seconds
     plan = {}
@@ -111,8 +111,7 @@ def plan_files(cfg, manifest: dict, held_out: list, tokens: int, streams: int, t
             if url.startswith("hf://"):
                 plan[(url, size)] = 0
     tokenizer = Tokenizer(cfg.model.tokenizer_path)
-    weights = sum(s.weight for s in cfg.data.sources)
-    for s in cfg.data.sources:
+    for s, share in zip(cfg.data.sources, shares):
         files = [tuple(f) for f in source_files(manifest, s) if f[0].startswith("hf://")]
         if not files:  # a local folder
             continue
@@ -122,7 +121,7 @@ def plan_files(cfg, manifest: dict, held_out: list, tokens: int, streams: int, t
         url, size = orders[0][0]
         fetch([(url, size)], to, workers, timeout, budget)
         per_byte = tokens_per_byte(mirror_paths(to, url)[0], size, s, tokenizer)
-        need = MARGIN * tokens * s.weight / weights / len(orders)  # tokens per stream
+        need = MARGIN * tokens * share / len(orders)  # tokens per stream
         for order in orders:  # a stream's files in reading order, until they cover its share
             have = 0.0  # tokens this stream's files hold so far
             for i, (url, size) in enumerate(order):
@@ -133,14 +132,14 @@ def plan_files(cfg, manifest: dict, held_out: list, tokens: int, streams: int, t
     return plan
 
 
-def download(cfg, held_out: list, tokens: int, streams: int, to: str, workers: int):
+def download(cfg, held_out: list, tokens: int, shares: list, streams: int, to: str, workers: int):
     """The run's pinned Hub files into `to` (DIR/<repo id>@<commit>/<path>): held-out, eval files,
     and those each stream reads first for its share of `tokens`, with a margin. Files there stay."""
     timeout = cfg.data.hub_timeout_seconds
     budget = cfg.comm.init_timeout_seconds
     manifest = pinned_manifest(cfg.data.manifest, cfg.job.dump_folder, cfg.data.sources, held_out,
                                timeout, budget)
-    plan = plan_files(cfg, manifest, held_out, tokens=tokens, streams=streams, to=to, workers=workers)
+    plan = plan_files(cfg, manifest, held_out, tokens=tokens, shares=shares, streams=streams, to=to, workers=workers)
     fetched = fetch(sorted(plan, key=plan.get), to, workers, timeout, budget)  # earliest read first
     total = sum(size for _, size in plan)
     print(f"{to}: {len(plan):,} files, {total:,} bytes ({fetched:,} fetched now) for {tokens:,} tokens; "
@@ -184,9 +183,10 @@ def main(argv: list):
         raise ConfigError("--to DIR is missing: the folder to fetch the run's files into "
                           "(or --manifest PATH)")
     sizes = train.validate(cfg, world_size(cfg, args.world_size), gpu=True)  # the job's GPUs' rules
-    tokens = args.tokens or cfg.training.steps * sizes["global_batch_size"] * cfg.training.seq_len
-    streams = cfg.data.num_streams or sizes["dp"]
-    download(cfg, held_out, tokens, streams, args.to, args.workers)
+    per_source = sizes["phases"].source_tokens(cfg.training.steps)  # by its weight in each of [[phases]]
+    shares = [n / sum(per_source) for n in per_source]
+    download(cfg, held_out, tokens=args.tokens or sizes["phases"].tokens_through(cfg.training.steps), shares=shares,
+             streams=cfg.data.num_streams or sizes["dp"], to=args.to, workers=args.workers)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """One PNG of one or more runs' curves, read from their metrics.jsonl: training loss (raw and smoothed,
 skipped steps marked), validation loss (overall and per source), eval accuracy per task, lr and grad
-norm, tokens/s and MFU, data wait and memory. Several runs are overlaid, a colour each.
+norm, tokens/s and MFU, data wait and memory; each phase's first step ([[phases]]) marked on every
+panel. Several runs are overlaid, a colour each.
 
     python plot.py outputs/llama3_8b                               # -> outputs/llama3_8b/curves.png
     python plot.py outputs/run_a outputs/run_b --out ab.png --x tokens
@@ -83,6 +84,28 @@ def series(records: dict, key, x_of) -> tuple:
     return [x for x, _ in points], [y for _, y in points]
 
 
+def tokens_at(train: dict):
+    """step -> tokens seen after it, exact at a logged step and between two within one phase (the
+    tokens a step are a phase's): linear between the logged steps, which include each phase's first."""
+    steps = sorted(train)
+    known = [(0, 0)] + [(s, train[s]["tokens_seen"]) for s in steps if "tokens_seen" in train[s]]
+
+    def at(step):
+        i = next((i for i, (s, _) in enumerate(known) if s >= step), len(known) - 1)
+        (s0, t0), (s1, t1) = known[max(i - 1, 0)], known[i]
+        return t1 if s1 == s0 else t0 + (t1 - t0) * (step - s0) / (s1 - s0)
+    return at
+
+
+def phase_starts(train: dict) -> dict:
+    """{step: phase} of each phase's first step after phase 0 (the trainer logs it whatever log_freq)."""
+    starts, last = {}, 0
+    for step, r in sorted(train.items()):
+        if r.get("phase", 0) != last:
+            starts[step] = last = r["phase"]
+    return starts
+
+
 def plot(runs: dict, x: str = "step"):
     """The figure of runs ({name: read_run(folder)}), against steps or tokens seen."""
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5), layout="constrained")
@@ -91,14 +114,18 @@ def plot(runs: dict, x: str = "step"):
     for i, (name, run) in enumerate(runs.items()):
         color = f"C{i}"
         train = run["train"]
-        per_step = max(r.get("tokens_seen", 0) / step for step, r in train.items())
-        x_of = (lambda step: step * per_step) if x == "tokens" else (lambda step: step)
+        x_of = tokens_at(train) if x == "tokens" else (lambda step: step)
         xs, loss = series(train, "loss", x_of)
         ax = axes["training loss"]
         ax.plot(xs, loss, color=color, alpha=0.3, linewidth=0.8)
         ax.plot(xs, smoothed(loss), color=color, label=name)
         for step in run["skipped"]:
             ax.axvline(x_of(step), color=color, linestyle=":", alpha=0.6)
+        for step, phase in phase_starts(train).items():  # on every panel, named on this one
+            for panel in axes.values():
+                panel.axvline(x_of(step), color=color, linestyle="--", alpha=0.4, linewidth=0.8)
+            ax.annotate(f"phase {phase}", (x_of(step), 1), xycoords=("data", "axes fraction"), rotation=90,
+                        va="top", ha="right", fontsize="small", color=color)
         ax = axes["validation loss"]
         ax.plot(*series(run["validation"], "validation_loss", x_of), "o-", color=color, label=name)
         sources = {s for r in run["validation"].values() for s in r["validation_source_loss"]}

@@ -18,7 +18,6 @@ import dataclasses
 import logging
 import math
 import os
-import signal
 import sys
 import time
 import traceback
@@ -35,24 +34,28 @@ from torch.distributed.tensor.parallel import RowwiseParallel
 from torch.distributed.tensor.parallel import SequenceParallel, loss_parallel, parallelize_module
 
 from data import DataLoader, Tokenizer
-from model import Transformer, flavors, keyed_normal_
+from model import Transformer, flavors
 from pretrain import config
 from pretrain import evals
 from pretrain import float8
 from pretrain import optimizers
+from pretrain import phases
 from pretrain import spikes
 from pretrain import startup
 from pretrain.agreement import StepAgreement
-from pretrain.checkpoint import Checkpointer, run_keys
+from pretrain.checkpoint import Checkpointer
+from pretrain.resume_keys import run_keys
 from pretrain.checkpoint_folder import SaveError
 from pretrain.config import AT_LEAST_1, MINUS_1_OR_AT_LEAST_1, NON_NEGATIVE, POSITIVE
 from pretrain.config import ConfigError, one_of, unknown
-from pretrain.data_manifest import manifest_sha256
-from pretrain.distributed import init_distributed, stop_on_signals
+from pretrain.data_manifest import manifest_sha256, source_sha256s
+from pretrain.distributed import ignore_stop_signals, init_distributed, stop_on_signals
 from pretrain.faults import FAULT, RUN, USER, CheckpointError, Fault, is_fault, lost_rank
 from pretrain.float8 import Float8
+from pretrain.layout import layout_independent_normal, replicate_unplanned
 from pretrain.loss import chunked_loss, cross_entropy_and_z, ignore_boundaries
 from pretrain.metrics import LogSums, MetricsLogger, Throughput, flops_per_token
+from pretrain.phases import Phase
 from pretrain.progress import RunClock
 from pretrain.sources import DataError, DataSource
 from pretrain.spikes import RunError, SpikeGuard, Spikes
@@ -108,10 +111,12 @@ class LRScheduler:
     decay_ratio: float = -1.0  # WSD: fraction of steps spent decaying at the end; -1 decays after warmup
     decay_type: str = "linear"  # linear, cosine or sqrt
     min_lr_factor: float = 0.0  # the lr of the last step is lr * min_lr_factor
+    unit: str = "steps"  # steps, or tokens: the decay is placed by tokens (a batch ramp in [[phases]] leaves it there)
     RULES: ClassVar[dict] = {"warmup_steps": NON_NEGATIVE,
                              "decay_ratio": (lambda x: x == -1 or 0 < x <= 1, "-1 or in (0, 1]"),
                              "decay_type": one_of("linear", "cosine", "sqrt"),
-                             "min_lr_factor": (lambda x: 0 <= x <= 1, "in [0, 1]")}
+                             "min_lr_factor": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+                             "unit": one_of("steps", "tokens")}
 
 
 @dataclass
@@ -241,6 +246,8 @@ class Config:
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)
     eval: evals.Eval = field(default_factory=evals.Eval)  # pretrain/evals.py: the section, its rules
+    # the batch, sequence and mixture from a step on, and an anneal (pretrain/phases.py; docs/data.md)
+    phases: list[Phase] = field(default_factory=list)
 
 
 def load_config(argv) -> Config:
@@ -314,9 +321,6 @@ def validate(cfg: Config, world_size: int, gpu: bool | None = None) -> dict:
     if gbs % (t.local_batch_size * dp):
         raise ConfigError(f"training.global_batch_size = {gbs} must be a multiple of "
                           f"local_batch_size {t.local_batch_size} x data-parallel degree {dp}")
-    if sum(s.weight for s in cfg.data.sources) <= 0:
-        raise ConfigError("data.sources is empty or its weights sum to 0: "
-                          "add [[data.sources]] with a weight > 0")
     if v.enable and not v.sources:
         raise ConfigError("validation.enable is set but validation.sources is empty; "
                           "add [[validation.sources]] tables")
@@ -337,11 +341,13 @@ def validate(cfg: Config, world_size: int, gpu: bool | None = None) -> dict:
                           f"degree {dp} and divide training.global_batch_size {gbs} (a step takes "
                           "as many sequences from every stream)")
     grad_accum = gbs // (t.local_batch_size * dp)  # micro-batches per optimizer step
+    plan = phases.plan(cfg.phases, training=t, sources=cfg.data.sources, dp=dp, streams=streams, tp=tp,
+                       max_seq_len=args.max_seq_len, global_batch_size=gbs)
     # steps between rounds (RunClock's ETA counts the rounds still due), 0: none
     rounds = {"validation": v.freq if v.enable else 0, "eval": cfg.eval.freq if cfg.eval.enable else 0,
               "checkpoint": cfg.checkpoint.interval if cfg.checkpoint.enable else 0}
     return {"dp_shard": shard, "dp": dp, "tp": tp, "global_batch_size": gbs, "grad_accum": grad_accum,
-            "num_streams": streams, "tokens_per_step": gbs * t.seq_len, "rounds": rounds}
+            "num_streams": streams, "tokens_per_step": gbs * t.seq_len, "rounds": rounds, "phases": plan}
 
 
 def resume_keys(cfg: Config, args, sizes: dict, manifest: dict) -> dict:
@@ -349,7 +355,9 @@ def resume_keys(cfg: Config, args, sizes: dict, manifest: dict) -> dict:
     the values its layout chose, so that a run may resume on more or fewer GPUs with the same
     global batch and streams."""
     chosen = {"model.n_layers": args.n_layers, "training.global_batch_size": sizes["global_batch_size"],
-              "data.num_streams": sizes["num_streams"], "data.sources_sha256": manifest_sha256(manifest)}
+              "data.num_streams": sizes["num_streams"], "data.sources_sha256": manifest_sha256(manifest),
+              "data.source_sha256s": source_sha256s(manifest, cfg.data.sources),
+              "phases": sizes["phases"].keys()}
     return run_keys(dataclasses.asdict(cfg), cfg.model.tokenizer_path, chosen)
 
 
@@ -492,52 +500,21 @@ def apply_autocast(model: Transformer, device_type: str, param_dtype: torch.dtyp
             module.forward = torch.autocast(device_type, dtype=param_dtype)(module.forward)
 
 
-def replicate_unplanned(model: torch.nn.Module, tp_mesh):
-    """Parameters the TP plan does not name (a q/k norm, a gate) become replicated on the TP mesh
-    (clip_grad_norm_ needs one mesh). Each TP rank computes on its share of the activations, so the
-    gradients are summed over TP ranks: right for per-token modules anywhere except on the inputs
-    gathered for wq/wk/wv and w1/w3."""
-    for name, module in model.named_modules():
-        own = [n for n, q in module.named_parameters(recurse=False) if not isinstance(q, DTensor)]
-        if not own:
-            continue
-        if module._forward_pre_hooks or module._forward_hooks:  # already given a style by the plan
-            raise ConfigError(f"tensor parallel: parameter {name}.{own[0]} is not in the TP plan "
-                              "and its module has a TP style; "
-                              "add it to the plan in train.parallelize")
-        parallelize_module(module, tp_mesh, SequenceParallel(sequence_dim=0, use_local_output=True))
-
-
-def layout_independent_normal(seed: int):
-    """An init fill for model.init_weights whose values depend on (seed, weight name, position)
-    only, so 1 process, FSDP and TP start from identical weights. Each rank fills its own shard."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    def fill(name: str, w: torch.Tensor, std: float):
-        name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        if isinstance(w, DTensor):
-            _, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
-            keyed_normal_(w.to_local(), offset, w.shape, seed, name, std)
-        else:
-            keyed_normal_(w, (0,) * w.ndim, w.shape, seed, name, std)
-
-    return fill
-
-
 # -------------------------------------------------------------------------------------------------
 # Optimizer, lr schedule, the data loader, the loss (validation and evals: pretrain/evals.py;
 # where the numbers go: pretrain/metrics.py)
 # -------------------------------------------------------------------------------------------------
 
-def build_optimizer(model, cfg: Config, device: torch.device):
-    """The optimizer and its lr schedule. Checkpointing saves whatever state the optimizer keeps."""
+def build_optimizer(model, cfg: Config, device: torch.device, plan: phases.Plan | None = None):
+    """The optimizer and its lr schedule (plan: the run's phases; None: one). Checkpointing saves
+    whatever state the optimizer keeps."""
     o = cfg.optimizer
     kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
     if o.state_dtype == "bfloat16":
         optimizer = optimizers.AdamWBF16State(model.parameters(), **kwargs)
     else:  # fused: one kernel per step on CUDA and CPU (the debug model's CPU step: ~10x foreach's)
         optimizer = torch.optim.AdamW(model.parameters(), **kwargs, fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg, plan=plan))
     return optimizer, scheduler
 
 
@@ -550,25 +527,34 @@ def build_loader(cfg: Config, tokenizer, dp_rank: int, dp: int, manifest: dict) 
                       budget=cfg.comm.init_timeout_seconds)  # a step's reads, in all
 
 
-def read_step(loader: DataLoader, cfg: Config, sizes: dict, args, device) -> tuple:
+def read_step(loader: DataLoader, phase: phases.Stage, args, device) -> tuple:
     """(batches, data_error, seconds): the step's micro-batches on the device, with the positions
     that carry no signal ignored; this rank's first failed read (its DataError), after which its
     batches are zeros so that it keeps in step with the other ranks' collectives (all stop after
     the step); and the seconds spent waiting for the loader."""
     batches, data_error, seconds = [], "", 0.0
     with loader.reads_within():  # the step's reads, all micro-batches, within comm's timeout
-        for _ in range(sizes["grad_accum"]):  # micro-batches
+        for _ in range(phase.grad_accum):  # micro-batches
             started = time.perf_counter()
             try:
                 inputs, labels = next(loader)  # (local_batch_size, seq_len) each
             except DataError as e:
-                zeros = torch.zeros(cfg.training.local_batch_size, cfg.training.seq_len)
+                zeros = torch.zeros(loader.local_batch_size, phase.seq_len)
                 inputs = labels = zeros.long()
                 data_error = data_error or e
             seconds += time.perf_counter() - started
             batches.append((inputs.to(device, non_blocking=True),
                             ignore_boundaries(labels, args).to(device, non_blocking=True)))
     return batches, data_error, seconds
+
+
+def begin_phase(phase: phases.Stage, plan: phases.Plan, loader: DataLoader, model, announce: bool) -> float:
+    """From this step on, `phase`'s windows and mixture (the batch is read_step's), and its line
+    (announce: the run has [[phases]]). Returns its forward and backward FLOPs a token, for MFU."""
+    loader.set_phase(phase.index, phase.seq_len, phase.weights)
+    if announce:
+        logger.info(plan.describe(phase))
+    return flops_per_token(model, phase.seq_len)
 
 
 def count_valid_tokens(batches: list, dp_group) -> torch.Tensor:
@@ -618,18 +604,30 @@ def forward_backward(model, inputs, labels, global_tokens: torch.Tensor, dp: int
     return shares.to_local() if isinstance(shares, DTensor) else shares  # replicated over TP
 
 
-def lr_factor(step: int, cfg: Config) -> float:
-    """The peak lr's multiplier at step `step` (0-based): warmup, stable, decay to min_lr_factor."""
+def lr_factor(step: int, cfg: Config, plan: phases.Plan | None = None) -> float:
+    """The peak lr's multiplier at step `step` (0-based): warmup, stable, decay to min_lr_factor; an
+    annealing last phase then decays linearly to 0 from where this schedule was at its start, so
+    the steps before it are the same with or without it. plan: the run's phases (None: one)."""
+    if plan and plan.stages[-1].anneal:
+        main = phases.Plan(plan.stages[:-1], plan.names)  # the run as it would be without the anneal
+        start = plan.stages[-1].first_step - 1  # the anneal's first step, 0-based
+        if step < start:
+            return lr_factor(step, cfg, main)
+        progress = (step - start + 1) / (cfg.training.steps - start)  # 1.0 at the last step
+        return lr_factor(start, cfg, main) * (1 - progress)
     s = cfg.lr_scheduler
     total = cfg.training.steps
     warmup = min(s.warmup_steps, total)
     if step < warmup:
         return (step + 1) / (warmup + 1)
-    decay_steps = total - warmup if s.decay_ratio < 0 else max(1, round(total * s.decay_ratio))
-    decay_start = total - decay_steps
-    if step < decay_start or decay_steps == 0:
+    # Where a step ends in the run: its count, or the tokens trained up to it (lr_scheduler.unit)
+    at = plan.tokens_through if plan and s.unit == "tokens" else (lambda n: n)
+    end = at(total)
+    decay = end - at(warmup) if s.decay_ratio < 0 else max(1, round(end * s.decay_ratio))
+    decay_start = end - decay
+    if at(step + 1) <= decay_start or decay == 0:
         return 1.0
-    progress = min(1.0, (step - decay_start + 1) / decay_steps)  # 1.0 at the last step
+    progress = min(1.0, (at(step + 1) - decay_start) / decay)  # 1.0 at the last step
     shape = {"linear": 1 - progress, "sqrt": 1 - math.sqrt(progress),
              "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[s.decay_type]
     return s.min_lr_factor + (1 - s.min_lr_factor) * shape
@@ -661,7 +659,6 @@ def main(cfg: Config):
     # --- 3. model: on the meta device, so no rank ever holds the full unsharded weights ----------
     with torch.device("meta"):
         model = Transformer(model_args(cfg, tokenizer))  # the vocabulary follows the tokenizer
-    args = model.args
     logger.info(run_summary(cfg, model, world_size, sizes))
 
     # --- 4. parallelize, then materialise this rank's shards -------------------------------------
@@ -672,7 +669,8 @@ def main(cfg: Config):
     model.init_weights(normal_=layout_independent_normal(cfg.training.seed), buffer_device=device)
 
     # --- 5. optimizer, lr schedule, data (each dp rank reads its own streams; TP ranks the same) -
-    optimizer, scheduler = build_optimizer(model, cfg, device)
+    plan = sizes["phases"]  # each step's batch, sequence and mixture (pretrain/phases.py)
+    optimizer, scheduler = build_optimizer(model, cfg, device, plan)
     manifest = startup.share_manifest(cfg.data, startup.held_out(cfg.validation, cfg.eval),
                                       cfg.job.dump_folder, cfg.comm.init_timeout_seconds, rank, device)
     loader = build_loader(cfg, tokenizer, dp_rank, sizes["dp"], manifest)
@@ -680,25 +678,25 @@ def main(cfg: Config):
     # --- 6. checkpoint: resume from the newest complete step-N, or start from initial_load_path --
     guard = SpikeGuard(cfg.spikes, device)  # the window of recent steps that spikes stand out of
     checkpointer = Checkpointer(cfg.checkpoint, cfg.job.dump_folder, steps=cfg.training.steps,
-                                run_keys=resume_keys(cfg, args, sizes, manifest), model=model,
+                                run_keys=resume_keys(cfg, model.args, sizes, manifest), model=model,
                                 optimizer=optimizer, scheduler=scheduler, loader=loader, guard=guard,
                                 notes={"model.converters": cfg.model.converters})
     step, tokens_seen = checkpointer.resume()
     startup.check_sources(loader, rank, cfg.data.resolve_timeout_seconds)  # before step 1, all alike
     windows, tasks = evals.read_once(cfg.validation, cfg.eval, tokenizer, manifest, device,
-                                     seq_len=cfg.training.seq_len, max_seq_len=args.max_seq_len,
+                                     seq_len=cfg.training.seq_len, max_seq_len=model.args.max_seq_len,
                                      data=cfg.data, budget=cfg.comm.init_timeout_seconds)
     heldout = evals.heldout_share(windows, cfg.validation.local_batch_size, dp_rank, sizes["dp"],
-                                  partial(ignore_boundaries, args=args))
+                                  partial(ignore_boundaries, args=model.args))
 
     # --- 7. training loop ------------------------------------------------------------------------
     metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, rank, clock, dataclasses.asdict(cfg))
     LEFT_OPEN[:] = [checkpointer.saver, metrics]  # an error exit finishes their save and logs first
     dp_group = dp_mesh.get_group()
-    flops = flops_per_token(model, cfg.training.seq_len)  # forward and backward, a token, for MFU
-    speed = Throughput(device, sizes["tokens_per_step"], world_size, flops, cfg.metrics.peak_tflops)
+    speed = Throughput(device, world_size, cfg.metrics.peak_tflops)
     agreement = StepAgreement(stop, guard, checkpointer.saver, device, dp_group)
-    sums = LogSums(device, sizes["tokens_per_step"], z_loss=bool(cfg.training.z_loss))  # the next line's
+    sums = LogSums(device, z_loss=bool(cfg.training.z_loss))  # the next line's
+    phase = None  # the phase of the step being trained
     clock.lap(0)  # the first log line's time starts here
 
     while step < cfg.training.steps:
@@ -707,9 +705,12 @@ def main(cfg: Config):
             float8_scales(model)  # the scales cached for the next all-gathers are the old weights'
             sums.reset()  # the next log line covers the steps trained from here on
         step += 1
+        if phase is not plan.at(step):  # the first step, or a phase's first: its batch, sequence, mixture
+            phase = plan.at(step)
+            flops = begin_phase(phase, plan, loader, model, announce=bool(cfg.phases))
         optimizer.zero_grad(set_to_none=True)
         # Every micro-batch first: the loss divides by the positions it counts in the global batch.
-        batches, data_error, data_seconds = read_step(loader, cfg, sizes, args, device)
+        batches, data_error, data_seconds = read_step(loader, phase, model.args, device)
         global_valid_tokens = count_valid_tokens(batches, dp_group)
         loss_shares = [forward_backward(model, inputs, labels, global_valid_tokens, sizes["dp"],
                                         sizes["tp"], z_loss=cfg.training.z_loss)
@@ -726,17 +727,17 @@ def main(cfg: Config):
             guard.keep()
         scheduler.step()
         guard.cut_lr(optimizer, step + 1)  # within a rewind's lr cut
-        tokens_seen += sizes["tokens_per_step"]
-        sums.add(loss_shares, global_valid_tokens, data_seconds, kept=not decision.skip)
+        tokens_seen += phase.tokens_per_step
+        sums.add(loss_shares, global_valid_tokens, data_seconds, kept=not decision.skip,
+                 tokens=phase.tokens_per_step, flops_per_token=flops)
         last = step == cfg.training.steps
 
-        if (step % cfg.metrics.log_freq == 0 or step == 1 or last) and not decision.skip:
-            # The loss over the steps since the last line, and their speed: clock.lap() leaves the
-            # validation, eval and save rounds out of their time.
+        if (step % cfg.metrics.log_freq == 0 or step == phase.first_step or last) and not decision.skip:
+            # The loss and speed of the steps since the last line (clock.lap() leaves the rounds out)
             metrics.log({"step": step, **sums.reduce(loader.source_tokens(), dp_group),
                          "grad_norm": grad_norm.item(), "lr": lr,
                          **speed.over(sums, clock.lap(sums.steps)),
-                         "tokens_seen": tokens_seen, "skipped_steps": guard.skipped})
+                         "tokens_seen": tokens_seen, "skipped_steps": guard.skipped, "phase": phase.index})
             sums.reset()
 
         if cfg.validation.enable and (step % cfg.validation.freq == 0 or last):
@@ -761,10 +762,7 @@ def main(cfg: Config):
             break
 
     metrics.summary()  # steps, tokens, wall time, the last losses, peak memory, the rounds' time
-    # A second preemption signal during shutdown must not kill a rank that already saved (Python
-    # would restore the default, fatal, handler while exiting): ignore them from here on.
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
+    ignore_stop_signals()  # a second preemption signal must not kill a rank that has saved
     loader.close()
     metrics.close()
     dist.barrier()

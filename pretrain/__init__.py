@@ -9,9 +9,11 @@ makes it), dryrun (which hands it to the trainer's own functions) and titan_run 
     startup            train.py's start-up on every rank alike: dump folder, manifest, first reads
     sources            where each source's files are (Hub or local), bounded Hub reads, retries
     data_manifest      each source's files pinned once per run, shared through the store
+    loader_workers     processes that read and tokenize ahead of the trainer (data.num_workers)
     mirror             a local copy of pinned Hub files, per commit; where each file is read from
     data_check         preflight.py check's test that each node reads the run's data
     checkpoint         what a checkpoint holds, resume, initial loads (ours, Meta, torchtitan)
+    resume_keys        what a resume must keep, and the changes it may make
     checkpoint_folder  atomic sync/async DCP saves, which step-N are complete, pruning
     titan_layout       torchtitan's checkpoint layout (0.3.0's and 0.2.2's), read as ours
     averaging          the mean of several checkpoints' weights, written a tensor at a time
@@ -21,6 +23,8 @@ makes it), dryrun (which hands it to the trainer's own functions) and titan_run 
     loss               the loss a chunk of positions at a time, without the whole logits; z-loss
     spikes             loss spikes: a step skipped, repeated spikes rewound
     agreement          what every rank agrees on at a step: one all-reduce, one decision
+    phases             [[phases]]: the batch, sequence and mixture from a step on; an anneal
+    layout             an init identical on every layout; parameters the TP plan leaves out
     optimizers         optimizers beside torch's (AdamW with bf16 moments) and their config rules
     memory             memory per device: estimated from the layout, or counted live
     measure            how bench.py and preflight.py measure: timed commands, side by side, steady

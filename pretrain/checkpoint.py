@@ -4,7 +4,6 @@ checkpoint_convert.py); checkpoint_folder.py writes it atomically (sync or async
 folders are complete. Everything is a tensor (plain state travels as JSON bytes), so loading never
 unpickles anything."""
 
-import hashlib
 import json
 import logging
 import math
@@ -25,6 +24,7 @@ from pretrain.distributed import raise_first, wait_for_rank0
 from pretrain.faults import CheckpointError, node_name
 from pretrain.float8 import plain
 from pretrain.optimizers import set_schedule
+from pretrain.resume_keys import changes
 from pretrain.titan_layout import load_torchtitan, model_keys, model_prefix
 
 logger = logging.getLogger("checkpoint")
@@ -37,35 +37,6 @@ def json_tensor(obj) -> torch.Tensor:
 
 def json_from(t: torch.Tensor):
     return json.loads(t.numpy().tobytes())
-
-
-# A resume must keep every key of these sections of train.py's config (a new hyperparameter is a
-# resume key with no edit here)...
-RESUME_CHECKED = ("model", "training", "optimizer", "lr_scheduler", "data")
-# ...except these, which a resume may change: how long and how fast to train, clipping, precision
-# (float8 included: the weights are the same), the layout's batch split, workers, and where the
-# tokenizer, the data manifest and its mirror live (their sha256 is checked).
-RESUME_MAY_CHANGE = {
-    "training.steps", "training.local_batch_size", "training.max_norm", "training.z_loss",
-    "training.seed",
-    "training.deterministic", "training.mixed_precision_param", "training.mixed_precision_reduce",
-    "optimizer.lr", "lr_scheduler.warmup_steps", "lr_scheduler.decay_ratio",
-    "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor", "model.tokenizer_path",
-    "model.converters", "data.num_workers", "data.manifest", "data.mirror",
-    "data.hub_timeout_seconds", "data.resolve_timeout_seconds",
-}
-
-
-def run_keys(config: dict, tokenizer_path: str, chosen: dict) -> dict:
-    """What a resume must not change: the keys of `config` (train.py's, as dataclasses.asdict gives
-    it) in RESUME_CHECKED less RESUME_MAY_CHANGE, the tokenizer file's sha256, and `chosen`, the
-    values the layout would otherwise choose (a run may resume on more or fewer GPUs if the global
-    batch and num_streams stay). A checkpoint is checked on the keys it holds (old: fewer)."""
-    keys = {f"{sec}.{k}": v for sec in RESUME_CHECKED for k, v in config[sec].items()}
-    keys = {key: v for key, v in keys.items() if key not in RESUME_MAY_CHANGE}
-    with open(tokenizer_path, "rb") as f:
-        keys["model.tokenizer_sha256"] = hashlib.sha256(f.read()).hexdigest()
-    return {**keys, **chosen}
 
 
 class Checkpointer:
@@ -248,9 +219,7 @@ class Checkpointer:
         if model_only:
             return 0, 0
         train = state["train"]
-        saved = json_from(train["config"])
-        diff = [f"{k}: {saved[k]!r} -> {self.run_keys[k]!r}" for k in saved
-                if saved[k] != self.run_keys.get(k, saved[k])]
+        diff = changes(json_from(train["config"]), self.run_keys, int(train["step"]))
         if diff:
             raise CheckpointError(f"refusing to resume from {path}: the run changed "
                                   f"{'; '.join(diff)} (use a new dump_folder, or take only the "

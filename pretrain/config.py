@@ -96,6 +96,8 @@ def _set(cfg, section: str, key: str, value, where: str):
     sections = {f.name: f for f in dataclasses.fields(cfg)}
     if section not in sections:
         raise unknown("config section", section, sections)
+    if _table_type(typing.get_type_hints(type(cfg))[section]):  # [[phases]]
+        raise ConfigError(f"{where}: {section} is set by [[{section}]] tables in the TOML file only")
     obj = getattr(cfg, section)
     keys = {f.name: f for f in dataclasses.fields(obj)}
     if key in getattr(obj, "RENAMED", {}):  # a renamed key: name its successor, not a close match
@@ -148,7 +150,14 @@ def build_parser(config_cls, description: str, with_docs: bool = True) -> argpar
                                      exit_on_error=False, formatter_class=wide)
     parser.add_argument("--config", "--job.config_file", action="append", metavar="TOML",
                         help="the TOML config file")
+    lists = [f.name for f in dataclasses.fields(config_cls)
+             if _table_type(typing.get_type_hints(config_cls)[f.name])]  # [[phases]]
+    if lists and with_docs:
+        docs = _docs(config_cls)
+        parser.add_argument_group("tables", "\n".join(f"[[{k}]] (TOML only): {docs.get(k, '')}" for k in lists))
     for sec in dataclasses.fields(config_cls):
+        if sec.name in lists:
+            continue
         cls = type(getattr(config_cls(), sec.name))
         docs = _docs(cls) if with_docs else {}
         hints = typing.get_type_hints(cls)
@@ -181,6 +190,7 @@ def load(config_cls, argv, description: str = ""):
             raise ConfigError(f"option {arg}: expected --section.key (e.g. --training.steps)")
         _set(config_cls(), section, key, None, "command line")  # unknown keys and tables raise
     cfg = config_cls()
+    hints = typing.get_type_hints(config_cls)
     files = args.config or []
     if len(files) > 1:
         raise ConfigError(f"--config given {len(files)} times ({', '.join(files)}); "
@@ -194,6 +204,9 @@ def load(config_cls, argv, description: str = ""):
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path!r} is not valid TOML: {e}")
         for section, table in toml.items():
+            if _table_type(hints.get(section)):  # top-level [[tables]] ([[phases]]): a list
+                setattr(cfg, section, _tables(table, _table_type(hints[section]), path, section))
+                continue
             if not isinstance(table, dict):
                 raise ConfigError(f"{path}: {section!r} must be a [section] table")
             for key, value in table.items():
@@ -207,10 +220,14 @@ def load(config_cls, argv, description: str = ""):
 def to_toml(cfg) -> str:
     """The resolved config as TOML that --config accepts back (None values are left out)."""
     def fmt(v):
+        if isinstance(v, dict):  # an inline table: [[phases]] weights
+            return "{" + ", ".join(f"{json.dumps(k)} = {fmt(x)}" for k, x in v.items()) + "}"
         return json.dumps(v) if not isinstance(v, bool) else str(v).lower()
     out = []
     for f in dataclasses.fields(cfg):
         sec = getattr(cfg, f.name)
+        if isinstance(sec, list):  # top-level [[tables]], after the sections (TOML's rule)
+            continue
         out.append(f"[{f.name}]")
         hints = typing.get_type_hints(type(sec))
         tables = {k for k in hints if _table_type(hints[k])}
@@ -222,4 +239,9 @@ def to_toml(cfg) -> str:
                 fields = dataclasses.asdict(item)
                 out += [f"{name} = {fmt(v)}" for name, v in fields.items() if v is not None]
         out.append("")
+    for f in dataclasses.fields(cfg):
+        for item in getattr(cfg, f.name) if isinstance(getattr(cfg, f.name), list) else ():
+            out.append(f"[[{f.name}]]")
+            out += [f"{name} = {fmt(v)}" for name, v in dataclasses.asdict(item).items()]
+            out.append("")
     return "\n".join(out)

@@ -87,6 +87,15 @@ def manifest_sha256(manifest: dict) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def source_sha256s(manifest: dict, sources) -> list:
+    """Each training source's pinned files, as a resume key that may grow: the sha256 of the
+    canonical JSON of its manifest entry, in [[data.sources]] order. A resume may append a source
+    (a later phase's), never change one."""
+    entries = [json.dumps(manifest_entry(manifest, s, "data"), sort_keys=True, separators=(",", ":"))
+               for s in sources]
+    return [hashlib.sha256(e.encode()).hexdigest() for e in entries]
+
+
 def write_manifest(manifest: dict, path: str):
     """Atomically: a crash leaves the old file or the new one. The temporary file is this process's
     own."""
@@ -149,8 +158,12 @@ def pinned_manifest(given: str, dump_folder: str, sources, validation,
     try:
         with open(path) as f:
             manifest = json.load(f)
+        # A run's manifest grows to hold a source of a new name, appended at a resume for a phase to
+        # come; a manifest the user made must hold every source, and a source changed is refused.
+        added = [s for s in sources if s.name not in {e["name"] for e in manifest["data"]} and not given]
         for s in sources:
-            source_files(manifest, s, "data")
+            if s not in added:
+                source_files(manifest, s, "data")
         new = [s for s in validation if manifest_entry(manifest, s, "validation") is None]
     except (OSError, ValueError, KeyError, TypeError) as e:
         fix = ("make it with python download_data.py --config C --manifest PATH" if given else
@@ -158,6 +171,10 @@ def pinned_manifest(given: str, dump_folder: str, sources, validation,
                "folder) or use a new dump_folder")
         why = str(e)[:300]
         raise DataError(f"data manifest {path} cannot be used: {why}; {fix}".replace("\n", " "))
+    if added:
+        manifest["data"] += [resolve_source(s, timeout, budget) for s in added]
+        write_manifest(manifest, path)
+        logger.info(f"data manifest: training source(s) {', '.join(s.name for s in added)} pinned now")
     if new:  # validation sources are pinned when first used: a resume may add one (or drop one)
         manifest["validation"] += [resolve_source(s, timeout, budget) for s in new]
         # A manifest the user made is theirs: the added sources are pinned for this start only.

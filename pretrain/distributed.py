@@ -180,3 +180,10 @@ def stop_on_signals() -> list:
     if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     return stop
+
+
+def ignore_stop_signals():
+    """From here on a preemption signal is ignored: a rank that has saved and is shutting down must
+    not be killed by a second one (Python restores the default, fatal, handler while exiting)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)

@@ -136,17 +136,21 @@ def child(cfg, sizes, rank, conn, trainer: str):
     conn.close()
 
 
-def validate(cfg, world_size: int, trainer) -> dict:
-    """train.validate's sizes, with the rules train.py applies only on a GPU (float8.check's): the
-    dry run models the GPU job, so a config its GPUs refuse at start-up ends here with that line.
-    Not this machine's GPU: a laptop's A100 would refuse float8 for an H100 cluster."""
-    return trainer.validate(cfg, world_size, gpu=True)
+def validate(cfg, world_size: int, trainer) -> tuple:
+    """(cfg, sizes): train.validate's sizes, with the rules train.py applies only on a GPU
+    (float8.check's): the dry run models the GPU job, so a config its GPUs refuse at start-up ends
+    here with that line. Not this machine's GPU: a laptop's A100 would refuse float8 for an H100
+    cluster. Both as the heaviest of the [[phases]] has them (the longest sequence): its memory is
+    the run's peak."""
+    sizes = trainer.validate(cfg, world_size, gpu=True)
+    training, sizes = sizes["phases"].heaviest(cfg.training, sizes)
+    return dataclasses.replace(cfg, training=training), sizes
 
 
 def dry_run(cfg, world_size: int, trainer, ranks=None) -> list:
     """Results for `ranks` (default 0 and world_size - 1), each in a process of its own, in parallel.
     trainer: the module whose set-up and steps run (train.py, or a fork of it)."""
-    sizes = validate(cfg, world_size, trainer)
+    cfg, sizes = validate(cfg, world_size, trainer)
     # Each rank forks from a fresh server process that imported the trainer once, not from this one:
     # a fork inherits this process's thread pools, and once it has run CPU ops, torch 2.15 aborts in
     # the child ("Invalid thread pool!").
@@ -199,7 +203,7 @@ def run(world_size: int, rest: list, trainer) -> int:
     t0 = time.perf_counter()
     try:
         cfg = trainer.load_config(rest)
-        sizes = validate(cfg, world_size, trainer)
+        cfg, sizes = validate(cfg, world_size, trainer)
         results = dry_run(cfg, world_size, trainer)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -51,9 +51,8 @@ class LogSums:
     after each line, and at a rewind): the kept steps' loss stays on the device until a line reads
     it, and the line reduces the sums over the data-parallel ranks by name."""
 
-    def __init__(self, device, tokens_per_step: int, z_loss: bool):
+    def __init__(self, device, z_loss: bool):
         self.device = device
-        self.tokens_per_step = tokens_per_step  # the global batch's positions
         self.z_loss = z_loss  # whether the record reports the z term
         self.reset()
 
@@ -61,14 +60,20 @@ class LogSums:
         self.steps = 0  # steps since the last line, skipped ones too
         self.kept = 0  # the steps applied; the logged loss is their mean
         self.data_seconds = 0.0  # the steps' wait for batches
+        self.tokens = 0  # the steps' global batches' positions (a phase may change the batch)
+        self.flops = 0.0  # the steps' forward and backward FLOPs, for MFU (flops_per_token)
         self.loss = torch.zeros(2, device=self.device)  # the kept steps' cross-entropy and z-term shares
         self.valid_tokens = torch.zeros((), device=self.device)  # positions the loss counted, every step
 
-    def add(self, loss_shares: list, valid_tokens: torch.Tensor, data_seconds: float, kept: bool):
-        """One step: its (2,) loss share per micro-batch, counted only if the step was applied."""
+    def add(self, loss_shares: list, valid_tokens: torch.Tensor, data_seconds: float, *, kept: bool,
+            tokens: int, flops_per_token: float):
+        """One step: its (2,) loss share per micro-batch, counted only if the step was applied, and
+        its global batch's tokens."""
         self.steps += 1
         self.kept += kept
         self.data_seconds += data_seconds
+        self.tokens += tokens
+        self.flops += tokens * flops_per_token
         self.valid_tokens += valid_tokens
         for share in loss_shares if kept else ():
             self.loss += share
@@ -83,7 +88,7 @@ class LogSums:
         valid = self.valid_tokens.item()
         return {"loss": ce / self.kept, **({"z_loss": z / self.kept} if self.z_loss else {}),
                 "source_tokens": dict(zip(source_tokens, [int(x) for x in sums[:-2].tolist()])),
-                "loss_tokens": int(valid), "loss_tokens_pct": 100 * valid / (self.steps * self.tokens_per_step)}
+                "loss_tokens": int(valid), "loss_tokens_pct": 100 * valid / self.tokens}
 
 
 def flops_per_token(model, seq_len: int) -> float:
@@ -98,9 +103,7 @@ class Throughput:
     """A log line's speed and memory: tokens/s per device, TFLOP/s and MFU (attention counted in
     full, as PaLM and torchtitan count it: docs/performance.md#how-to-read-a-figure)."""
     device: torch.device
-    tokens_per_step: int  # the global batch's tokens
     world_size: int
-    flops_per_token: float  # forward and backward
     peak_tflops: float  # per device, for MFU (metrics.peak_tflops); 0 takes the GPU's, if known
 
     def __post_init__(self):
@@ -109,8 +112,8 @@ class Throughput:
 
     def over(self, sums: LogSums, seconds: float) -> dict:
         """The figures of sums' steps, which trained for `seconds`."""
-        tps = sums.steps * self.tokens_per_step / seconds / self.world_size
-        tflops = self.flops_per_token * tps / 1e12
+        tps = sums.tokens / seconds / self.world_size
+        tflops = sums.flops / seconds / self.world_size / 1e12
         gib, pct, allocated = memory_stats(self.device)
         return {"memory_gib": gib, "memory_pct": pct, "memory_allocated_gib": allocated, "tps": tps,
                 "tflops": tflops, "mfu": 100 * tflops / self.peak_tflops if self.peak_tflops else None,
@@ -122,7 +125,7 @@ class MetricsLogger:
 
     HIDDEN = {"step", "tokens_seen", "source_tokens", "memory_allocated_gib", "memory_pct",
               "validation_tokens", "loss_tokens", "loss_tokens_pct", "eval_examples", "time",
-              "elapsed_seconds", "eta_seconds", "skipped_steps"}
+              "elapsed_seconds", "eta_seconds", "skipped_steps", "phase"}
 
     def __init__(self, cfg, dump: str, rank: int, clock: RunClock, config: dict):
         """cfg: train.py's [metrics] section; config: the whole config's values, for W&B."""
@@ -165,6 +168,8 @@ class MetricsLogger:
                     f"data_wait: {r['data_wait_pct']:.1f}%")
             if r.get("loss_tokens_pct", 100) < 100:  # block_causal keeps boundaries out of the loss
                 line += f"  loss_tokens: {r['loss_tokens_pct']:.1f}%"
+            if r.get("phase"):  # [[phases]] after the first (pretrain/phases.py)
+                line += f"  phase: {r['phase']}"
             if r.get("skipped_steps"):  # the run's skipped steps so far (pretrain/spikes.py)
                 line += f"  skipped: {r['skipped_steps']}"
             for k in self.peak:

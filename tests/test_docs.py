@@ -8,6 +8,7 @@ import glob
 import os
 import re
 import sys
+import typing
 
 import pytest
 
@@ -27,8 +28,9 @@ NOT_A_KEY_ON_PURPOSE = {"--training.step", "--job.config_file"}
 
 def config_keys() -> dict:
     """{section: {key, ...}} from train.Config's dataclasses."""
-    cfg = train.Config()
-    return {s.name: {f.name for f in dataclasses.fields(getattr(cfg, s.name))} for s in dataclasses.fields(cfg)}
+    # a section's fields, or those of its tables' dataclass for top-level tables ([[phases]])
+    return {s.name: {f.name for f in dataclasses.fields(typing.get_args(s.type)[0] if typing.get_args(s.type) else s.type)}
+            for s in dataclasses.fields(train.Config)}
 
 
 class _Parsed(Exception):

@@ -43,13 +43,15 @@ def test_fixed_degrees_give_the_world_size(tmp_path, monkeypatch):
     """Degrees that fix the layout (2 x 16 x 2) give the world size (64), its global batch (local 1 x dp 32) and
     streams (one per dp rank): the whole run's tokens are fetched for, not one GPU's."""
     got = {}
-    monkeypatch.setattr(download_data, "download", lambda cfg, held_out, tokens, streams, to, workers: got.update(
+    monkeypatch.setattr(download_data, "download", lambda cfg, held_out, tokens, shares, streams, to, workers: got.update(
         tokens=tokens, streams=streams))
     fixed = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "16",
              "--parallelism.tensor_parallel_degree", "2"]
     download_data.main(["--config", LLAMA3_8B, *BY_LAYOUT, "--to", str(tmp_path / "mirror"), *fixed])
-    assert got == {"tokens": 10_000 * 32 * 8192, "streams": 32}, got
     cfg = train.load_config(["--config", LLAMA3_8B, *BY_LAYOUT, *fixed])
+    # every phase's tokens (its [[phases]] ramp the sequence 4,096 -> 8,192 and the batch 32 -> 128): 7.1B
+    assert got == {"tokens": train.validate(cfg, 64)["phases"].tokens_through(10_000), "streams": 32}, got
+    assert 10_000 * 32 * 4096 < got["tokens"] < 10_000 * 128 * 8192
     assert download_data.world_size(cfg, 0) == 64
     assert download_data.world_size(cfg, 64) == 64  # --world_size, when given, is the run's (validate checks it)
     assert download_data.world_size(train.load_config(["--config", LLAMA3_8B]), 0) == 1  # its fixed batch: none needed

@@ -84,10 +84,12 @@ def test_a_steps_reads_are_bounded_as_a_whole_over_its_micro_batches():
 
     import data
     import train
+    from pretrain import phases
 
     class SlowHub:  # each batch's reads take 0.6 s, each within the loader's budget of 1 s
         step = [float("inf"), float("inf")]
         budget = 1.0  # comm.init_timeout_seconds
+        local_batch_size = 1
         reads_within = data.DataLoader.reads_within  # the loader's deadline, as DataLoader keeps it
 
         def __next__(self):
@@ -100,10 +102,12 @@ def test_a_steps_reads_are_bounded_as_a_whole_over_its_micro_batches():
     cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml"), "--training.seq_len", "8",
                              "--training.local_batch_size", "1", "--comm.init_timeout_seconds", "1"])
     args = train.model_args(cfg)
-    batches, error, _ = train.read_step(SlowHub(), cfg, {"grad_accum": 1}, args, torch.device("cpu"))
+    one, two = (phases.Stage(index=0, first_step=1, global_batch_size=n, seq_len=8, grad_accum=n, weights=(1.0,),
+                             anneal=False, tokens_before=0) for n in (1, 2))  # the step's phase: n micro-batches
+    batches, error, _ = train.read_step(SlowHub(), one, args, torch.device("cpu"))
     assert len(batches) == 1 and error == ""
     hub = SlowHub()
-    batches, error, _ = train.read_step(hub, cfg, {"grad_accum": 2}, args, torch.device("cpu"))
+    batches, error, _ = train.read_step(hub, two, args, torch.device("cpu"))
     assert len(batches) == 2 and faults.is_fault(error) and "took longer" in str(error)  # the second ran past
     assert hub.step[0] == float("inf")  # outside a step, no deadline
 

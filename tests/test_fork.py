@@ -16,7 +16,7 @@ from conftest import SMALL, run_training
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from pretrain import checkpoint  # noqa: E402
+from pretrain import resume_keys  # noqa: E402
 from pretrain import config  # noqa: E402
 import model  # noqa: E402
 import train  # noqa: E402
@@ -160,7 +160,7 @@ def test_resume_keys_are_every_checked_key_less_the_documented_list():
     cfg = train.load_config(["--config", "configs/debug_model.toml"])
     keys = train.resume_keys(cfg, train.flavor_args(cfg), train.validate(cfg, 1),
                              {"version": 1, "data": {}, "validation": {}})
-    for sec in checkpoint.RESUME_CHECKED:
+    for sec in resume_keys.RESUME_CHECKED:
         for f in dataclasses.fields(getattr(cfg, sec)):
-            assert (f"{sec}.{f.name}" in keys) != (f"{sec}.{f.name}" in checkpoint.RESUME_MAY_CHANGE), f"{sec}.{f.name}"
+            assert (f"{sec}.{f.name}" in keys) != (f"{sec}.{f.name}" in resume_keys.RESUME_MAY_CHANGE), f"{sec}.{f.name}"
     assert keys["optimizer.weight_decay"] == 0.1 and "model.tokenizer_sha256" in keys
