@@ -611,9 +611,9 @@ def lr_factor(step: int, cfg: Config, plan: phases.Plan | None = None) -> float:
     if plan and plan.stages[-1].anneal:
         main = phases.Plan(plan.stages[:-1], plan.names)  # the run as it would be without the anneal
         start = plan.stages[-1].first_step - 1  # the anneal's first step, 0-based
-        if step < start:
+        if step < start or start >= cfg.training.steps:  # before it, or it begins after the run
             return lr_factor(step, cfg, main)
-        progress = (step - start + 1) / (cfg.training.steps - start)  # 1.0 at the last step
+        progress = min(1.0, (step - start + 1) / (cfg.training.steps - start))  # 1.0 at the last step
         return lr_factor(start, cfg, main) * (1 - progress)
     s = cfg.lr_scheduler
     total = cfg.training.steps

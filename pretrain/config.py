@@ -152,9 +152,10 @@ def build_parser(config_cls, description: str, with_docs: bool = True) -> argpar
                         help="the TOML config file")
     lists = [f.name for f in dataclasses.fields(config_cls)
              if _table_type(typing.get_type_hints(config_cls)[f.name])]  # [[phases]]
-    if lists and with_docs:
-        docs = _docs(config_cls)
-        parser.add_argument_group("tables", "\n".join(f"[[{k}]] (TOML only): {docs.get(k, '')}" for k in lists))
+    docs = _docs(config_cls) if with_docs else {}
+    for k in lists:  # set in the TOML; dropped, all of them, by --phases none
+        parser.add_argument(f"--{k}", choices=["none"], default=argparse.SUPPRESS,
+                            help=f"[[{k}]] tables (TOML only): {docs.get(k, '')}; none: without them")
     for sec in dataclasses.fields(config_cls):
         if sec.name in lists:
             continue
@@ -191,6 +192,7 @@ def load(config_cls, argv, description: str = ""):
         _set(config_cls(), section, key, None, "command line")  # unknown keys and tables raise
     cfg = config_cls()
     hints = typing.get_type_hints(config_cls)
+    lists = [k for k, typ in hints.items() if _table_type(typ)]  # top-level tables: [[phases]]
     files = args.config or []
     if len(files) > 1:
         raise ConfigError(f"--config given {len(files)} times ({', '.join(files)}); "
@@ -212,7 +214,9 @@ def load(config_cls, argv, description: str = ""):
             for key, value in table.items():
                 _set(cfg, section, key, value, path)
     for name, value in vars(args).items():
-        if name != "config":
+        if name in lists:  # --phases none
+            setattr(cfg, name, [])
+        elif name != "config":
             _set(cfg, *name.split(".", 1), value, "command line")
     return cfg
 

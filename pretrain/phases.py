@@ -78,7 +78,7 @@ class Plan:
         return dataclasses.replace(training, seq_len=longest.seq_len), {**sizes, "grad_accum": accum}
 
     def keys(self) -> list:
-        """The [[phases]] as a resume compares them (pretrain/checkpoint.py): a phase that has begun
+        """The [[phases]] as a resume compares them (pretrain/resume_keys.py): a phase that has begun
         may not change; a later one may, or be added. Weights by name, the zero ones left out, so
         that a source appended with weight 0 changes no phase."""
         return [{"phase": s.index, "first_step": s.first_step, "global_batch_size": s.global_batch_size,

@@ -24,9 +24,10 @@ from conftest import SMALL, run_training  # noqa: E402
 import train  # noqa: E402  (the trainer the dry run is handed, as preflight.py hands it)
 
 # The SMALL shape (2 blocks, seq 64), not the debug model's 6 blocks at seq 256: the three real steps and the
-# dry run's two cost a fraction of one step of 6 blocks; both sides count the same storages at any shape
+# dry run's two cost a fraction of one step of 6 blocks; both sides count the same storages at any shape. Three
+# steps: the dry run checks the phases a run reaches (the config's [[phases]] begin at step 31).
 DEBUG = ["--config", os.path.join(ROOT, "configs/debug_model.toml"), "--training.local_batch_size", "4",
-         *SMALL]
+         *SMALL, "--training.steps", "3"]
 FULL, SAC = ["--activation_checkpoint.mode", "full"], ["--activation_checkpoint.mode", "selective"]
 FLOAT8 = ["--model.converters", "float8"]
 # (world size, arguments): 1 process, FSDP 2, TP 2, HSDP 2 x 1; AC none, selective and full; float8 on two of them

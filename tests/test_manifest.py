@@ -80,7 +80,9 @@ def hub_job(tmp_path_factory):
         config = tmp / "hub.toml"
         debug = open(os.path.join(ROOT, "configs", "debug_model.toml")).read()
         shipped = open(os.path.join(ROOT, "configs", "llama3_8b.toml")).read()  # its sources, and its validation one
-        config.write_text(debug[:debug.index("[[data.sources]]")] + shipped[shipped.index("[[data.sources]]"):])
+        # (its [[phases]] are for the 8B model's sequence: left out, as are the debug config's)
+        config.write_text(debug[:debug.index("[[data.sources]]")]
+                          + shipped[shipped.index("[[data.sources]]"):shipped.index("\n[[phases]]")])
         env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp / "hf"), "HF_HUB_OFFLINE": "0"}
         args = ("--training.steps", 4, "--data.num_workers", 2, "--validation.freq", 4, "--validation.sequences", 8,
                 "--validation.local_batch_size", 4)

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -93,9 +94,13 @@ def test_each_bad_phase_is_one_line_naming_it(tmp_path, table, line):
     assert line in str(e.value) and "\n" not in str(e.value)
 
 
-def test_phases_are_set_in_toml_only():
+def test_phases_are_set_in_toml_only_and_left_out_by_phases_none():
     with pytest.raises(ConfigError, match=r"phases is set by \[\[phases\]\] tables in the TOML file only"):
         train.load_config(["--config", DEBUG, "--phases.start_step", "3"])
+    assert len(train.load_config(["--config", DEBUG]).phases) == 2
+    assert train.load_config(["--config", DEBUG, "--phases", "none"]).phases == []
+    with pytest.raises(ConfigError, match="argument --phases: invalid choice: 'all'"):
+        train.load_config(["--config", DEBUG, "--phases", "all"])
 
 
 @pytest.fixture(scope="module")
@@ -302,3 +307,43 @@ def test_a_resume_that_changes_a_begun_phase_is_refused_with_one_line(phased, tm
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "refusing to resume" in errors[0] and "phase 1 seq_len: 128 -> 256" in errors[0]
     assert sorted(os.listdir(dump / "checkpoint")) == ["step-2", "step-4", "step-6"]
+
+
+@pytest.mark.slow
+def test_plot_marks_each_phases_first_step_and_counts_its_tokens(phased, tmp_path):
+    import plot
+
+    _, dump, _ = phased
+    train_records = plot.read_run(str(dump))["train"]
+    assert plot.phase_starts(train_records) == {4: 1, 7: 2}
+    at = plot.tokens_at(train_records)
+    assert [at(s) for s in (3, 4, 9)] == [1536, 3584, 13824]  # each step its phase's tokens, not the last's
+    assert plot.main([str(dump), "--x", "tokens", "--out", str(tmp_path / "curves.png")]) == 0
+
+
+BEFORE_ISSUE_63 = "01397c1"  # the last commit before [[phases]]
+
+
+@pytest.mark.slow
+def test_a_run_without_phases_logs_the_losses_it_did_before_them(tmp_path):
+    """The same 4 steps, one process, by the code before [[phases]] and by this code, without [[phases]]: the same
+    losses to the last bit; and this code resumes the old code's step-2 (its streams hold no phase) to them too."""
+    git = ["git", "-C", ROOT]
+    if subprocess.run([*git, "cat-file", "-e", f"{BEFORE_ISSUE_63}^{{commit}}"], capture_output=True).returncode:
+        pytest.skip(f"commit {BEFORE_ISSUE_63} is not in this clone's history")
+    plain = config(tmp_path, name="plain.toml")  # the debug config without its [[phases]]
+    args = ["--training.steps", "4", "--checkpoint.interval", "2"]
+    before = tmp_path / "before"
+    subprocess.run([*git, "worktree", "add", "--detach", str(before), BEFORE_ISSUE_63], check=True, capture_output=True)
+    try:
+        argv = [sys.executable, "train.py", *train_args(plain, tmp_path / "old", *args)]
+        proc = subprocess.run(argv, cwd=before, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    finally:
+        subprocess.run([*git, "worktree", "remove", "--force", str(before)], capture_output=True)
+    old = {s: r["loss"] for s, r in records(tmp_path / "old").items()}
+    run(plain, tmp_path / "new", *args, nproc=1)
+    assert {s: r["loss"] for s, r in records(tmp_path / "new").items()} == old
+    shutil.copytree(tmp_path / "old", tmp_path / "resumed", ignore=shutil.ignore_patterns("step-4", "metrics.jsonl"))
+    out = run(plain, tmp_path / "resumed", *args, nproc=1)
+    assert "at step 2" in out and {s: r["loss"] for s, r in records(tmp_path / "resumed").items()} == {3: old[3], 4: old[4]}

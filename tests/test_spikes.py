@@ -52,9 +52,9 @@ def planted_train(argv):
     build = train.build_optimizer
     fb = train.forward_backward
 
-    def build_optimizer(model, cfg, device):
+    def build_optimizer(model, cfg, device, plan=None):
         held["model"] = model
-        held["optimizer"], held["scheduler"] = build(model, cfg, device)
+        held["optimizer"], held["scheduler"] = build(model, cfg, device, plan)
         held["log"] = open(os.path.join(cfg.job.dump_folder, f"steps.rank{rank}.jsonl"), "a")
         return held["optimizer"], held["scheduler"]
 

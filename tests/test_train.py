@@ -347,7 +347,9 @@ train.main(train.load_config([*args, "--optimizer.state_dtype", "bfloat16", "--j
 
 @pytest.mark.slow
 def test_bf16_optimizer_states_train_within_0_02_of_fp32_and_resume_exactly(tmp_path):
-    args = [*ARGS, "--training.steps", "50", "--checkpoint.enable", "--checkpoint.interval", "25"]
+    # the optimizer's state alone: the plain schedule (the config's [[phases]] anneal at the end, which this bound
+    # was not measured with)
+    args = [*ARGS, "--training.steps", "50", "--checkpoint.enable", "--checkpoint.interval", "25", "--phases", "none"]
     proc = subprocess.run([sys.executable, "-c", BF16_STATES, str(tmp_path), json.dumps(args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
