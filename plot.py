@@ -111,6 +111,7 @@ def plot(runs: dict, x: str = "step"):
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5), layout="constrained")
     axes = dict(zip(PANELS, axes.flat))
     twins = {name: axes[name].twinx() for name in PANELS[3:]}
+    marks = []  # (x, colour, phase) of each phase's first step, drawn on every panel with a curve
     for i, (name, run) in enumerate(runs.items()):
         color = f"C{i}"
         train = run["train"]
@@ -121,11 +122,7 @@ def plot(runs: dict, x: str = "step"):
         ax.plot(xs, smoothed(loss), color=color, label=name)
         for step in run["skipped"]:
             ax.axvline(x_of(step), color=color, linestyle=":", alpha=0.6)
-        for step, phase in phase_starts(train).items():  # on every panel, named on this one
-            for panel in axes.values():
-                panel.axvline(x_of(step), color=color, linestyle="--", alpha=0.4, linewidth=0.8)
-            ax.annotate(f"phase {phase}", (x_of(step), 1), xycoords=("data", "axes fraction"), rotation=90,
-                        va="top", ha="right", fontsize="small", color=color)
+        marks += [(x_of(step), color, phase) for step, phase in phase_starts(train).items()]
         ax = axes["validation loss"]
         ax.plot(*series(run["validation"], "validation_loss", x_of), "o-", color=color, label=name)
         sources = {s for r in run["validation"].values() for s in r["validation_source_loss"]}
@@ -154,6 +151,11 @@ def plot(runs: dict, x: str = "step"):
             twins[panel].set_ylabel(labels[panel][1])
         if ax.lines:
             ax.legend(fontsize="small")
+            for at, color, phase in marks:
+                ax.axvline(at, color=color, linestyle="--", alpha=0.4, linewidth=0.8)
+                if panel == "training loss":
+                    ax.annotate(f"phase {phase}", (at, 1), xycoords=("data", "axes fraction"), rotation=90,
+                                va="top", ha="right", fontsize="small", color=color)
         else:
             ax.text(0.5, 0.5, f"no {panel} logged", ha="center", va="center", transform=ax.transAxes)
     return fig
