@@ -311,7 +311,7 @@ STEP_SECONDS = {"cuda": {"self-test": 120, "1B": 40, "8B": 80},
 def gpu_plan(shape: dict, blocks: int) -> list:
     """(name, kind, train.py flags) of each step after the self-test: the 1B flavor, then the 8B
     width with `blocks` blocks: bf16, float8 rowwise (torchao's small layers in bf16), tensorwise
-    (its settings are FSDP's, and one GPU does not shard) and block-causal attention."""
+    (its settings are FSDP's, and one GPU does not shard), block-causal attention and Muon."""
     wide = ["--model.flavor", shape["wide"], "--model.n_layers", str(blocks)]
     float8 = [*wide, "--model.converters", "float8", "--float8.recipe_name"]
     small = ["--float8.filter_fqns", "output,auto_filter_small_kn"]  # torchao's table of sizes
@@ -320,7 +320,8 @@ def gpu_plan(shape: dict, blocks: int) -> list:
             ("8B-wide", "8B", wide),
             ("8B-wide-float8-rowwise", "8B", [*float8, "rowwise", *small]),
             ("8B-wide-float8-tensorwise", "8B", [*float8, "tensorwise"]),
-            ("8B-wide-block-causal", "8B", [*wide, "--model.attn_mask_type", "block_causal"])]
+            ("8B-wide-block-causal", "8B", [*wide, "--model.attn_mask_type", "block_causal"]),
+            ("8B-wide-muon", "8B", [*wide, "--optimizer.name", "Muon"])]  # its step beside AdamW's (8B-wide)
 
 
 def device_memory(device: str) -> tuple:
@@ -359,7 +360,7 @@ def blocks_that_fit(extra: list, capacity: int) -> int:
 
 def describe(cfg, model) -> str:
     """A run, for its summary row: shape, vocabulary, tokens per step, precision, compile, AC,
-    float8, mask."""
+    float8, an optimizer other than AdamW, mask."""
     t = cfg.training
     a = model.args
     what = [f"{cfg.model.flavor} width, {a.n_layers} blocks", f"vocab {a.vocab_size:,}",
@@ -369,6 +370,7 @@ def describe(cfg, model) -> str:
     if "float8" in cfg.model.converters:  # and whether torchao's table keeps small layers in bf16
         auto = ", small layers bf16" if "auto_filter_small_kn" in cfg.float8.filter_fqns else ""
         what.append(f"float8 {cfg.float8.recipe_name}{auto}")
+    what += [cfg.optimizer.name] if cfg.optimizer.name != "AdamW" else []
     return ", ".join([*what, a.attn_mask_type])
 
 

@@ -55,6 +55,7 @@ from pretrain.float8 import Float8
 from pretrain.layout import layout_independent_normal, replicate_unplanned
 from pretrain.loss import chunked_loss, cross_entropy_and_z, ignore_boundaries
 from pretrain.metrics import LogSums, MetricsLogger, Throughput, flops_per_token
+from pretrain.muon import Muon, MuonAdamW, is_matrix
 from pretrain.phases import Phase
 from pretrain.progress import RunClock
 from pretrain.sources import DataError, DataSource
@@ -87,22 +88,6 @@ class Model:
     RULES: ClassVar[dict] = {"n_layers": NON_NEGATIVE, "vocab_size": NON_NEGATIVE,
                              "attn_mask_type": one_of("causal", "block_causal"),
                              "converters": (lambda x: set(x) <= {"float8"}, '[] or ["float8"]')}
-
-
-@dataclass
-class Optimizer:
-    name: str = "AdamW"  # AdamW (build_optimizer() is the place to add another)
-    lr: float = 8e-4  # peak learning rate
-    beta1: float = 0.9  # Adam beta1
-    beta2: float = 0.95  # Adam beta2
-    eps: float = 1e-8  # Adam epsilon
-    weight_decay: float = 0.1  # decoupled weight decay (applied to every weight)
-    state_dtype: str = "float32"  # AdamW's two moments: float32, or bfloat16 (4 bytes a parameter less; the update stays fp32; beta2 <= 0.99)
-    RULES: ClassVar[dict] = {"name": one_of("AdamW"), "lr": POSITIVE,
-                             "beta1": (lambda x: 0 <= x < 1, "in [0, 1)"),
-                             "beta2": (lambda x: 0 <= x < 1, "in [0, 1)"),
-                             "eps": POSITIVE, "weight_decay": NON_NEGATIVE,
-                             "state_dtype": one_of("float32", "bfloat16")}
 
 
 @dataclass
@@ -232,7 +217,8 @@ class Validation:
 class Config:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
-    optimizer: Optimizer = field(default_factory=Optimizer)
+    optimizer: optimizers.Optimizer = field(default_factory=optimizers.Optimizer)  # pretrain/optimizers.py
+    muon: Muon = field(default_factory=Muon)  # pretrain/muon.py: Muon's keys (optimizer.name = "Muon")
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
@@ -510,10 +496,16 @@ def build_optimizer(model, cfg: Config, device: torch.device, plan: phases.Plan 
     whatever state the optimizer keeps."""
     o = cfg.optimizer
     kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    muon = o.name == "Muon"  # the blocks' matrices take Muon, the rest AdamW (pretrain/muon.py)
+    params = [q for n, q in model.named_parameters() if not (muon and is_matrix(n, q))]
     if o.state_dtype == "bfloat16":
-        optimizer = optimizers.AdamWBF16State(model.parameters(), **kwargs)
+        optimizer = optimizers.AdamWBF16State(params, **kwargs)
     else:  # fused: one kernel per step on CUDA and CPU (the debug model's CPU step: ~10x foreach's)
-        optimizer = torch.optim.AdamW(model.parameters(), **kwargs, fused=True)
+        optimizer = torch.optim.AdamW(params, **kwargs, fused=True)
+    if muon:
+        matrices = [q for n, q in model.named_parameters() if is_matrix(n, q)]
+        optimizer = MuonAdamW(optimizer, matrices, cfg.muon, lr=o.lr, weight_decay=o.weight_decay,
+                              state_dtype=o.state_dtype)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg, plan=plan))
     return optimizer, scheduler
 

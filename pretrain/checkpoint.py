@@ -4,6 +4,7 @@ checkpoint_convert.py); checkpoint_folder.py writes it atomically (sync or async
 folders are complete. Everything is a tensor (plain state travels as JSON bytes), so loading never
 unpickles anything."""
 
+import contextlib
 import json
 import logging
 import math
@@ -214,16 +215,17 @@ class Checkpointer:
         try:
             dcp.load(state, checkpoint_id=path)
         except CheckpointException as e:
+            if not model_only:  # another optimizer's state is missing: name the change, not a key
+                keys = {k: state["train"][k] for k in ("config", "step")}
+                with contextlib.suppress(CheckpointException):
+                    dcp.load({"train": keys}, checkpoint_id=path)
+                    self.refuse_changes(path, keys)
             raise CheckpointError(f"cannot load {path}: {checkpoint_folder.why(e)}")
         set_model_state_dict(self.model, state["model"])
         if model_only:
             return 0, 0
         train = state["train"]
-        diff = changes(json_from(train["config"]), self.run_keys, int(train["step"]))
-        if diff:
-            raise CheckpointError(f"refusing to resume from {path}: the run changed "
-                                  f"{'; '.join(diff)} (use a new dump_folder, or take only the "
-                                  "weights with checkpoint.initial_load_path)")
+        self.refuse_changes(path, train)
         opt = get_optimizer_state_dict(self.model, self.optimizer, options=self.sd_options)
         opt = {**opt, **state["optimizer"]}
         set_optimizer_state_dict(self.model, self.optimizer, opt, options=self.sd_options)
@@ -243,6 +245,15 @@ class Checkpointer:
         logger.info(f"resumed from {path} at step {step}")
         self.log_changes(train, steps)
         return step, int(train["tokens_seen"])
+
+    def refuse_changes(self, path: str, train: dict):
+        """One line naming each run key a resume from `path` would change (pretrain/resume_keys.py).
+        train: the checkpoint's config and step, loaded."""
+        diff = changes(json_from(train["config"]), self.run_keys, int(train["step"]))
+        if diff:
+            raise CheckpointError(f"refusing to resume from {path}: the run changed "
+                                  f"{'; '.join(diff)} (use a new dump_folder, or take only the "
+                                  "weights with checkpoint.initial_load_path)")
 
     def log_changes(self, train: dict, steps: int):
         """Logs what this resume changes of the values it may change: notes, training.steps."""

@@ -6,6 +6,7 @@ file > defaults. Unknown sections and keys, and values of the wrong type: a Conf
 close matches."""
 
 import argparse
+import contextlib
 import ast
 import dataclasses
 import difflib
@@ -67,9 +68,14 @@ def _docs(cls) -> dict:
 
 
 def _convert(value, typ, where: str):
-    """Check/convert a TOML value or a CLI string to the field's type."""
+    """Check/convert a TOML value or a CLI string to the field's type: list is a list of strings,
+    list[float] one of numbers ([muon] ns_coefficients)."""
+    item = float if typing.get_args(typ) == (float,) else str
+    typ = typing.get_origin(typ) or typ
     if typ is list and isinstance(value, str):  # --model.converters a,b ([] for none)
         value = [s.strip(" '\"") for s in value.strip("[]").split(",") if s.strip(" '\"")]
+        with contextlib.suppress(ValueError):  # --muon.ns_coefficients 3.4,-4.8,2
+            value = [float(s) for s in value] if item is float else value
     elif isinstance(value, str) and typ is not str:  # from the command line
         try:
             value = {"true": True, "false": False}[value.lower()] if typ is bool else typ(value)
@@ -77,9 +83,12 @@ def _convert(value, typ, where: str):
             raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}")
     if typ in (float, str) and isinstance(value, int) and not isinstance(value, bool):
         value = typ(value)  # lr = 1 reads as 1.0; selective_ac_option = 2 as "2"
+    if typ is list and item is float and isinstance(value, list) and not any(isinstance(s, bool) for s in value):
+        value = [float(s) if isinstance(s, int) else s for s in value]  # [3, -4, 2] reads as floats
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)) or (
-            typ is list and not all(isinstance(s, str) for s in value)):
-        raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}")
+            typ is list and not all(isinstance(s, item) for s in value)):
+        kind = "list of numbers" if item is float else typ.__name__
+        raise ConfigError(f"{where}: expected {kind}, got {value!r}")
     return value
 
 

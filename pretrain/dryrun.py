@@ -222,7 +222,7 @@ def run(world_size: int, rest: list, trainer) -> int:
           f"x dp_shard {sizes['dp_shard']} x tp {par.tensor_parallel_degree}, "
           f"grad accumulation {sizes['grad_accum']}, activation checkpoint "
           f"{cfg.activation_checkpoint.mode}{with_float8}; fake process group and fake tensors, "
-          f"eager (compile{compile_is}); two steps, the second holding AdamW's moments as every "
+          f"eager (compile{compile_is}); two steps, the second holding the optimizer's state as every "
           "later step does")
     for r in results:
         print(f"rank {r['rank']}: peak {r['peak'] / GIB:.2f} GiB in {r['peak_phase']} "

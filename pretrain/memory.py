@@ -15,6 +15,7 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from pretrain import muon
 from pretrain.loss import chunk_positions
 
 GIB = 2**30
@@ -47,7 +48,8 @@ def estimate_memory(model, sizes: dict, *, training, optimizer, activation_check
                     cuda: bool) -> dict:
     """Bytes per device at a training step's peak, by part, for eager mode (compile keeps less).
 
-    Weights, gradients and AdamW's moments are fp32 (or bf16 moments), sharded over dp_shard x tp.
+    Weights, gradients and AdamW's moments are fp32 (or bf16 moments), sharded over dp_shard x tp;
+    Muon's step (optimizer.name) holds a whole matrix or two beside the gradients (muon.in_flight).
     At the peak FSDP holds the root's weights (embedding, norm, output) and the last block gathered
     in the param dtype; without FSDP (one dp rank) bf16 autocast keeps a copy of every block's
     weights for backward, and the residual stream stays fp32. Per block and token, backward keeps
@@ -103,15 +105,19 @@ def estimate_memory(model, sizes: dict, *, training, optimizer, activation_check
     gathered = (bw * root_and_last - float8_saves) / tp  # FSDP's; without: autocast's (fp32: none)
     gathered = gathered if sizes["dp"] > 1 else (bw == 2) * 2 * a.n_layers * n_block / tp
     loss_bytes = 16 if tp > 1 else 12  # per logit: TP's log-softmax keeps the fp32 logits too
+    # AdamW: two moments a parameter; Muon (pretrain/muon.py): one momentum buffer a matrix weight
+    state = 4 if optimizer.state_dtype == "bfloat16" else 8
+    n_muon = n_linear * a.n_layers if optimizer.name == "Muon" else 0
     parts = {"weights": 4 * n_total / shards,
-             "optimizer": (4 if optimizer.state_dtype == "bfloat16" else 8) * n_total / shards,
+             "optimizer": (state * (n_total - n_muon) + state / 2 * n_muon) / shards,
              "gradients": 4 * n_total / shards,
              "gathered": gathered,
              # the blocks', plus the final norm's and the output layer's input
              "activations": tokens * (all_blocks + 4 * d / tp + b * d),
              # a chunk of positions at a time, vocab-sharded under TP
              "loss": min(tokens, chunk_positions(a.vocab_size)) * loss_bytes * a.vocab_size / tp,
-             "runtime": 0 if cuda else resident_bytes()}
+             "runtime": 0 if cuda else resident_bytes(),
+             "muon": muon.in_flight(block) if n_muon else 0}
     # Two candidate peaks. (1) The loss's backward: every block's activations and the loss tensors
     # (and the gradients under accumulation; otherwise zero_grad(set_to_none) freed them). (2) A
     # block's backward: gradients of the blocks above, activations of the blocks below, and the
@@ -130,7 +136,7 @@ def estimate_memory(model, sizes: dict, *, training, optimizer, activation_check
         bottom = a.n_layers * grad_block + parts["activations"] / a.n_layers  # the other way round
         in_blocks = working + grad_out + max(top, bottom)
     parts["total"] = (parts["weights"] + parts["optimizer"] + parts["gathered"] + parts["runtime"]
-                      + max(at_loss, in_blocks, parts["gradients"]))
+                      + max(at_loss, in_blocks, parts["gradients"] + parts["muon"]))
     return parts
 
 

@@ -1,12 +1,30 @@
-"""Optimizers beside torch's: AdamW with its moments in bf16, and the rules of train.py's [optimizer]
-section that follow from them; the lr schedule at a resume's position. train.build_optimizer()
-chooses among torch's and these."""
+"""Optimizers beside torch's, and train.py's [optimizer] section: AdamW with its moments in bf16 (Muon:
+pretrain/muon.py); the lr schedule at a resume's position. train.build_optimizer() chooses among
+torch's and these."""
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from pretrain.config import ConfigError
+from pretrain.config import NON_NEGATIVE, POSITIVE, ConfigError, one_of
+
+
+@dataclass
+class Optimizer:  # train.py's [optimizer] section
+    name: str = "AdamW"  # AdamW, or Muon: the blocks' matrices take Muon ([muon]), the rest AdamW (build_optimizer() is the place to add another)
+    lr: float = 8e-4  # peak learning rate
+    beta1: float = 0.9  # Adam beta1
+    beta2: float = 0.95  # Adam beta2
+    eps: float = 1e-8  # Adam epsilon
+    weight_decay: float = 0.1  # decoupled weight decay (applied to every weight, Muon's too)
+    state_dtype: str = "float32"  # AdamW's two moments and Muon's momentum: float32, or bfloat16 (half the bytes; the update stays fp32; beta2 <= 0.99)
+    RULES: ClassVar[dict] = {"name": one_of("AdamW", "Muon"), "lr": POSITIVE,
+                             "beta1": (lambda x: 0 <= x < 1, "in [0, 1)"),
+                             "beta2": (lambda x: 0 <= x < 1, "in [0, 1)"),
+                             "eps": POSITIVE, "weight_decay": NON_NEGATIVE,
+                             "state_dtype": one_of("float32", "bfloat16")}
 
 
 def check(o) -> None:

@@ -8,8 +8,8 @@ from pretrain import phases
 
 
 # A resume must keep every key of these sections of train.py's config (a new hyperparameter is a
-# resume key with no edit here)...
-RESUME_CHECKED = ("model", "training", "optimizer", "lr_scheduler", "data")
+# resume key with no edit here; [muon]'s too under AdamW, where it is unused)...
+RESUME_CHECKED = ("model", "training", "optimizer", "muon", "lr_scheduler", "data")
 # ...except these, which a resume may change: how long and how fast to train, clipping, precision
 # (float8 included: the weights are the same), the layout's batch split, workers, and where the
 # tokenizer, the data manifest and its mirror live (their sha256 is checked).
@@ -17,7 +17,7 @@ RESUME_MAY_CHANGE = {
     "training.steps", "training.local_batch_size", "training.max_norm", "training.z_loss",
     "training.seed",
     "training.deterministic", "training.mixed_precision_param", "training.mixed_precision_reduce",
-    "optimizer.lr", "lr_scheduler.warmup_steps", "lr_scheduler.decay_ratio",
+    "optimizer.lr", "muon.lr", "lr_scheduler.warmup_steps", "lr_scheduler.decay_ratio",
     "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor", "model.tokenizer_path",
     "model.converters", "data.num_workers", "data.manifest", "data.mirror",
     "data.hub_timeout_seconds", "data.resolve_timeout_seconds", "lr_scheduler.unit",

@@ -276,7 +276,8 @@ def summary_rows(folder) -> dict:
     return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows}
 
 
-STEPS = ["self-test", "1B", "8B-wide", "8B-wide-float8-rowwise", "8B-wide-float8-tensorwise", "8B-wide-block-causal"]
+STEPS = ["self-test", "1B", "8B-wide", "8B-wide-float8-rowwise", "8B-wide-float8-tensorwise", "8B-wide-block-causal",
+         "8B-wide-muon"]
 
 
 def test_gpu_skips_what_no_longer_fits_the_budget_and_says_so(tmp_path, monkeypatch, capsys):
@@ -297,7 +298,7 @@ def test_gpu_skips_what_no_longer_fits_the_budget_and_says_so(tmp_path, monkeypa
     assert "MFU counts attention in full (PaLM's, torchtitan's)." in summary  # the convention beside the figures
     debug = ["--config", "configs/debug_model.toml", *b.GPU_SHAPES["cpu"]["flags"], *b.GPU_SHARED]
     assert b.blocks_that_fit([*debug, "--model.n_layers", "2"], b.CPU_CAPACITY) == 2  # at most the user's count
-    assert summary.rstrip().endswith("of the 1 s budget.") and capsys.readouterr().out.count("skipped") == 6
+    assert summary.rstrip().endswith("of the 1 s budget.") and capsys.readouterr().out.count("skipped") == 7
     with pytest.raises(SystemExit) as e:
         b.main(["gpu", "--device", "cpu", "--only", "8B", "--out", str(tmp_path)])
     assert e.value.code == 2 and "--only 8B: the steps are self-test, 1B, 8B-wide, " in capsys.readouterr().err
@@ -319,6 +320,7 @@ def test_gpu_runs_every_step_end_to_end_on_the_cpu(tmp_path):
         assert os.path.getsize(tmp_path / f"{step}.log") > 0
     assert "float8 rowwise, small layers bf16" in rows["8B-wide-float8-rowwise"][0]  # torchao's filter: its setting
     assert "block_causal" in rows["8B-wide-block-causal"][0] and "small" not in rows["8B-wide-float8-tensorwise"][0]
+    assert "Muon" in rows["8B-wide-muon"][0] and "Muon" not in rows["8B-wide"][0]
     assert re.search(r"\d+ skipped, \d+ deselected", (tmp_path / "self-test.log").read_text())  # no GPU: skipped
     assert "Vocabulary 2,048 words." in (tmp_path / "summary.md").read_text()  # the header names it
 

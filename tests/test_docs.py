@@ -110,8 +110,8 @@ def problems(name: str, text: str, keys: dict, parsers: dict) -> list:
                 parser = subs[words[0]]
             for word in words:
                 option = word.partition("=")[0]
-                if not option.startswith("--") or "." in option:
-                    continue  # a value, or a train.py config key passed on (checked above)
+                if not option.startswith("--") or "." in option or option[2:] in keys:
+                    continue  # a value, or a train.py config key passed on (checked above), or --phases
                 if option not in parser._option_string_actions:
                     out.append(f"{name}: {tool}.py{' ' + words[0] if subs else ''} has no option {option}")
     # repo paths named anywhere: configs/..., slurm/..., tests/..., assets/..., docs/..., .ci/..., pretrain/...,

@@ -155,7 +155,7 @@ def test_the_report(dry, monkeypatch, capsys, tmp_path):
     out = capsys.readouterr().out
     assert code == 0, out
     for text in ("world 2 = dp_replicate 1 x dp_shard 1 x tp 2", "rank 0: peak", "rank 1: peak", "checkpoint: ",
-                 "two steps, the second holding AdamW's moments", "in forward and backward of step 2 (after set-up",
+                 "two steps, the second holding the optimizer's state", "in forward and backward of step 2 (after set-up",
                  "not counted: NCCL's buffers, the CUDA context, the caching allocator's fragmentation, compile's "
                  "workspaces, a validation or eval round; \"fits\" keeps 20% of the GPU free for them",
                  "activation checkpoint full, float8", "bench.py memory's memory estimate per device",

@@ -27,9 +27,10 @@ SAC = ["--activation_checkpoint.mode", "selective"]
 BF16 = ["--training.mixed_precision_param", "bfloat16"]
 ONE_PROCESS = [[], ["--activation_checkpoint.mode", "full"], SAC,
                [*SAC, "--activation_checkpoint.selective_ac_option", "2"], BF16, [*BF16, *SAC],
-               ["--training.global_batch_size", "16"]]  # accumulation: gradients live through forward
+               ["--training.global_batch_size", "16"],  # accumulation: gradients live through forward
+               ["--optimizer.name", "Muon"]]  # its momentum for the matrices, AdamW's moments for the rest
 TWO_PROCESSES = [[], ["--parallelism.tensor_parallel_degree", "2"],
-                 ["--parallelism.tensor_parallel_degree", "2", *SAC, *BF16]]
+                 ["--parallelism.tensor_parallel_degree", "2", *SAC, *BF16], ["--optimizer.name", "Muon"]]
 
 
 def measure(configs):
@@ -60,6 +61,8 @@ def measure(configs):
         model.to_empty(device="cpu")
         model.init_weights()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if cfg.optimizer.name == "Muon":  # the trainer's, sharded as the weights are
+            optimizer = train.build_optimizer(model, cfg, torch.device("cpu"))[0]
         tokens = torch.randint(0, model.args.vocab_size, (cfg.training.local_batch_size, cfg.training.seq_len + 1))
         tracker = None
 
