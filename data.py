@@ -330,11 +330,13 @@ class PackedStream:
     def load_state_dict(self, sd):
         for r, rsd in zip(self.readers, sd["readers"]):
             r.load_state_dict(rsd)
-        self.positions = [dict(p) for p in sd["readers"]]
-        self.counts = list(sd["counts"])
+        # a source appended at a resume (for a phase to come) starts at its beginning, unread
+        new = len(self.readers) - len(sd["readers"])
+        self.positions = [dict(p) for p in sd["readers"]] + self.positions[len(sd["readers"]):]
+        self.counts = list(sd["counts"]) + [0] * new
         # checkpoints from before phases hold one mixture, counted from step 0
         self.phase = sd.get("phase", 0)
-        self.phase_counts = list(sd.get("phase_counts", sd["counts"]))
+        self.phase_counts = list(sd.get("phase_counts", sd["counts"])) + [0] * new
         self.cur = sd["cur"]
         self.offset = sd["offset"]
         self.cur_state = sd["cur_state"]

@@ -329,6 +329,11 @@ def validate(cfg: Config, world_size: int, gpu: bool | None = None) -> dict:
     grad_accum = gbs // (t.local_batch_size * dp)  # micro-batches per optimizer step
     plan = phases.plan(cfg.phases, training=t, sources=cfg.data.sources, dp=dp, streams=streams, tp=tp,
                        max_seq_len=args.max_seq_len, global_batch_size=gbs)
+    for stage in plan.stages[1:]:  # float8's rule on the tokens of a micro-batch, each phase's
+        try:
+            float8.check(cfg.float8, cfg.model.converters, dataclasses.replace(t, seq_len=stage.seq_len), gpu)
+        except ConfigError as e:
+            raise ConfigError(f"phases: phase {stage.index}: {e}")
     # steps between rounds (RunClock's ETA counts the rounds still due), 0: none
     rounds = {"validation": v.freq if v.enable else 0, "eval": cfg.eval.freq if cfg.eval.enable else 0,
               "checkpoint": cfg.checkpoint.interval if cfg.checkpoint.enable else 0}
@@ -337,13 +342,13 @@ def validate(cfg: Config, world_size: int, gpu: bool | None = None) -> dict:
 
 
 def resume_keys(cfg: Config, args, sizes: dict, manifest: dict) -> dict:
-    """What a resume must keep (pretrain/checkpoint.py's run_keys): the config's resume keys, and
+    """What a resume must keep (pretrain/resume_keys.py's run_keys): the config's resume keys, and
     the values its layout chose, so that a run may resume on more or fewer GPUs with the same
     global batch and streams."""
     chosen = {"model.n_layers": args.n_layers, "training.global_batch_size": sizes["global_batch_size"],
-              "data.num_streams": sizes["num_streams"], "data.sources_sha256": manifest_sha256(manifest),
-              "data.source_sha256s": source_sha256s(manifest, cfg.data.sources),
-              "phases": sizes["phases"].keys()}
+              "data.num_streams": sizes["num_streams"], "phases": sizes["phases"].keys(),
+              "data.sources_sha256": manifest_sha256(manifest, cfg.data.sources),
+              "data.source_sha256s": source_sha256s(manifest, cfg.data.sources)}
     return run_keys(dataclasses.asdict(cfg), cfg.model.tokenizer_path, chosen)
 
 
@@ -540,13 +545,19 @@ def read_step(loader: DataLoader, phase: phases.Stage, args, device) -> tuple:
     return batches, data_error, seconds
 
 
-def begin_phase(phase: phases.Stage, plan: phases.Plan, loader: DataLoader, model, announce: bool) -> float:
-    """From this step on, `phase`'s windows and mixture (the batch is read_step's), and its line
-    (announce: the run has [[phases]]). Returns its forward and backward FLOPs a token, for MFU."""
+def begin_phase(plan: phases.Plan, step: int, *, loader: DataLoader, guard: SpikeGuard, model,
+                announce: bool) -> tuple:
+    """(phase, its forward and backward FLOPs a token, for MFU) of `step`: from here its windows and
+    mixture (the batch is read_step's), and its line (announce: the run has [[phases]]). At a later
+    phase's first step the spike window starts afresh: the loss of another batch, sequence or
+    mixture is a new level, not a spike."""
+    phase = plan.at(step)
     loader.set_phase(phase.index, phase.seq_len, phase.weights)
+    if step == phase.first_step > 1:
+        guard.restart_window()
     if announce:
         logger.info(plan.describe(phase))
-    return flops_per_token(model, phase.seq_len)
+    return phase, flops_per_token(model, phase.seq_len)
 
 
 def count_valid_tokens(batches: list, dp_group) -> torch.Tensor:
@@ -698,8 +709,8 @@ def main(cfg: Config):
             sums.reset()  # the next log line covers the steps trained from here on
         step += 1
         if phase is not plan.at(step):  # the first step, or a phase's first: its batch, sequence, mixture
-            phase = plan.at(step)
-            flops = begin_phase(phase, plan, loader, model, announce=bool(cfg.phases))
+            phase, flops = begin_phase(plan, step, loader=loader, guard=guard, model=model,
+                                       announce=bool(cfg.phases))
         optimizer.zero_grad(set_to_none=True)
         # Every micro-batch first: the loss divides by the positions it counts in the global batch.
         batches, data_error, data_seconds = read_step(loader, phase, model.args, device)

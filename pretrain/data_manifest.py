@@ -78,11 +78,11 @@ def make_manifest(sources, validation=(), timeout: float = HUB_TIMEOUT,
     return {"version": 1, "data": data, "validation": held_out}
 
 
-def manifest_sha256(manifest: dict) -> str:
-    """The run's training data, as a resume key: the sha256 of the canonical JSON (not the layout)
-    of the manifest's training sources. Validation sources are left out: a resume may add or drop
-    one."""
-    data = {"version": manifest["version"], "data": manifest["data"]}
+def manifest_sha256(manifest: dict, sources=None) -> str:
+    """A resume key: the sha256 of the canonical JSON of the manifest's training sources (`sources`'
+    in order if given: a source a refused resume pinned changes nothing; validation ones never)."""
+    entries = manifest["data"] if sources is None else [manifest_entry(manifest, s, "data") for s in sources]
+    data = {"version": manifest["version"], "data": entries}
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 

@@ -42,6 +42,7 @@ def changes(saved: dict, keys: dict, step: int) -> list:
     begun may change (phases.changed_past)."""
     if "data.source_sha256s" in saved:  # each source's files are checked: the manifest may grow
         saved = {k: v for k, v in saved.items() if k != "data.sources_sha256"}
+    saved = {"phases": [], **saved}  # a checkpoint from before [[phases]] had none
     out = []
     for k, old in saved.items():
         new = keys.get(k, old)

@@ -75,6 +75,11 @@ class SpikeGuard:
         self.step_values = self.thresholds = None  # set by the latest check, read only if it skips
         self.reason = ""  # why the latest step was skipped
 
+    def restart_window(self):
+        """The window fills afresh (train.begin_phase: a phase's first step is a new loss level)."""
+        self.values.zero_()
+        self.kept = 0
+
     def check(self, shares: list, grad_norm: torch.Tensor, group) -> torch.Tensor:
         """(2,) int on the device: [not finite, spike] for this step. shares: this rank's loss shares
         of the step (one per micro-batch); their sum over the dp ranks (`group`; None: this process

@@ -5,6 +5,7 @@ One 3-phase run is the reference: phase 0 is the debug config (global batch 8 of
 step 4 doubles the batch and the sequence, phase 2 from the step at 7,000 tokens (step 7) upsamples FineMath
 and anneals."""
 
+import dataclasses
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -347,3 +349,75 @@ def test_a_run_without_phases_logs_the_losses_it_did_before_them(tmp_path):
     shutil.copytree(tmp_path / "old", tmp_path / "resumed", ignore=shutil.ignore_patterns("step-4", "metrics.jsonl"))
     out = run(plain, tmp_path / "resumed", *args, nproc=1)
     assert "at step 2" in out and {s: r["loss"] for s, r in records(tmp_path / "resumed").items()} == {3: old[3], 4: old[4]}
+
+
+def test_a_phases_micro_batch_keeps_float8s_rule():
+    """float8 matmuls on a GPU take a multiple of 16 tokens a micro-batch: in each phase, not only the first."""
+    cfg = train.load_config(["--config", DEBUG, "--model.converters", "float8", "--training.mixed_precision_param",
+                             "bfloat16"])
+    cfg.phases[0].seq_len = 509  # 8 x 509 tokens
+    with pytest.raises(ConfigError, match=r"^phases: phase 1: training.local_batch_size x seq_len = 4072 tokens"):
+        train.validate(cfg, 1, gpu=True)
+
+
+def test_a_source_appended_at_a_resume_starts_unread_and_changes_nothing_before_its_phase(tok, sources):
+    """A loader of three sources, saved; resumed with a fourth appended at weight 0: the same batches, until a
+    phase weights it."""
+    three, four = sources[:3], [dataclasses.replace(s) for s in sources]
+    four[3].weight = 0.0
+    reference = DataLoader(three, tok, 64, 4, 0, 1, num_streams=1)
+    for _ in range(5):
+        next(reference)
+    state = {s: json.loads(json.dumps(sd)) for s, sd in reference.state_dict().items()}
+    expected = [next(reference)[0] for _ in range(10)]
+    resumed = DataLoader(four, tok, 64, 4, 0, 1, num_streams=1)
+    resumed.load_state_dict(state)
+    resumed.check()  # the new source is opened too
+    assert all(a.equal(next(resumed)[0]) for a in expected) and resumed.source_tokens()["finemath"] == 0
+    resumed.set_phase(1, 64, [1, 0, 0, 1])
+    for _ in range(20):
+        next(resumed)
+    assert resumed.source_tokens()["finemath"] > 0
+
+
+def test_the_manifests_sha256_covers_the_configured_sources_only(tmp_path, sources):
+    from pretrain import data_manifest
+    manifest = data_manifest.make_manifest(sources[:3])
+    before = data_manifest.manifest_sha256(manifest, sources[:3])
+    assert before == data_manifest.manifest_sha256(manifest)  # as checkpoints before [[phases]] hold it
+    manifest["data"] += data_manifest.make_manifest(sources[3:])["data"]  # pinned by a resume, then refused
+    assert data_manifest.manifest_sha256(manifest, sources[:3]) == before
+
+
+def test_the_spike_window_restarts_at_a_phases_first_step_only(tmp_path):
+    from pretrain import spikes
+    cfg = load(config(tmp_path, RAMP))
+    plan = train.validate(cfg, 1)["phases"]
+    with torch.device("meta"):
+        model = train.Transformer(train.flavor_args(cfg))
+
+    class Loader:
+        def set_phase(self, *args):
+            pass
+
+    guard = spikes.SpikeGuard(spikes.Spikes(window=8), "cpu")
+    for step in (1, 2, 3, 4, 5):  # a run's first step; phase 1's first; a resume inside phase 1
+        guard.kept = 6
+        phase, flops = train.begin_phase(plan, step, loader=Loader(), guard=guard, model=model, announce=False)
+        assert (phase.index, guard.kept) == ((0, 6) if step < 4 else (1, 0 if step == 4 else 6)), step
+        assert flops == train.flops_per_token(model, 64 if step < 4 else 128)
+
+
+@pytest.mark.slow
+def test_a_source_appended_at_a_resume_is_pinned_then_and_read_by_the_phase_that_weights_it(phased, tmp_path):
+    _, reference, _ = phased
+    dump = resumed_from(reference, tmp_path, 6)
+    held = '\n[[data.sources]]\nname = "c4_more"\npath = "assets/data/c4"\ndata_files = "en/c4-validation.*.json.gz"\nweight = 0\n'
+    text = without_phases(open(DEBUG).read()).replace("\n# Held-out data", held + "\n# Held-out data", 1)
+    (tmp_path / "more.toml").write_text(text + RAMP + ANNEAL.replace("finemath = 0.7", "finemath = 0.7, c4_more = 0.5"))
+    out = run(str(tmp_path / "more.toml"), dump)
+    assert "resumed from" in out and "training source(s) c4_more pinned now" in out, out[-2000:]
+    got = records(dump)
+    assert got[6]["source_tokens"] == records(reference)[6]["source_tokens"]  # the steps before: as they were
+    assert got[9]["source_tokens"]["c4_more"] > 0 and "c4_more" not in got[6]["source_tokens"]
+    assert [e["name"] for e in json.load(open(dump / "data_manifest.json"))["data"]][-1] == "c4_more"
