@@ -113,13 +113,19 @@ def layouts(tmp_path_factory):
     return dumps
 
 
+# TP's sums under torch 2.11 drift from one process's by more than 1e-5 over 20 steps whatever the optimizer
+# (AdamW's losses by 1.3e-4 relative, Muon's by 2.2e-5; 2026-11-29); under 2.13 and 2.15, by under 1e-6 (Muon's).
+TP_BOUND = 1e-5 if tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 13) else 1e-4
+
+
 @pytest.mark.slow
 def test_one_process_fsdp_tp_and_hsdp_train_alike(layouts):
     one = losses(layouts["one"])
     assert len(one) == 20 and one[20] < one[1] - 0.5  # (the debug config's lr, 3e-3, is AdamW's: low for Muon)
     for name in ("fsdp", "tp", "hsdp"):
         got = losses(layouts[name])
-        assert all(abs(got[s] - one[s]) <= 1e-5 * one[s] for s in one), (name, got, one)
+        bound = TP_BOUND if name == "tp" else 1e-5
+        assert all(abs(got[s] - one[s]) <= bound * one[s] for s in one), (name, got, one)
 
 
 @pytest.mark.slow
