@@ -113,8 +113,8 @@ def layouts(tmp_path_factory):
     return dumps
 
 
-# TP's sums under torch 2.11 drift from one process's by more than 1e-5 over 20 steps whatever the optimizer
-# (AdamW's losses by 1.3e-4 relative, Muon's by 2.2e-5; 2026-11-29); under 2.13 and 2.15, by under 1e-6 (Muon's).
+# TP's sums under torch 2.11 drift from one process's by more than 1e-5 over 20 steps whatever the optimizer, AdamW
+# too (docs/performance.md#muon-against-adamw-on-a-cpu has the figures); under 2.13 and 2.15 Muon's stay within it.
 TP_BOUND = 1e-5 if tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 13) else 1e-4
 
 
