@@ -3,10 +3,10 @@
     python -m pytest -m gpu            # on a node with CUDA: a few minutes on one GPU, 2 processes when there are 2
 
 bf16 mixed precision, per-block compile, selective and full activation checkpointing, async checkpoints and a
-bitwise-exact resume, fused AdamW, and checkpoint_convert.py dcp2hf logits against transformers on the device.
-The cuda cases are marked `gpu` and skip without CUDA (conftest.DEVICES). The runs are tiny (the SMALL shape:
-2 of the debug model's blocks, sequences of 64 tokens; 4 steps) and shared between tests: three train.py runs
-per device.
+bitwise-exact resume, fused AdamW, Muon with phases (a new batch and sequence length under compile, then an anneal),
+and checkpoint_convert.py dcp2hf logits against transformers on the device. The cuda cases are marked `gpu` and
+skip without CUDA (conftest.DEVICES). The runs are tiny (the SMALL shape: 2 of the debug model's blocks, sequences
+of 64 tokens; 4-6 steps) and shared between tests: five train.py runs per device.
 """
 
 import json
@@ -20,6 +20,7 @@ import torch
 
 from conftest import DEVICES, ROOT, SMALL
 from test_convert import convert, read_dcp_model
+from test_phases import config as phased_config
 
 BASE = ["--config", "configs/debug_model.toml", *SMALL, "--training.local_batch_size", "2",
         "--metrics.log_freq", "1", "--validation.enable", "false", "--training.deterministic"]
@@ -28,6 +29,20 @@ BASE = ["--config", "configs/debug_model.toml", *SMALL, "--training.local_batch_
 MAIN = [*BASE, "--training.steps", "4", "--training.mixed_precision_param", "bfloat16", "--compile.enable",
         "--activation_checkpoint.mode", "selective", "--checkpoint.enable", "--checkpoint.async_mode", "async",
         "--checkpoint.interval", "2"]
+# The same run with Muon and two phases: from step 3 a batch of 4 (grad accumulation 2 on one device) of 128 tokens,
+# which compile meets as a new shape, and from step 5 an anneal that upsamples FineMath. Saves at 2, 4 and 6.
+PHASES = """
+[[phases]]
+start_step = 3
+global_batch_size = 4
+seq_len = 128
+
+[[phases]]
+start_step = 5
+weights = { finemath = 0.7 }
+anneal = true
+"""
+MUON = [*MAIN[2:], "--training.steps", "6", "--optimizer.name", "Muon"]  # MAIN without its --config
 
 
 def nproc(device: str) -> int:
@@ -57,20 +72,27 @@ def records(dump) -> list:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """runs(device) -> {name: (dump, output)}, each run once per device: `main` (MAIN), `resume` (a copy of
-    main's folder resumed from its step-2) and `fp32_full_ac` (float32, full AC, eager, 2 steps)."""
+    main's folder resumed from its step-2), `fp32_full_ac` (float32, full AC, eager, 2 steps), `muon` (MUON with
+    PHASES) and `muon_resume` (a copy of it resumed from its step-2, before both boundaries)."""
     done = {}
 
     def get(device):
         if device not in done:
             tmp = tmp_path_factory.mktemp(device)
+            muon_args = ["--config", phased_config(tmp, PHASES), *MUON]
             main, full = train(device, tmp / "main", *MAIN), train(device, tmp / "full", *BASE, "--training.steps", "2",
                                                                     "--training.mixed_precision_param", "float32",
                                                                     "--activation_checkpoint.mode", "full")
             main, full = output(main), output(full)  # side by side: on 2 CPU cores, 10-15 s less
+            muon = train(device, tmp / "muon", *muon_args)
             shutil.copytree(tmp / "main", tmp / "resume")
             resume = output(train(device, tmp / "resume", *MAIN, "--checkpoint.load_step", "2"))
+            muon = output(muon)
+            shutil.copytree(tmp / "muon", tmp / "muon_resume")
+            muon_resume = output(train(device, tmp / "muon_resume", *muon_args, "--checkpoint.load_step", "2"))
             done[device] = {"main": (tmp / "main", main), "resume": (tmp / "resume", resume),
-                            "fp32_full_ac": (tmp / "full", full)}
+                            "fp32_full_ac": (tmp / "full", full), "muon": (tmp / "muon", muon),
+                            "muon_resume": (tmp / "muon_resume", muon_resume)}
         return done[device]
     return get
 
@@ -106,6 +128,22 @@ def test_async_checkpoint_resume_is_bitwise_exact(device, runs):
     assert [r["step"] for r in rec] == [1, 2, 3, 4, 3, 4]  # the copy's four, then steps 3-4 again
     assert [r["loss"] for r in rec[4:]] == [r["loss"] for r in want[2:]]
     assert [r["grad_norm"] for r in rec[4:]] == [r["grad_norm"] for r in want[2:]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+def test_muon_with_phases_trains_compiled_and_resumes_bitwise_across_the_boundaries(device, runs):
+    (dump, out), (again, resumed) = runs(device)["muon"], runs(device)["muon_resume"]
+    rec = records(dump)
+    assert [r["phase"] for r in rec] == [0, 0, 1, 1, 2, 2]
+    n = 2 * nproc(device)  # phase 0's global batch: local 2 on each rank
+    assert [r["tokens_seen"] for r in rec] == [64 * n, 128 * n, *(128 * n + 512 * k for k in (1, 2, 3, 4))]
+    assert "phase 1 from step 3: global batch 4 x seq_len 128" in out and "the lr anneals linearly to 0" in out
+    assert all(0 < r["loss"] < 10 for r in rec) and rec[-1]["lr"] == 0.0
+    assert f"resumed from {again}/checkpoint/step-2 at step 2" in resumed, resumed[-3000:]
+    got = records(again)[6:]  # after the copy's six: steps 3-6 again, through both boundaries
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in got] == [(r["step"], r["loss"], r["grad_norm"])
+                                                                    for r in rec[2:]]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,5 +1,6 @@
 """optimizer.name = "Muon" (pretrain/muon.py): torch.optim.Muon's update on the blocks' matrices, AdamW on the rest,
-sharded as the weights are. CPU; the layout runs are 2 ranks (FSDP, TP, HSDP) and 1.
+sharded as the weights are. CPU; the layout runs are 2 ranks (FSDP, TP, HSDP) and 1. The one-process test has a CUDA
+twin (`pytest -m gpu`), as has a compiled bf16 Muon run with phases in test_gpu.py.
 
 Newton-Schulz in bf16 (torch's) turns a 1e-7 change in the gradients (another reduction order) into a 1e-3 change
 of the loss within 20 steps, so the runs compared across layouts take it in float32 ([muon] ns_dtype)."""
@@ -14,7 +15,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from conftest import SMALL, run_training  # noqa: E402
+from conftest import DEVICES, SMALL, run_training  # noqa: E402
 import train  # noqa: E402
 from pretrain.config import ConfigError  # noqa: E402
 from pretrain.muon import is_matrix, orthogonalize  # noqa: E402
@@ -23,17 +24,19 @@ DEBUG = os.path.join(ROOT, "configs", "debug_model.toml")
 MUON = ("--optimizer.name", "Muon", "--phases", "none")
 
 
-def test_one_process_is_torchs_muon_and_adamw_on_the_same_groups():
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_process_is_torchs_muon_and_adamw_on_the_same_groups(device):
     """10 steps of the 2-block debug model: ours against torch.optim.Muon on the blocks' matrices plus fused
-    torch.optim.AdamW on the rest, bf16 Newton-Schulz as torch's; the weights agree to fp32 rounding."""
+    torch.optim.AdamW on the rest, bf16 Newton-Schulz as torch's; the weights agree to fp32 rounding. Both take
+    the gradients of our model's weights: a GPU's backward need not repeat itself to the bit."""
     cfg = train.load_config(["--config", DEBUG, *MUON, *SMALL, "--muon.adjust_lr", "match_rms_adamw"])
     torch.manual_seed(0)
     models = []
     for _ in range(2):
         model = train.Transformer(train.flavor_args(cfg))
         model.init_weights(normal_=train.layout_independent_normal(0))
-        models.append(model)
-    ours, _ = train.build_optimizer(models[0], cfg, torch.device("cpu"))
+        models.append(model.to(device))
+    ours, _ = train.build_optimizer(models[0], cfg, torch.device(device))
     lr = ours.param_groups[0]["lr"]  # the schedule's first step (its scheduler is not stepped)
     named = list(models[1].named_parameters())
     theirs = [torch.optim.Muon([q for n, q in named if is_matrix(n, q)], lr=lr, weight_decay=0.1, momentum=0.95,
@@ -42,13 +45,14 @@ def test_one_process_is_torchs_muon_and_adamw_on_the_same_groups():
                                 weight_decay=0.1, fused=True)]
     assert sum(len(g["params"]) for g in ours.param_groups) == len(named) == 2 + 2 * 9 + 1
     for step in range(10):
-        tokens = torch.randint(0, 2048, (4, 65), generator=torch.Generator().manual_seed(step))
-        for model, optimizers in ((models[0], [ours]), (models[1], theirs)):
-            loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-            loss.backward()
-            for optimizer in optimizers:
-                optimizer.step()
-                optimizer.zero_grad()
+        tokens = torch.randint(0, 2048, (4, 65), generator=torch.Generator().manual_seed(step)).to(device)
+        logits = models[0](tokens[:, :-1]).flatten(0, 1)
+        torch.nn.functional.cross_entropy(logits, tokens[:, 1:].flatten()).backward()
+        for p, q in zip(models[0].parameters(), models[1].parameters()):
+            q.grad = p.grad.clone()
+        for optimizer in (ours, *theirs):
+            optimizer.step()
+            optimizer.zero_grad()
         for (name, a), (_, b) in zip(models[0].named_parameters(), named):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"step {step + 1}: {name}")
 
