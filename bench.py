@@ -302,16 +302,20 @@ GPU_SHARED = ["--activation_checkpoint.mode", "selective", "--data.num_streams",
               "--optimizer.lr", "3e-4"]
 # --device cpu: a pretend device, so the estimate picks the blocks as it does on a GPU
 CPU_CAPACITY = 80 * 2**20
-# Seconds a step needs (the first H100 run's, docs/performance.md#one-h100, with room): a step is
-# skipped where the budget left is less, and stopped at the budget's end or, on a GPU, twice this.
-STEP_SECONDS = {"cuda": {"self-test": 120, "1B": 40, "8B": 80},
-                "cpu": {"self-test": 60, "1B": 30, "8B": 30}}
+# Seconds a step needs (the first H100 run's, docs/performance.md#one-h100, with room; the self-test's
+# two compiled Muon runs and 8B-full-ac are guesses): a step is skipped where the budget left is less,
+# and stopped at the budget's end or, on a GPU, twice this.
+STEP_SECONDS = {"cuda": {"self-test": 150, "1B": 40, "8B": 80, "8B-lean": 120},
+                "cpu": {"self-test": 60, "1B": 30, "8B": 30, "8B-lean": 30}}
+# The leanest layout one GPU trains: bf16 optimizer states and full AC (all of 8B's blocks fit an H200)
+LEAN = ["--optimizer.state_dtype", "bfloat16", "--activation_checkpoint.mode", "full"]
 
 
-def gpu_plan(shape: dict, blocks: int) -> list:
+def gpu_plan(shape: dict, blocks: int, lean_blocks: int) -> list:
     """(name, kind, train.py flags) of each step after the self-test: the 1B flavor, then the 8B
     width with `blocks` blocks: bf16, float8 rowwise (torchao's small layers in bf16), tensorwise
-    (its settings are FSDP's, and one GPU does not shard), block-causal attention and Muon."""
+    (its settings are FSDP's, and one GPU does not shard), block-causal attention and Muon; last,
+    LEAN with `lean_blocks` blocks."""
     wide = ["--model.flavor", shape["wide"], "--model.n_layers", str(blocks)]
     float8 = [*wide, "--model.converters", "float8", "--float8.recipe_name"]
     small = ["--float8.filter_fqns", "output,auto_filter_small_kn"]  # torchao's table of sizes
@@ -321,7 +325,8 @@ def gpu_plan(shape: dict, blocks: int) -> list:
             ("8B-wide-float8-rowwise", "8B", [*float8, "rowwise", *small]),
             ("8B-wide-float8-tensorwise", "8B", [*float8, "tensorwise"]),
             ("8B-wide-block-causal", "8B", [*wide, "--model.attn_mask_type", "block_causal"]),
-            ("8B-wide-muon", "8B", [*wide, "--optimizer.name", "Muon"])]  # its step beside AdamW's (8B-wide)
+            ("8B-wide-muon", "8B", [*wide, "--optimizer.name", "Muon"]),  # its step beside AdamW's (8B-wide)
+            ("8B-full-ac", "8B-lean", ["--model.flavor", shape["wide"], "--model.n_layers", str(lean_blocks), *LEAN])]
 
 
 def device_memory(device: str) -> tuple:
@@ -360,7 +365,7 @@ def blocks_that_fit(extra: list, capacity: int) -> int:
 
 def describe(cfg, model) -> str:
     """A run, for its summary row: shape, vocabulary, tokens per step, precision, compile, AC,
-    float8, an optimizer other than AdamW, mask."""
+    float8, an optimizer other than AdamW, bf16 optimizer states, mask."""
     t = cfg.training
     a = model.args
     what = [f"{cfg.model.flavor} width, {a.n_layers} blocks", f"vocab {a.vocab_size:,}",
@@ -371,6 +376,7 @@ def describe(cfg, model) -> str:
         auto = ", small layers bf16" if "auto_filter_small_kn" in cfg.float8.filter_fqns else ""
         what.append(f"float8 {cfg.float8.recipe_name}{auto}")
     what += [cfg.optimizer.name] if cfg.optimizer.name != "AdamW" else []
+    what += ["bf16 optimizer states"] if cfg.optimizer.state_dtype == "bfloat16" else []
     return ", ".join([*what, a.attn_mask_type])
 
 
@@ -427,7 +433,7 @@ def gpu(args, extra):
     config = [] if "--config" in extra else ["--config", "configs/debug_model.toml"]  # offline data
     shared = [*config, *shape["flags"], *GPU_SHARED, *meta_vocabulary(extra, args.device), *extra]
     blocks = blocks_that_fit([*shared, "--model.flavor", shape["wide"]], capacity)
-    plan = gpu_plan(shape, blocks)
+    plan = gpu_plan(shape, blocks, blocks_that_fit([*shared, "--model.flavor", shape["wide"], *LEAN], capacity))
     steps = [step for step, _, _ in plan]
     if set(args.only or []) - set(steps):
         fail(f"--only {','.join(args.only)}: the steps are {', '.join(steps)}")
@@ -574,7 +580,7 @@ def main(argv: list):
                              help="where summary.md (a row per step, written as it ends) and each step's log go")
     jobs["gpu"].add_argument("--only", type=lambda v: v.split(","), metavar="STEP,...",
                              help="run only these steps: self-test, 1B, 8B-wide, 8B-wide-float8-rowwise, "
-                                  "8B-wide-float8-tensorwise, 8B-wide-block-causal")
+                                  "8B-wide-float8-tensorwise, 8B-wide-block-causal, 8B-wide-muon, 8B-full-ac")
     jobs["profile"].add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="where it runs")
     jobs["profile"].add_argument("--warmup", type=int, default=10, help="steps before the profiled ones")
     jobs["profile"].add_argument("--active", type=int, default=3, help="steps profiled")

@@ -29,9 +29,9 @@ import train
 from model import Transformer
 from pretrain import checkpoint_folder
 from pretrain import data_check
+from pretrain import device_check
 from pretrain import distributed
 from pretrain import dryrun
-from pretrain import measure
 from pretrain import memory
 from pretrain import sources
 from pretrain.metrics import peak_tflops
@@ -66,7 +66,7 @@ def rank_checks(cfg, device, rank: int, token: str) -> dict:
     # GPUs that torch does not see: a CPU-only torch build in the VENV (unless the job hid them)
     hidden = not gpu and smi and os.environ.get("CUDA_VISIBLE_DEVICES") != ""
     r = {"node": node, "device": name, "versions": (torch.__version__, runtime, nccl),
-         "hidden_gpus": hidden, "tflops": measure.matmul_tflops(device, rank), "dump": "", "free": None}
+         "hidden_gpus": hidden, "tflops": device_check.matmul_tflops(device, rank), "dump": "", "free": None}
     try:
         with open(cfg.model.tokenizer_path, "rb") as f:
             r["tokenizer"] = hashlib.sha256(f.read()).hexdigest()
@@ -155,8 +155,8 @@ def check(args, extra):
     groups = node_groups(nodes, cfg.comm.init_timeout_seconds)
     intra = None  # one rank on this node: nothing to measure within it
     if len(mine) > 1:
-        intra = measure.bus_bandwidth(groups[r["node"]], device, sizes_b)
-    inter = measure.bus_bandwidth(None, device, sizes_b) if len(nodes) > 1 else None
+        intra = device_check.bus_bandwidth(groups[r["node"]], device, sizes_b)
+    inter = device_check.bus_bandwidth(None, device, sizes_b) if len(nodes) > 1 else None
     for x, measured in zip(ranks, gather(intra)):
         x["intra"] = measured
     code = [0]  # the exit code, rank 0's for every rank

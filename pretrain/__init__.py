@@ -27,8 +27,8 @@ makes it), dryrun (which hands it to the trainer's own functions) and titan_run 
     layout             an init identical on every layout; parameters the TP plan leaves out
     optimizers         optimizers beside torch's (AdamW with bf16 moments) and their config rules
     memory             memory per device: estimated from the layout, or counted live
-    measure            how bench.py and preflight.py measure: timed commands, side by side, steady
-                       rates, profiles; matmul speed and bus bandwidth
+    measure            how bench.py measures: timed commands, side by side, steady rates, profiles
+    device_check       preflight.py check's measurements of each node: matmul speed, bus bandwidth
     float8             torchao float8: the config rules, conversion, TP styles
     evals              held-out loss; downstream tasks scored as lm-evaluation-harness does
     dryrun             preflight.py dryrun: the trainer it is handed, set up and two steps at the

@@ -1,9 +1,9 @@
-"""How bench.py and preflight.py measure, apart from what they measure: a command within a time
-limit, two runs in turn with medians and the load beside them, the steady-state rate of a training log, and where a
+"""How bench.py measures, apart from what it measures: a command within a time limit, two runs in
+turn with medians and the load beside them, the steady-state rate of a training log, and where a
 step's time goes (torch.profiler over chosen steps of any loop that steps a torch optimizer, its
-Chrome trace, and a report of that trace: on a GPU the kernels that take the time, how busy the
-device was, its longest idle gaps and the caching allocator's retries; on a CPU the ops); and, for
-preflight.py, a device's matmul speed and the bus bandwidth of a process group, as nccl-tests counts it.
+Chrome trace, and a report of that trace: the loop's host sync; on a GPU the kernels that take the
+time, how busy the device was, its longest idle gaps and the caching allocator's retries; on a CPU
+the ops). preflight.py's measurements of a node are pretrain/device_check.py's.
 """
 
 import gzip
@@ -15,12 +15,9 @@ import signal
 import statistics
 import subprocess
 import tempfile
-import time
 from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
-# FOR TESTS ONLY: that rank sleeps inside preflight.py's matmul timing (20x slower)
-SLOW_RANK = "PREFLIGHT_TEST_SLOW_RANK"
 
 
 def meta_tokenizer() -> str:
@@ -96,6 +93,38 @@ def device_timeline(kernels: list) -> tuple:
     return busy, span, sorted(gaps, reverse=True)
 
 
+def idle_at(kernels: list, t: float) -> float:
+    """How long the device sat idle around time t: from the last kernel to end before t to the first
+    to start after it; 0 where a kernel ran at t or none is on one side."""
+    before = [stop for _, stop, _ in kernels if stop < t]
+    after = [start for start, _, _ in kernels if start > t]
+    if any(start <= t <= stop for start, stop, _ in kernels) or not before or not after:
+        return 0
+    return min(after) - max(before)
+
+
+# The loop's one host sync, a range of its own in a trace (pretrain/agreement.py)
+AGREEMENT = "StepAgreement.on_step"
+
+
+def agreement_cost(events: list, kernels: list, active: int) -> str:
+    """A line on the loop's host sync: its time on the host a step and, on a GPU, the device's idle
+    time around its end (the sync drained the device's queue; the device waits there for the host to
+    launch optimizer.step()), each also as a share of a step."""
+    ranges = [(e["ts"], e["ts"] + e["dur"]) for e in events
+              if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e["name"] == AGREEMENT]
+    steps = [e["dur"] for e in events
+             if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
+    if not ranges or not steps:
+        return f"No `{AGREEMENT}` range in the profiled steps."
+    step, host = sum(steps) / len(steps), sum(stop - start for start, stop in ranges) / active
+    line = f"The loop's host sync (`{AGREEMENT}`): {host / 1e3:.2f} ms a step on the host ({100 * host / step:.1f}%)"
+    if not kernels:
+        return line + "."
+    idle = sum(idle_at(kernels, stop) for _, stop in ranges) / active
+    return line + f"; the device idle around its end {idle / 1e3:.2f} ms a step ({100 * idle / step:.2f}%)."
+
+
 def profile_steps(run: Callable, warmup: int, active: int, cuda: bool, trace: str) -> tuple:
     """Calls run() with torch.profiler recording steps warmup + 1 .. warmup + active, a step ending
     at each optimizer step (so the loop needs no hook of its own), and writes the Chrome trace,
@@ -121,16 +150,18 @@ def profile_steps(run: Callable, warmup: int, active: int, cuda: bool, trace: st
 
 
 def report(events: list, ops, active: int, top: int) -> list:
-    """Markdown lines: on a GPU the device's busy share, its longest idle gaps, the allocator's
-    retries and the `top` kernels by time; on a CPU (no kernels) the `top` ops by their own time."""
+    """Markdown lines: the loop's host sync; on a GPU the device's busy share, its longest idle gaps,
+    the allocator's retries and the `top` kernels by time; on a CPU (no kernels) the `top` ops by
+    their own time."""
     # The device's rows as Perfetto draws them: kernels, copies, memsets. Not the annotations the
     # profiler mirrors onto the GPU's row: they span whole steps.
     kernels = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not kernels:
-        return [ops.table(sort_by="self_cpu_time_total", row_limit=top)]
+        return [agreement_cost(events, kernels, active), "", ops.table(sort_by="self_cpu_time_total", row_limit=top)]
     busy, span, gaps = device_timeline(kernels)
-    lines = [f"Device busy {100 * busy / span:.1f}% of {span / 1e3:,.1f} ms "
+    lines = [agreement_cost(events, kernels, active), "",
+             f"Device busy {100 * busy / span:.1f}% of {span / 1e3:,.1f} ms "
              f"({span / 1e3 / active:,.1f} ms a step); the longest idle gaps:"]
     lines += [f"- {gap / 1e3:.2f} ms, after `{a[:70]}`, before `{b[:70]}`" for gap, a, b in gaps[:8]]
     # A retry frees the allocator's cache and waits for the device: the idle gaps of a full GPU
@@ -146,53 +177,3 @@ def report(events: list, ops, active: int, top: int) -> list:
     for name, (calls, us) in sorted(total.items(), key=lambda kv: -kv[1][1])[:top]:
         lines.append(f"| `{name[:100]}` | {calls} | {us / 1e3 / active:.2f} | {100 * us / busy:.1f}% |")
     return lines
-
-
-def matmul_tflops(device, rank: int) -> float:
-    """A dense matmul's TFLOP/s, the fastest of the runs in half a second (8 at least) after 2
-    warm-ups: a busy neighbour only ever slows a run down, so the fastest is the device's own
-    speed. bf16 8192^2 on GPU, fp32 512^2 on CPU."""
-    import torch
-    gpu = device.type == "cuda"
-    n, dtype = (8192, torch.bfloat16) if gpu else (512, torch.float32)
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))  # the operands
-    times = []  # seconds of each run
-    start = time.perf_counter()
-    while len(times) < 10 or time.perf_counter() - start < 0.5:
-        t0 = time.perf_counter()
-        a @ b
-        if gpu:
-            torch.cuda.synchronize()
-        if os.environ.get(SLOW_RANK) == str(rank):
-            time.sleep(19 * (time.perf_counter() - t0))
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / min(times[2:]) / 1e12
-
-
-def bus_bandwidth(group, device, sizes) -> dict:
-    """{op: [GB/s per size]} as nccl-tests computes it from the slowest rank's time: algbw = bytes
-    of the result / time; all-reduce busbw = algbw x 2(n-1)/n, all-gather busbw = algbw x
-    (n-1)/n."""
-    import torch
-    import torch.distributed as dist
-    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the newer name first
-    n = dist.get_world_size(group)
-    out = {}
-    for size in sizes:
-        part = torch.ones(size // 4 // n, device=device)
-        full = torch.ones(len(part) * n, device=device)  # all-gather's output: n parts
-        ops = (("all-reduce", lambda: dist.all_reduce(full, group=group), 2 * (n - 1) / n),
-               ("all-gather", lambda: gather(full, part, group=group), (n - 1) / n))
-        for op, run, factor in ops:
-            run()  # two warm-ups: connections, buffers
-            run()
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            for _ in range(5):
-                run()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = torch.tensor([time.perf_counter() - t0], device=device)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
-            out.setdefault(op, []).append(full.nbytes * 5 / dt.item() * factor / 1e9)
-    return out

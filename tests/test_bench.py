@@ -277,7 +277,7 @@ def summary_rows(folder) -> dict:
 
 
 STEPS = ["self-test", "1B", "8B-wide", "8B-wide-float8-rowwise", "8B-wide-float8-tensorwise", "8B-wide-block-causal",
-         "8B-wide-muon"]
+         "8B-wide-muon", "8B-full-ac"]
 
 
 def test_gpu_skips_what_no_longer_fits_the_budget_and_says_so(tmp_path, monkeypatch, capsys):
@@ -289,8 +289,9 @@ def test_gpu_skips_what_no_longer_fits_the_budget_and_says_so(tmp_path, monkeypa
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
     rows = summary_rows(tmp_path)
     assert list(rows) == STEPS
+    kinds = {step: kind for step, kind, _ in b.gpu_plan(b.GPU_SHAPES["cpu"], 3, 5)}
     for step, cells in rows.items():  # nothing ran: no log, a line that says why
-        need = b.STEP_SECONDS["cpu"]["self-test" if step == "self-test" else "8B" if "8B" in step else "1B"]
+        need = b.STEP_SECONDS["cpu"][kinds[step]]
         assert re.fullmatch(rf"skipped: [01] s of the 1 s budget left, it needs about {need} s", cells[0]), cells
         assert not os.path.exists(tmp_path / f"{step}.log")
     summary = (tmp_path / "summary.md").read_text()
@@ -298,7 +299,7 @@ def test_gpu_skips_what_no_longer_fits_the_budget_and_says_so(tmp_path, monkeypa
     assert "MFU counts attention in full (PaLM's, torchtitan's)." in summary  # the convention beside the figures
     debug = ["--config", "configs/debug_model.toml", *b.GPU_SHAPES["cpu"]["flags"], *b.GPU_SHARED]
     assert b.blocks_that_fit([*debug, "--model.n_layers", "2"], b.CPU_CAPACITY) == 2  # at most the user's count
-    assert summary.rstrip().endswith("of the 1 s budget.") and capsys.readouterr().out.count("skipped") == 7
+    assert summary.rstrip().endswith("of the 1 s budget.") and capsys.readouterr().out.count("skipped") == 8
     with pytest.raises(SystemExit) as e:
         b.main(["gpu", "--device", "cpu", "--only", "8B", "--out", str(tmp_path)])
     assert e.value.code == 2 and "--only 8B: the steps are self-test, 1B, 8B-wide, " in capsys.readouterr().err
@@ -316,11 +317,14 @@ def test_gpu_runs_every_step_end_to_end_on_the_cpu(tmp_path):
         what, tps, tflops, mfu, peak, allocated, estimate, seconds = rows[step]
         assert re.fullmatch(r"[\d,]+", tps) and mfu == "n/a" and allocated == "n/a", (step, rows[step])
         assert float(peak) > 0 and float(estimate) > 0 and int(seconds) >= 0
-        assert ("8B" not in step or f"{blocks} blocks" in what) and "vocab 2,048, seq 64 x 2, fp32, eager" in what
+        assert ("8B-wide" not in step or f"{blocks} blocks" in what) and "vocab 2,048, seq 64 x 2, fp32, eager" in what
         assert os.path.getsize(tmp_path / f"{step}.log") > 0
     assert "float8 rowwise, small layers bf16" in rows["8B-wide-float8-rowwise"][0]  # torchao's filter: its setting
     assert "block_causal" in rows["8B-wide-block-causal"][0] and "small" not in rows["8B-wide-float8-tensorwise"][0]
     assert "Muon" in rows["8B-wide-muon"][0] and "Muon" not in rows["8B-wide"][0]
+    # the most blocks that fit with bf16 optimizer states and full AC: 5 of the debug model's 6 (8B's 32 on an H200)
+    assert rows["8B-full-ac"][0].startswith("debugmodel width, 5 blocks,") and blocks == "3"
+    assert "AC full, bf16 optimizer states" in rows["8B-full-ac"][0] and "bf16 optimizer" not in rows["8B-wide"][0]
     assert re.search(r"\d+ skipped, \d+ deselected", (tmp_path / "self-test.log").read_text())  # no GPU: skipped
     assert "Vocabulary 2,048 words." in (tmp_path / "summary.md").read_text()  # the header names it
 
@@ -331,6 +335,22 @@ def test_device_timeline_counts_overlaps_once_and_finds_the_gaps():
     busy, span, gaps = measure.device_timeline(kernels)
     assert (busy, span) == (10 + 2 + 10 + 4, 35)
     assert gaps == [(8, "b", "c"), (1, "c", "d")]  # longest first, between the kernels that bound them
+
+
+def test_the_profile_counts_the_device_idle_around_the_loops_host_sync():
+    """The agreement's host sync drains the device's queue: the device then waits for the host to launch the
+    optimizer step. The report counts that gap, a step at a time, beside the host's time in the sync."""
+    from pretrain import measure
+    kernels = [(0, 100, "backward"), (140, 400, "optimizer"), (400, 900, "forward")]  # one step of 1,000 us
+    assert [measure.idle_at(kernels, t) for t in (50, 120, 400, 950)] == [0, 40, 0, 0]
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0, "dur": 1000},
+              {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#3", "ts": 0, "dur": 5},
+              {"ph": "X", "cat": "user_annotation", "name": "StepAgreement.on_step", "ts": 90, "dur": 30}]
+    line = measure.agreement_cost(events, kernels, active=1)
+    assert line == ("The loop's host sync (`StepAgreement.on_step`): 0.03 ms a step on the host (3.0%); "
+                    "the device idle around its end 0.04 ms a step (4.00%).")
+    assert measure.agreement_cost(events, [], active=1).endswith("0.03 ms a step on the host (3.0%).")
+    assert measure.agreement_cost(events[:2], kernels, 1) == "No `StepAgreement.on_step` range in the profiled steps."
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -348,6 +368,8 @@ def test_profile_says_where_the_steps_time_goes(device, tmp_path, monkeypatch, c
             "--active", "2", "--top", "5", "--out", str(tmp_path)])
     report = (tmp_path / "profile.md").read_text()
     assert report.startswith("# bench.py profile: steps 3-4") and report in capsys.readouterr().out
+    sync = r"The loop's host sync \(`StepAgreement.on_step`\): [\d.]+ ms a step on the host \([\d.]+%\)"
+    assert re.search(sync + ("; the device idle around its end [\d.]+ ms" if device == "cuda" else r"\.\n"), report)
     if device == "cuda":
         busy = float(re.search(r"Device busy ([\d.]+)% of [\d,.]+ ms", report).group(1))
         assert 0 < busy <= 100 and "Allocator: " in report and "| kernel | calls | ms a step |" in report

@@ -15,15 +15,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lines at most, from DESIGN.md's file tables.
 BUDGETS = {
     "train.py": 800, "model.py": 350, "data.py": 550, "checkpoint_convert.py": 490, "download_tokenizer.py": 80,
-    "download_data.py": 200, "preflight.py": 450, "bench.py": 615, "plot.py": 200,
+    "download_data.py": 200, "preflight.py": 450, "bench.py": 620, "plot.py": 200,
     "pretrain/config.py": 260, "pretrain/distributed.py": 200, "pretrain/sources.py": 300,
     "pretrain/data_manifest.py": 260, "pretrain/mirror.py": 150, "pretrain/data_check.py": 200,
     "pretrain/checkpoint.py": 290, "pretrain/checkpoint_folder.py": 265, "pretrain/titan_layout.py": 180,
-    "pretrain/hf_layout.py": 150, "pretrain/metrics.py": 230, "pretrain/memory.py": 240, "pretrain/measure.py": 200,
+    "pretrain/hf_layout.py": 150, "pretrain/metrics.py": 230, "pretrain/memory.py": 240, "pretrain/measure.py": 185,
     "pretrain/float8.py": 150, "pretrain/evals.py": 300, "pretrain/dryrun.py": 300, "pretrain/titan_run.py": 230,
     "pretrain/progress.py": 160, "pretrain/loss.py": 100, "pretrain/spikes.py": 205,
     "pretrain/faults.py": 120, "pretrain/startup.py": 100, "pretrain/optimizers.py": 250, "pretrain/agreement.py": 100, "pretrain/averaging.py": 120,
     "pretrain/phases.py": 200, "pretrain/muon.py": 250, "pretrain/resume_keys.py": 80, "pretrain/layout.py": 60, "pretrain/loader_workers.py": 160,
+    "pretrain/device_check.py": 80,
 }
 # checkpoint_convert.py: DESIGN.md's 400 was written before the converters' progress bars, torchtitan 0.3.0's names and
 # the `average` command (its checks; the streaming mean is pretrain/averaging.py) were.
@@ -37,8 +38,8 @@ BUDGETS = {
 # target (Saver.drop_after, remove: rename, then delete) and rank 0's changes to the folder were shared (on_rank0).
 # bench.py: DESIGN.md's 600 was written before bench.estimated handed memory.estimate_memory the config's sections by
 # name rather than the whole Config (issue 61).
-# pretrain/measure.py: DESIGN.md's 150 was written before preflight.py's device measurements (matmul speed,
-# bus bandwidth) joined bench.py's there.
+# pretrain/measure.py: DESIGN.md's 150 was written before a profile's report counted the device's idle time around
+# the loop's host sync (issue 65); preflight.py's device measurements, there for a while, are device_check.py's.
 # pretrain/titan_layout.py and titan_run.py: DESIGN.md's 150 was written for torchtitan 0.2.2 alone; 0.3.0 (issue 62)
 # names q, k, v and the output layer its own way, keeps fused q/k/v moments, and builds its model in a Python
 # config function, and 0.2.2 stays.
@@ -46,11 +47,13 @@ BUDGETS = {
 # listed in --help and left out by --phases none, and before [muon] ns_coefficients (issue 64) took a list of numbers. pretrain/data_manifest.py: DESIGN.md's 250 was written before a resume could append a
 # training source (a phase's), pinned then, and checked one sha256 per source.
 # pretrain/memory.py: DESIGN.md's 230 was written before Muon's state and its whole matrices in flight were counted
-# (issue 64); bench.py's 610 before its GPU run gained Muon's row; spikes.py's 200 before a phase's first step
+# (issue 64); bench.py's 610 before its GPU run gained Muon's row and the most of 8B's blocks one GPU holds
+# with bf16 optimizer states and full AC (issue 65); spikes.py's 200 before a phase's first step
 # restarted the spike window (issue 63).
 # pretrain/progress.py, loss.py, spikes.py, faults.py and startup.py are not in DESIGN.md's table yet; nor are
 # resume_keys.py (what a resume must keep, out of checkpoint.py), layout.py (the init and TP helpers that keep
-# the layout out of the math, out of train.py) and loader_workers.py (out of data.py), moved out with issue 63.
+# the layout out of the math, out of train.py) and loader_workers.py (out of data.py), moved out with issue 63,
+# nor device_check.py (preflight.py's measurements of a node, out of measure.py).
 ROOT_FILES = sorted(glob.glob(os.path.join(ROOT, "*.py")))  # what a user runs and forks
 PACKAGE = sorted(glob.glob(os.path.join(ROOT, "pretrain", "*.py")))
 # What a forker reads: the tests are written for their assertions, and are not counted here.
