@@ -484,7 +484,7 @@ def profile(args, extra):
     elif not torch.cuda.is_available():
         fail("--device cuda: no GPU visible (use --device cpu)")
     steps = args.warmup + args.active
-    run = [*extra, "--training.steps", str(steps), "--checkpoint.enable", "false",
+    run = [*meta_vocabulary(extra, args.device), *extra, "--training.steps", str(steps), "--checkpoint.enable", "false",
            "--validation.enable", "false"]
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as dump:

@@ -399,3 +399,22 @@ def test_gpu_runs_measure_metas_vocabulary(monkeypatch):
     shape = {"steps": 20, "warmup": 10, "wide": "8B"}
     header = "\n".join(b.summary_header("x", args, ["--config", "configs/debug_model.toml", *padded], shape, 1, 2**30))
     assert "Vocabulary 128,256 words padded from the bundled tokenizer's (Llama 3's step and memory, not its loss)." in header
+
+
+def test_a_gpu_profile_trains_metas_vocabulary(tmp_path, monkeypatch):
+    """bench.py profile on a GPU profiles the step users train, with 128,256 words, as the gpu, matrix and titan runs
+    do (here CUDA is pretended, and the profiled run only has its config taken)."""
+    import torch
+
+    import bench as b
+    import train
+    from pretrain import measure
+    profiled = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", ""))  # restored after
+    monkeypatch.setattr(measure, "profile_steps", lambda run, *_: profiled.append(run) or ([], None))
+    monkeypatch.setattr(measure, "report", lambda *_: [])
+    monkeypatch.setattr(train, "main", lambda cfg: cfg)
+    b.main(["profile", "--config", os.path.join(ROOT, "configs/debug_model.toml"), "--out", str(tmp_path)])
+    cfg = profiled[0]()  # the run profile_steps was handed: train.main(cfg)
+    assert cfg.model.tokenizer_path == measure.meta_tokenizer() != ""
