@@ -284,14 +284,14 @@ def test_a_stalled_listing_is_retried_and_ends_in_one_line_within_the_budget(hub
     HfFileSystem.clear_instance_cache()  # it keeps listings per thread, and thread ids are reused: list anew
     hub.faults, start, t0 = {"/tree/": ["stall"] * 1000}, len(hub.log), time.monotonic()
     with pytest.raises(DataError) as e:
-        within(15, data_manifest.resolve_source, src, 0.2, 3.0)
+        within(15, data_manifest.resolve_source, src, 0.2, 4.0)  # room for a second round of 1.3-2 s
     took, msg = time.monotonic() - t0, str(e.value)
     tries = len([r for r in hub.log[start:] if "/tree/" in r["path"]])  # huggingface_hub tries a page 6 times
     print(f"{tries} stalled requests, one line after {took:.1f} s: {msg}")
     # (took: under the budget give or take the last try, which is taken to last as long as the one before it)
-    assert took < 3.5 and tries >= 12 and "\n" not in msg
+    assert took < 4.5 and tries >= 12 and "\n" not in msg
     assert msg.startswith("data source 'c4': resolving the 'train' files of path='allenai/c4'")
-    assert "Timeout" in msg and "comm.init_timeout_seconds = 3 s" in msg and "raise it" in msg
+    assert "Timeout" in msg and "comm.init_timeout_seconds = 4 s" in msg and "raise it" in msg
 
 
 @pytest.mark.slow
