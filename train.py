@@ -455,16 +455,17 @@ def apply_ac(model: Transformer, mode: str, selective_ac_option: str):
     for i, block in enumerate(model.layers):
         if mode == "selective" and selective_ac_option == "op":
             context_fn = partial(create_selective_checkpoint_contexts, policy)
-            model.layers[i] = checkpoint_wrapper(block, context_fn=context_fn,
-                                                 preserve_rng_state=False)
+            model.layers[i] = checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
         elif mode == "full" or i % int(selective_ac_option) == 0:
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
 def apply_compile(model: Transformer):
-    """torch.compile each block: the blocks are alike, so one compiled graph serves them all."""
+    """torch.compile each block: the blocks are alike, so one compiled graph serves them all. Static shapes, a
+    graph each: by default a second size (a phase's) turns dynamic, and a resume past it would compile a static
+    graph where the run had a dynamic one, whose reductions a GPU may sum in another order (not bit for bit)."""
     for block in model.layers:
-        block.compile(fullgraph=True)  # in place, so parameter names stay Meta's
+        block.compile(fullgraph=True, dynamic=False)  # in place, so parameter names stay Meta's
 
 
 def apply_fsdp(model: Transformer, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype):

@@ -152,6 +152,27 @@ def test_compile_per_block(baseline, tmp_path):
         assert a == pytest.approx(b, rel=1e-4)  # fused kernels round differently, not much
 
 
+def test_each_shape_compiles_a_static_graph_of_its_own(monkeypatch):
+    """A phase's new sequence length gets a static graph, as a resume past the boundary would compile it; by default
+    the second length would make the sequence dimension dynamic, and the third would reuse that graph. (Dynamo's
+    graphs are counted by an eager backend in inductor's place: apply_compile's settings are kept.)"""
+    import torch
+    from torch._dynamo.testing import CompileCounter
+
+    import train
+    from model import Transformer
+    counter, compile_ = CompileCounter(), torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, **kw, backend=counter))
+    cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml"), "--model.n_layers", "1"])
+    model = Transformer(train.flavor_args(cfg))
+    train.apply_compile(model)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for seq_len in (16, 32, 24, 32):
+            model(torch.zeros(1, seq_len, dtype=torch.long))
+    assert counter.frame_count == 3
+
+
 @pytest.mark.slow
 def test_bf16_mixed_precision_stays_close_to_fp32(runs, baseline):
     records = runs["bf16"][2]
