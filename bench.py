@@ -317,6 +317,7 @@ def gpu_plan(shape: dict, blocks: int, lean_blocks: int) -> list:
     (its settings are FSDP's, and one GPU does not shard), block-causal attention and Muon; last,
     LEAN with `lean_blocks` blocks."""
     wide = ["--model.flavor", shape["wide"], "--model.n_layers", str(blocks)]
+    lean = ["--model.flavor", shape["wide"], "--model.n_layers", str(lean_blocks)]
     float8 = [*wide, "--model.converters", "float8", "--float8.recipe_name"]
     small = ["--float8.filter_fqns", "output,auto_filter_small_kn"]  # torchao's table of sizes
     return [("self-test", "self-test", []),
@@ -326,7 +327,7 @@ def gpu_plan(shape: dict, blocks: int, lean_blocks: int) -> list:
             ("8B-wide-float8-tensorwise", "8B", [*float8, "tensorwise"]),
             ("8B-wide-block-causal", "8B", [*wide, "--model.attn_mask_type", "block_causal"]),
             ("8B-wide-muon", "8B", [*wide, "--optimizer.name", "Muon"]),  # its step beside AdamW's (8B-wide)
-            ("8B-full-ac", "8B-lean", ["--model.flavor", shape["wide"], "--model.n_layers", str(lean_blocks), *LEAN])]
+            ("8B-full-ac", "8B-lean", [*lean, *LEAN])]
 
 
 def device_memory(device: str) -> tuple:
@@ -433,7 +434,8 @@ def gpu(args, extra):
     config = [] if "--config" in extra else ["--config", "configs/debug_model.toml"]  # offline data
     shared = [*config, *shape["flags"], *GPU_SHARED, *meta_vocabulary(extra, args.device), *extra]
     blocks = blocks_that_fit([*shared, "--model.flavor", shape["wide"]], capacity)
-    plan = gpu_plan(shape, blocks, blocks_that_fit([*shared, "--model.flavor", shape["wide"], *LEAN], capacity))
+    lean_blocks = blocks_that_fit([*shared, "--model.flavor", shape["wide"], *LEAN], capacity)
+    plan = gpu_plan(shape, blocks, lean_blocks)
     steps = [step for step, _, _ in plan]
     if set(args.only or []) - set(steps):
         fail(f"--only {','.join(args.only)}: the steps are {', '.join(steps)}")
@@ -484,7 +486,8 @@ def profile(args, extra):
     elif not torch.cuda.is_available():
         fail("--device cuda: no GPU visible (use --device cpu)")
     steps = args.warmup + args.active
-    run = [*meta_vocabulary(extra, args.device), *extra, "--training.steps", str(steps), "--checkpoint.enable", "false",
+    vocabulary = meta_vocabulary(extra, args.device)  # Meta's on a GPU, as the other GPU runs
+    run = [*vocabulary, *extra, "--training.steps", str(steps), "--checkpoint.enable", "false",
            "--validation.enable", "false"]
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as dump:
@@ -580,7 +583,8 @@ def main(argv: list):
                              help="where summary.md (a row per step, written as it ends) and each step's log go")
     jobs["gpu"].add_argument("--only", type=lambda v: v.split(","), metavar="STEP,...",
                              help="run only these steps: self-test, 1B, 8B-wide, 8B-wide-float8-rowwise, "
-                                  "8B-wide-float8-tensorwise, 8B-wide-block-causal, 8B-wide-muon, 8B-full-ac")
+                                  "8B-wide-float8-tensorwise, 8B-wide-block-causal, 8B-wide-muon, "
+                                  "8B-full-ac")
     jobs["profile"].add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="where it runs")
     jobs["profile"].add_argument("--warmup", type=int, default=10, help="steps before the profiled ones")
     jobs["profile"].add_argument("--active", type=int, default=3, help="steps profiled")

@@ -39,8 +39,8 @@ class StepAgreement:
         self.device = device
         self.dp_group = dp_group
 
-    # A range of its own in a profile (bench.py profile reports the device's idle time after it); outside a
-    # profiler it costs about a microsecond a step.
+    # A range of its own in a profile (bench.py profile reports the device's idle time around its end); outside
+    # a profiler it costs a few microseconds a step.
     @torch.profiler.record_function("StepAgreement.on_step")
     def on_step(self, loss_shares: list, grad_norm: torch.Tensor, data_error) -> Decision:
         """loss_shares: this rank's (2,) loss shares (cross-entropy, z term) of each micro-batch;

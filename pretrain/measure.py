@@ -117,7 +117,8 @@ def agreement_cost(events: list, kernels: list, active: int) -> str:
              if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
     if not ranges or not steps:
         return f"No `{AGREEMENT}` range in the profiled steps."
-    step, host = sum(steps) / len(steps), sum(stop - start for start, stop in ranges) / active
+    step = sum(steps) / len(steps)
+    host = sum(stop - start for start, stop in ranges) / active
     line = f"The loop's host sync (`{AGREEMENT}`): {host / 1e3:.2f} ms a step on the host ({100 * host / step:.1f}%)"
     if not kernels:
         return line + "."
@@ -135,7 +136,13 @@ def profile_steps(run: Callable, warmup: int, active: int, cuda: bool, trace: st
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     when = schedule(wait=warmup - 1, warmup=1, active=active, repeat=1)
     with torch.profiler.profile(activities=activities, schedule=when) as prof:
-        hook = register_optimizer_step_post_hook(lambda *_: prof.step())
+        first = []  # the optimizer whose steps count: Muon's inner AdamW steps inside MuonAdamW's step
+
+        def step(optimizer, *_):
+            first[:] = first or [optimizer]
+            if optimizer is first[0]:
+                prof.step()
+        hook = register_optimizer_step_post_hook(step)
         try:
             run()
         finally:

@@ -356,7 +356,8 @@ def test_the_profile_counts_the_device_idle_around_the_loops_host_sync():
 @pytest.mark.parametrize("device", DEVICES)
 def test_profile_says_where_the_steps_time_goes(device, tmp_path, monkeypatch, capsys):
     """bench.py profile: train.py in-process, profiled for --active steps; on a GPU its kernels, how busy the
-    device was and the allocator's retries, on the CPU its ops; and the Chrome trace."""
+    device was and the allocator's retries, on the CPU its ops; and the Chrome trace. With Muon, whose inner AdamW
+    steps too: the profiler still steps once a training step."""
     import gzip
     import json
 
@@ -364,20 +365,23 @@ def test_profile_says_where_the_steps_time_goes(device, tmp_path, monkeypatch, c
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", ""))  # restored after
     monkeypatch.chdir(ROOT)
-    b.main(["profile", "--device", device, "--config", "configs/debug_model.toml", *SMALL, "--warmup", "2",
-            "--active", "2", "--top", "5", "--out", str(tmp_path)])
+    b.main(["profile", "--device", device, "--config", "configs/debug_model.toml", *SMALL, "--optimizer.name", "Muon",
+            "--warmup", "2", "--active", "2", "--top", "5", "--out", str(tmp_path)])
     report = (tmp_path / "profile.md").read_text()
     assert report.startswith("# bench.py profile: steps 3-4") and report in capsys.readouterr().out
     sync = r"The loop's host sync \(`StepAgreement.on_step`\): [\d.]+ ms a step on the host \([\d.]+%\)"
-    assert re.search(sync + ("; the device idle around its end [\d.]+ ms" if device == "cuda" else r"\.\n"), report)
+    assert re.search(sync + (r"; the device idle around its end [\d.]+ ms" if device == "cuda" else r"\.\n"), report)
     if device == "cuda":
         busy = float(re.search(r"Device busy ([\d.]+)% of [\d,.]+ ms", report).group(1))
         assert 0 < busy <= 100 and "Allocator: " in report and "| kernel | calls | ms a step |" in report
     else:
         assert re.search(r"aten::mm +[\d.]+%", report), report
     with gzip.open(tmp_path / "trace.json.gz") as f:
-        steps = {e["name"] for e in json.load(f)["traceEvents"] if e["name"].startswith("ProfilerStep#")}
+        events = json.load(f)["traceEvents"]
+    steps = {e["name"] for e in events if e["name"].startswith("ProfilerStep#")}
     assert steps == {"ProfilerStep#2", "ProfilerStep#3"}, steps  # the profiler counts from 0: steps 3 and 4
+    agreements = [e for e in events if e["name"] == "StepAgreement.on_step" and e.get("cat") == "user_annotation"]
+    assert len(agreements) == 2  # one a training step: two steps, not one step's two optimizers
 
 
 def test_gpu_runs_measure_metas_vocabulary(monkeypatch):

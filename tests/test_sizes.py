@@ -15,11 +15,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lines at most, from DESIGN.md's file tables.
 BUDGETS = {
     "train.py": 800, "model.py": 350, "data.py": 550, "checkpoint_convert.py": 490, "download_tokenizer.py": 80,
-    "download_data.py": 200, "preflight.py": 450, "bench.py": 620, "plot.py": 200,
+    "download_data.py": 200, "preflight.py": 450, "bench.py": 625, "plot.py": 200,
     "pretrain/config.py": 260, "pretrain/distributed.py": 200, "pretrain/sources.py": 300,
     "pretrain/data_manifest.py": 260, "pretrain/mirror.py": 150, "pretrain/data_check.py": 200,
     "pretrain/checkpoint.py": 290, "pretrain/checkpoint_folder.py": 265, "pretrain/titan_layout.py": 180,
-    "pretrain/hf_layout.py": 150, "pretrain/metrics.py": 230, "pretrain/memory.py": 240, "pretrain/measure.py": 185,
+    "pretrain/hf_layout.py": 150, "pretrain/metrics.py": 230, "pretrain/memory.py": 240, "pretrain/measure.py": 190,
     "pretrain/float8.py": 150, "pretrain/evals.py": 300, "pretrain/dryrun.py": 300, "pretrain/titan_run.py": 230,
     "pretrain/progress.py": 160, "pretrain/loss.py": 100, "pretrain/spikes.py": 205,
     "pretrain/faults.py": 120, "pretrain/startup.py": 100, "pretrain/optimizers.py": 250, "pretrain/agreement.py": 100, "pretrain/averaging.py": 120,
