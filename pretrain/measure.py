@@ -139,7 +139,8 @@ def profile_steps(run: Callable, warmup: int, active: int, cuda: bool, trace: st
         first = []  # the optimizer whose steps count: Muon's inner AdamW steps inside MuonAdamW's step
 
         def step(optimizer, *_):
-            first[:] = first or [optimizer]
+            if not first:
+                first.append(optimizer)
             if optimizer is first[0]:
                 prof.step()
         hook = register_optimizer_step_post_hook(step)

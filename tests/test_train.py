@@ -152,6 +152,7 @@ def test_compile_per_block(baseline, tmp_path):
         assert a == pytest.approx(b, rel=1e-4)  # fused kernels round differently, not much
 
 
+@pytest.mark.slow
 def test_each_shape_compiles_a_static_graph_of_its_own(monkeypatch):
     """A phase's new sequence length gets a static graph, as a resume past the boundary would compile it; by default
     the second length would make the sequence dimension dynamic, and the third would reuse that graph. (Dynamo's
