@@ -397,7 +397,9 @@ def test_a_killed_loader_worker_is_its_nodes_fault_and_never_hangs_the_rank(tmp_
     toml = open(os.path.join(ROOT, "configs", "debug_model.toml")).read()
     c4 = 'path = "assets/data/c4"\ndata_files = "en/c4-train.*.json.gz"'
     (tmp_path / "c.toml").write_text(toml.replace(c4, f'path = "{tmp_path / "big"}"\ndata_files = "*.jsonl"'))
-    launch = cmd(tmp_path / "d", "--training.steps", 60, "--data.num_workers", 1)
+    # --phases none: the debug config's phase at step 31 (sequences 8 times SMALL's) would make the bound below
+    # measure training rather than the loader's close
+    launch = cmd(tmp_path / "d", "--training.steps", 60, "--data.num_workers", 1, "--phases", "none")
     launch[launch.index("configs/debug_model.toml")] = str(tmp_path / "c.toml")
     proc = subprocess.Popen(launch, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -412,9 +414,9 @@ def test_a_killed_loader_worker_is_its_nodes_fault_and_never_hangs_the_rank(tmp_
             time.sleep(0.2)
         os.kill(worker, signal.SIGKILL)
         killed = time.time()
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=120)  # the hang was for good; 59 steps take 15 s alone, 30 s in CI
     except subprocess.TimeoutExpired:
-        pytest.fail("the rank was still running 60 s after its loader worker was killed")
+        pytest.fail("the rank was still running 120 s after its loader worker was killed")
     finally:
         if proc.poll() is None:
             proc.kill()
