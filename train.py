@@ -381,8 +381,8 @@ def parallelize(model: Transformer, mesh, cfg: Config):
         apply_tp(model, mesh["tp"], styles)
     if ac.mode != "none":
         apply_ac(model, ac.mode, ac.selective_ac_option)
-    if cfg.compile.enable:
-        apply_compile(model)
+    if cfg.compile.enable:  # a graph for each phase's batch, the held-out windows and each eval task's width
+        apply_compile(model, shapes=1 + len(cfg.phases) + 1 + len(cfg.eval.tasks))
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
     param_dtype = dtypes[cfg.training.mixed_precision_param]
     reduce_dtype = dtypes[cfg.training.mixed_precision_reduce]
@@ -460,10 +460,11 @@ def apply_ac(model: Transformer, mode: str, selective_ac_option: str):
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def apply_compile(model: Transformer):
-    """torch.compile each block: the blocks are alike, so one compiled graph serves them all. Static shapes, a
-    graph each: by default a second size (a phase's) turns dynamic, and a resume past it would compile a static
-    graph where the run had a dynamic one, whose reductions a GPU may sum in another order (not bit for bit)."""
+def apply_compile(model: Transformer, shapes: int):
+    """torch.compile each block (alike: one graph serves them all), static shapes: by default a second size (a
+    phase's) turns dynamic, and a resume past it would compile a static graph, whose reductions a GPU may sum in
+    another order. A fullgraph compile raises past dynamo's limit of graphs (8 by default): room for `shapes`."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes)
     for block in model.layers:
         block.compile(fullgraph=True, dynamic=False)  # in place, so parameter names stay Meta's
 
@@ -746,8 +747,7 @@ def main(cfg: Config):
 
         if cfg.validation.enable and (step % cfg.validation.freq == 0 or last):
             with clock.timed("validation") as took:
-                result = evals.validate(model, heldout, cfg.validation.local_batch_size, device,
-                                        dp_group, sizes["tp"])
+                result = evals.validate(model, heldout, cfg.validation.local_batch_size, device, dp_group, sizes["tp"])
             metrics.log({"step": step, **result, "validation_seconds": took.seconds})
         if cfg.eval.enable and (step % cfg.eval.freq == 0 or last):
             with clock.timed("eval") as took:

@@ -153,25 +153,42 @@ def test_compile_per_block(baseline, tmp_path):
 
 
 @pytest.mark.slow
-def test_each_shape_compiles_a_static_graph_of_its_own(monkeypatch):
-    """A phase's new sequence length gets a static graph, as a resume past the boundary would compile it; by default
-    the second length would make the sequence dimension dynamic, and the third would reuse that graph. (Dynamo's
+def test_each_shape_compiles_a_static_graph_of_its_own_and_a_run_has_room_for_all(monkeypatch):
+    """A phase's new sequence length gets a static graph, as a resume past the boundary would compile it (by default
+    the second length would make the sequence dimension dynamic, and the third would reuse that graph). A run with
+    four phases, held-out windows and three eval tasks feeds the blocks 9 shapes, one past dynamo's default limit of
+    8, where a fullgraph compile raised FailOnRecompileLimitHit mid-run; parallelize makes room for them. (Dynamo's
     graphs are counted by an eager backend in inductor's place: apply_compile's settings are kept.)"""
+    import dataclasses
+    import types
     import torch
     from torch._dynamo.testing import CompileCounter
 
     import train
     from model import Transformer
+    from pretrain.evals import EvalTask
     counter, compile_ = CompileCounter(), torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, **kw, backend=counter))
-    cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml"), "--model.n_layers", "1"])
+    limit = torch._dynamo.config.recompile_limit
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", limit)  # put back after the test
+    cfg = train.load_config(["--config", os.path.join(ROOT, "configs", "debug_model.toml"), "--model.n_layers", "1",
+                             "--compile.enable", "--activation_checkpoint.mode", "none"])
+    lengths = (16, 32, 24, 40, 48)  # [training] seq_len, then each phase's
+    cfg.phases = [dataclasses.replace(cfg.phases[0], start_step=10 * i, seq_len=n) for i, n in enumerate(lengths) if i]
+    cfg.eval.tasks = [EvalTask(name) for name in ("hellaswag", "arc_easy", "piqa")]
     model = Transformer(train.flavor_args(cfg))
-    train.apply_compile(model)
+    one_rank = types.SimpleNamespace(size=lambda: 1)
+    mesh = type("Mesh", (), {"device_type": "cpu", "__getitem__": lambda self, key: one_rank})()
+    train.parallelize(model, mesh, cfg)
     torch._dynamo.reset()
+    for seq_len in (*lengths, 32):  # training: a graph per phase's length, the one seen before reused
+        model(torch.zeros(1, seq_len, dtype=torch.long))
+    assert counter.frame_count == 5
+    model.eval()
     with torch.no_grad():
-        for seq_len in (16, 32, 24, 32):
-            model(torch.zeros(1, seq_len, dtype=torch.long))
-    assert counter.frame_count == 3
+        for width in (16, 64, 128, 192):  # the held-out windows, then each task's row width
+            model(torch.zeros(2, width, dtype=torch.long))
+    assert counter.frame_count == 9
 
 
 @pytest.mark.slow
