@@ -751,8 +751,7 @@ def main(cfg: Config):
             metrics.log({"step": step, **result, "validation_seconds": took.seconds})
         if cfg.eval.enable and (step % cfg.eval.freq == 0 or last):
             with clock.timed("eval") as took:
-                result = evals.evaluate(model, tasks, cfg.eval.local_batch_size, device,
-                                        dp_group, sizes["tp"])
+                result = evals.evaluate(model, tasks, cfg.eval.local_batch_size, device, dp_group, sizes["tp"])
             metrics.log({"step": step, **result, "eval_seconds": took.seconds})
 
         if decision.save_done:  # an async save, written on every rank: put it in place

@@ -387,8 +387,8 @@ def started_jobs(cluster, tmp_path_factory):
         if name == "shrink":
             args += SHRINK_ARGS
         ids[name] = cluster.sbatch(name, job_env(cluster, **env), ["--exclusive=user", *sbatch_args], args)
-    # The preflight waits for the jobs that end without a requeue: started beside all nine, its ranks shared a core
-    # with ten others, and one rank's matmul timing could be a tenth of the other's (its FAIL, on 2026-11-29)
+    # The preflight waits for the jobs that end without a requeue: started beside all nine, its ranks shared each core
+    # with many others, and one rank's matmul timing could fall below preflight's FAIL line (docs/slurm.md)
     dumps["preflight"] = str(tmp_path_factory.mktemp("preflight"))
     after = ":".join(ids[name] for name in ("reference", "spare", "crash_loop", "user_error", "fault"))
     ids["preflight"] = cluster.sbatch("preflight", job_env(cluster),
